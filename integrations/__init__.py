@@ -1,0 +1,1 @@
+"""Adapters to host libraries (LMCache, vLLM); each imports its host lazily."""

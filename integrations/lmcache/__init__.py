@@ -1,0 +1,1 @@
+"""LMCache storage-backend plugin (issue: LMCache plugin). Imports lmcache lazily."""

@@ -1,0 +1,1 @@
+"""vLLM KV connector adapter over kvkernels.pipeline (planned). Imports vllm lazily."""

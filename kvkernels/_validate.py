@@ -1,0 +1,53 @@
+"""One validation helper for the whole package.
+
+Every public entry point checks its inputs here *before* any kernel runs, and raises
+``TypeError`` / ``ValueError`` with the message shape ```name`: expected X, got Y``.
+No ``assert`` on user input: it vanishes under ``python -O``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import torch
+
+
+def fail(name: str, expected: str, got: Any, exc: type = ValueError) -> NoReturn:
+    raise exc(f"`{name}`: expected {expected}, got {got}")
+
+
+def check(cond: bool, name: str, expected: str, got: Any, exc: type = ValueError) -> None:
+    if not cond:
+        fail(name, expected, got, exc)
+
+
+def check_tensor(x: Any, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        fail(name, "a torch.Tensor", type(x).__name__, TypeError)
+    return x
+
+
+def describe(t: torch.Tensor) -> str:
+    """Short description of a tensor for error messages."""
+    return f"Tensor(shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device}, stride={tuple(t.stride())})"
+
+
+def check_int(x: Any, name: str, *, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        fail(name, "an int", type(x).__name__, TypeError)
+    if lo is not None and x < lo:
+        fail(name, f"an int >= {lo}", x)
+    if hi is not None and x > hi:
+        fail(name, f"an int <= {hi}", x)
+    return x
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """True when two devices name the same memory (cuda == cuda:current)."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    ia = a.index if a.index is not None else torch.cuda.current_device()
+    ib = b.index if b.index is not None else torch.cuda.current_device()
+    return ia == ib

@@ -1,0 +1,77 @@
+"""Which backends exist here, and which one ``backend="auto"`` picks.
+
+* ``"triton"`` — kernels in ``triton_ops/``; on CUDA tensors, or on CPU tensors when
+  ``TRITON_INTERPRET=1`` was set before anything imported triton (the CI path).
+* ``"cuda"`` — the compiled C++ kernels in ``csrc/`` (not built yet: requesting it raises).
+* ``"torch"`` — :mod:`kvkernels.reference`, any device; the CPU fallback.
+
+``auto`` (or ``KVKERNELS_BACKEND``): CUDA tensors -> triton if importable, else torch; CPU tensors
+-> torch (the interpreter is a correctness tool, far slower than torch on CPU). The choice is
+logged at debug level.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from . import config
+
+log = logging.getLogger("kvkernels")
+
+BACKENDS = ("triton", "cuda", "torch")
+
+
+def triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+
+        from kvkernels import triton_ops  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def triton_available(device: torch.device | None = None) -> bool:
+    """True when the Triton kernels can run on ``device`` (CUDA, or CPU under the interpreter)."""
+    if _triton_import_error() is not None:
+        return False
+    if device is None or device.type == "cuda":
+        return torch.cuda.is_available() or triton_interpret()
+    return device.type == "cpu" and triton_interpret()
+
+
+def cuda_ext_available() -> bool:
+    """The compiled csrc backend is not part of this release (issue: CUDA C++ backend)."""
+    return False
+
+
+def resolve(backend: str, device: torch.device) -> str:
+    """Map ``backend`` (``auto|triton|cuda|torch``) to the one that runs on ``device``."""
+    if not isinstance(backend, str):
+        raise TypeError(f"`backend`: expected a str, got {type(backend).__name__}")
+    b = backend.lower()
+    if b == "auto":
+        b = config.backend()
+        if b == "auto":
+            b = "triton" if device.type == "cuda" and triton_available(device) else "torch"
+            log.debug("kvkernels: backend auto -> %s on %s", b, device)
+            return b
+    if b not in BACKENDS:
+        raise ValueError(f"`backend`: expected one of auto, {', '.join(BACKENDS)}, got {backend!r}")
+    if b == "triton" and not triton_available(device):
+        why = _triton_import_error() or (
+            "CPU tensors need TRITON_INTERPRET=1 set before triton is imported" if device.type == "cpu" else "no CUDA device"
+        )
+        raise RuntimeError(f"`backend`: 'triton' is not available on {device}: {why}")
+    if b == "cuda" and not cuda_ext_available():
+        raise RuntimeError("`backend`: 'cuda' is not available: the csrc extension is not built in this release")
+    return b

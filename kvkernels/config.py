@@ -1,0 +1,63 @@
+"""Every tunable is a ``KVKERNELS_*`` environment variable, read here (documented in docs/config.md).
+
+Values are read when asked for (not cached at import), so tests and servers may set them at any
+time before the call that uses them. A malformed value raises ``ValueError`` naming the variable.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["env_int", "env_str", "env_bool", "backend", "max_ctas", "validate_default", "cache_dir"]
+
+
+def env_str(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def env_int(name: str, default: int, *, lo: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        val = int(raw, 0)
+    except ValueError:
+        raise ValueError(f"`{name}`: expected an integer, got {raw!r}") from None
+    if lo is not None and val < lo:
+        raise ValueError(f"`{name}`: expected an integer >= {lo}, got {val}")
+    return val
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"`{name}`: expected 0/1/true/false, got {raw!r}")
+
+
+def backend() -> str:
+    """``KVKERNELS_BACKEND``: default backend when a call passes ``backend="auto"`` (default auto)."""
+    val = env_str("KVKERNELS_BACKEND", "auto").lower()
+    if val not in ("auto", "triton", "cuda", "torch"):
+        raise ValueError(f"`KVKERNELS_BACKEND`: expected auto|triton|cuda|torch, got {val!r}")
+    return val
+
+
+def max_ctas() -> int:
+    """``KVKERNELS_MAX_CTAS``: default cap on the copy kernels' grid (0 = one program per chunk)."""
+    return env_int("KVKERNELS_MAX_CTAS", 0, lo=0)
+
+
+def validate_default() -> bool:
+    """``KVKERNELS_VALIDATE``: default of ``validate=`` (1). 0 skips the host-side id range check."""
+    return env_bool("KVKERNELS_VALIDATE", True)
+
+
+def cache_dir() -> str:
+    """``KVKERNELS_CACHE_DIR``: where compiled artefacts are cached (default ~/.cache/kvkernels)."""
+    return env_str("KVKERNELS_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "kvkernels"))

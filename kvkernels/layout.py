@@ -1,0 +1,421 @@
+"""Describe any paged KV cache from its tensors and strides, without copying.
+
+A :class:`PagedLayout` holds, for every layer ``l`` and every entry ``c`` (``c = 0`` key,
+``c = 1`` value; MLA caches have a single entry), a strided *view* of the user's memory with the
+canonical index order ``[num_blocks, block_size, num_heads, head_dim]``. Whatever the physical
+order of the source (NHD, HND, block-major cross-layer, K|V packed in the last dim, SGLang token
+pools), only the strides differ. The kernels read base addresses and byte strides off these views;
+the reference reads the views directly. All layers must share one shape, dtype, device and set of
+strides (that is what every server allocates); their base addresses are free.
+
+Dimension letters used by the ``order`` strings of :meth:`PagedLayout.from_tensor`:
+
+===  ==========================================================
+L    layer
+B    block (page) index
+K    key/value pair axis (size 2: 0 = K, 1 = V)
+N    token position inside a block (``block_size``)
+H    KV head
+D    head dim (must be the innermost, stride 1)
+C    K and V packed in the last dim (``2 * head_dim``), same as ``KD``
+===  ==========================================================
+
+See ``docs/layouts.md`` for every preset with its shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+
+from ._validate import check, check_int, check_tensor, describe, fail, same_device
+
+__all__ = ["PagedLayout"]
+
+_LETTERS = "LKBNHD"  # canonical order: layer, K|V, block, token, head, dim
+
+# vLLM's packed (2026 layout refactor) physical orders: L = layer, B = block, N = token in block,
+# H = head, C = 2*head_dim (K then V).
+VLLM_PACKED_ORDERS = ("LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+
+
+def _views_from_order(t: torch.Tensor, order: str, name: str) -> list[list[torch.Tensor]]:
+    """Split one tensor whose dims are named by ``order`` into ``[L][C]`` canonical views."""
+    check(isinstance(order, str), "order", "a string of dim letters", repr(order), TypeError)
+    order = order.upper()
+    if "C" in order:
+        if "K" in order or "D" in order:
+            fail("order", "'C' (packed K|V) without 'K' or 'D'", repr(order))
+        ci = order.index("C")
+        check(t.shape[ci] % 2 == 0, name, f"an even packed dim (2*head_dim) at position {ci}", describe(t))
+        check(t.stride(ci) == 1, name, "the packed K|V dim to be contiguous (stride 1)", describe(t))
+        t = t.unflatten(ci, (2, t.shape[ci] // 2))
+        order = order[:ci] + "KD" + order[ci + 1 :]
+    check(
+        len(set(order)) == len(order) and set(order) <= set(_LETTERS),
+        "order",
+        f"distinct letters from {_LETTERS!r} (or C)",
+        repr(order),
+    )
+    for req in "BND":
+        check(req in order, "order", f"a string containing {req!r}", repr(order))
+    check(t.dim() == len(order), name, f"{len(order)} dims for order {order!r}", describe(t))
+    if "K" in order:
+        check(t.shape[order.index("K")] == 2, name, f"size 2 on the K axis of order {order!r}", describe(t))
+    # permute to canonical [L, K, B, N, H, D], inserting missing axes as size-1 dims
+    for letter in _LETTERS:
+        if letter not in order:
+            t = t.unsqueeze(-1)
+            order = order + letter
+    t = t.permute([order.index(x) for x in _LETTERS])
+    return [[t[layer, c] for c in range(t.shape[1])] for layer in range(t.shape[0])]
+
+
+def _layer_list(kv_caches, name: str) -> list[torch.Tensor]:
+    if isinstance(kv_caches, torch.Tensor):
+        fail(name, "a list or dict of per-layer tensors", "a single Tensor", TypeError)
+    if isinstance(kv_caches, Mapping):
+        items = list(kv_caches.values())
+    elif isinstance(kv_caches, Sequence):
+        items = list(kv_caches)
+    else:
+        fail(name, "a list or dict of per-layer tensors", type(kv_caches).__name__, TypeError)
+    check(len(items) > 0, name, "at least one layer", "an empty collection")
+    for i, t in enumerate(items):
+        check_tensor(t, f"{name}[{i}]")
+    return items
+
+
+def _check_layout(kind: str, layout: str) -> str:
+    check(isinstance(layout, str) and layout.upper() in ("NHD", "HND"), "kv_layout", "'NHD' or 'HND'", repr(layout))
+    return layout.upper()
+
+
+@dataclass(frozen=True, eq=False)
+class PagedLayout:
+    """A paged KV cache described by strided views (no copy).
+
+    Build it with a preset (:meth:`from_vllm`, :meth:`from_flashinfer`, :meth:`from_mla`,
+    :meth:`from_cross_layer`, :meth:`from_vllm_packed`, :meth:`from_sglang`) or the generic
+    :meth:`from_views` / :meth:`from_tensor` / :meth:`from_strides`.
+
+    Attributes
+    ----------
+    views : tuple of tuple of Tensor
+        ``views[l][c]`` is ``[num_blocks, block_size, num_heads, head_dim]`` (a view of the cache
+        memory, any strides, head dim contiguous).
+    kind : str
+        Name of the preset that built it (for messages).
+
+    Examples
+    --------
+    >>> import torch, kvkernels
+    >>> caches = [torch.zeros(2, 64, 16, 8, 128, dtype=torch.bfloat16) for _ in range(4)]
+    >>> layout = kvkernels.PagedLayout.from_vllm(caches)
+    >>> (layout.num_layers, layout.num_kv, layout.num_blocks, layout.chunk_nbytes)
+    (4, 2, 64, 32768)
+    """
+
+    views: tuple[tuple[torch.Tensor, ...], ...]
+    kind: str = "custom"
+    _ptr_tables: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ generic constructors
+    @classmethod
+    def from_views(cls, views, *, kind: str = "custom") -> "PagedLayout":
+        """Generic constructor: ``views[l][c]`` are ``[num_blocks, block_size, H, D]`` tensors.
+
+        Every preset ends here. All views must share shape, dtype, device and strides, and have a
+        contiguous head dim (stride 1). The tensors are kept (not copied): the layout is valid as
+        long as the cache memory is.
+        """
+        if isinstance(views, torch.Tensor) or not isinstance(views, (Sequence, Mapping)):
+            fail("views", "a list of per-layer [K, V] (or [latent]) tensor lists", type(views).__name__, TypeError)
+        items = list(views.values()) if isinstance(views, Mapping) else list(views)
+        check(len(items) > 0, "views", "at least one layer", "an empty collection")
+        out: list[tuple[torch.Tensor, ...]] = []
+        ref = None
+        norm: list[list[torch.Tensor]] = []
+        for li, entry in enumerate(items):
+            if isinstance(entry, torch.Tensor):
+                fail(f"views[{li}]", "a sequence of 1 (MLA) or 2 (K, V) tensors", "a single Tensor", TypeError)
+            entry = list(entry)
+            check(len(entry) in (1, 2), f"views[{li}]", "1 (MLA) or 2 (K, V) tensors", len(entry))
+            norm.append(entry)
+        for li, entry in enumerate(norm):
+            row = []
+            for ci, v in enumerate(entry):
+                nm = f"views[{li}][{ci}]"
+                check_tensor(v, nm)
+                check(v.dim() == 4, nm, "4 dims [num_blocks, block_size, num_heads, head_dim]", describe(v))
+                check(v.numel() > 0, nm, "a non-empty tensor", describe(v))
+                check(v.stride(3) == 1 or v.shape[3] == 1, nm, "a contiguous head dim (stride 1)", describe(v))
+                if ref is None:
+                    ref = v
+                    check(not v.is_complex() and v.dtype != torch.bool, nm, "a real dtype", v.dtype, TypeError)
+                else:
+                    check(v.shape == ref.shape, nm, f"shape {tuple(ref.shape)} like views[0][0]", describe(v))
+                    check(v.dtype == ref.dtype, nm, f"dtype {ref.dtype} like views[0][0]", v.dtype, TypeError)
+                    check(same_device(v.device, ref.device), nm, f"device {ref.device} like views[0][0]", v.device)
+                    check(
+                        v.stride() == ref.stride(),
+                        nm,
+                        f"strides {tuple(ref.stride())} like views[0][0] (layers must agree)",
+                        describe(v),
+                    )
+                row.append(v)
+            if out:
+                check(len(row) == len(out[0]), f"views[{li}]", f"{len(out[0])} entries like views[0]", len(row))
+            out.append(tuple(row))
+        return cls(views=tuple(out), kind=kind)
+
+    @classmethod
+    def from_tensor(cls, kv_cache: torch.Tensor, order: str, *, kind: str = "tensor") -> "PagedLayout":
+        """One tensor whose dims are named by ``order`` (letters ``LBKNHD`` or ``C``; see module doc).
+
+        ``"KBNHD"`` is one vLLM FlashAttention layer, ``"BLKNHD"`` a block-major cross-layer cache.
+        """
+        check_tensor(kv_cache, "kv_cache")
+        return cls.from_views(_views_from_order(kv_cache, order, "kv_cache"), kind=kind)
+
+    @classmethod
+    def from_layers(cls, kv_caches, order: str, *, kind: str = "layers") -> "PagedLayout":
+        """A list (or dict, in layer order) of per-layer tensors, each with dims named by ``order``."""
+        layers = _layer_list(kv_caches, "kv_caches")
+        check("L" not in str(order).upper(), "order", "per-layer dims (no 'L')", repr(order))
+        views = []
+        for i, t in enumerate(layers):
+            views.extend(_views_from_order(t, order, f"kv_caches[{i}]"))
+        return cls.from_views(views, kind=kind)
+
+    @classmethod
+    def from_strides(
+        cls,
+        tensors,
+        *,
+        block_size: int,
+        num_heads: int,
+        head_dim: int,
+        strides: tuple[int, int, int],
+        num_blocks: int | None = None,
+        kv_offset: int | None = None,
+        offset: int = 0,
+        kind: str = "strides",
+    ) -> "PagedLayout":
+        """Generic constructor from per-layer base tensors and element strides.
+
+        Parameters
+        ----------
+        tensors : list of Tensor
+            One tensor per layer; only its storage, storage offset and dtype are used.
+        block_size, num_heads, head_dim : int
+            Shape of one block.
+        strides : (int, int, int)
+            Element strides of (block, token, head); the head dim is contiguous.
+        num_blocks : int, optional
+            Default: as many as fit in the smallest storage.
+        kv_offset : int, optional
+            Element offset of V from K inside a layer; ``None`` = one entry (MLA).
+        offset : int
+            Element offset of K from the tensor's own start.
+
+        Raises ``ValueError`` when a view would reach outside a tensor's storage.
+        """
+        layers = _layer_list(tensors, "tensors")
+        check_int(block_size, "block_size", lo=1)
+        check_int(num_heads, "num_heads", lo=1)
+        check_int(head_dim, "head_dim", lo=1)
+        check(
+            isinstance(strides, (tuple, list)) and len(strides) == 3 and all(isinstance(s, int) and s >= 0 for s in strides),
+            "strides",
+            "3 non-negative ints (block, token, head)",
+            strides,
+        )
+        entries = [offset] if kv_offset is None else [offset, offset + kv_offset]
+        views = []
+        for i, t in enumerate(layers):
+            esz = t.element_size()
+            cap = t.untyped_storage().nbytes() // esz  # elements in the storage
+            base = t.storage_offset()
+            # extent of one block-shaped view, in elements, from its first element
+            inner = (block_size - 1) * strides[1] + (num_heads - 1) * strides[2] + head_dim
+            nb = num_blocks
+            if nb is None:
+                check(strides[0] > 0, "strides", "a positive block stride when num_blocks is None", strides)
+                nb = (cap - base - max(entries) - inner) // strides[0] + 1
+            check_int(nb, "num_blocks", lo=1)
+            row = []
+            for off in entries:
+                last = base + off + (nb - 1) * strides[0] + inner
+                check(
+                    base + off >= 0 and last <= cap,
+                    f"tensors[{i}]",
+                    f"a storage of at least {last} elements for this view",
+                    f"{cap} elements",
+                )
+                row.append(
+                    torch.as_strided(t, (nb, block_size, num_heads, head_dim), (*strides, 1), base + off)
+                )
+            views.append(row)
+        return cls.from_views(views, kind=kind)
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def from_vllm(cls, kv_caches, kv_layout: str = "NHD") -> "PagedLayout":
+        """vLLM FlashAttention: per layer ``[2, num_blocks, block_size, H, D]`` (NHD) or
+        ``[2, num_blocks, H, block_size, D]`` (HND); a list, or a dict in layer order."""
+        kl = _check_layout("vllm", kv_layout)
+        return cls.from_layers(kv_caches, "KB" + ("NHD" if kl == "NHD" else "HND"), kind=f"vllm-{kl}")
+
+    @classmethod
+    def from_flashinfer(cls, kv_caches, kv_layout: str = "NHD") -> "PagedLayout":
+        """vLLM FlashInfer: per layer ``[num_blocks, 2, block_size, H, D]`` (NHD) or
+        ``[num_blocks, 2, H, block_size, D]`` (HND)."""
+        kl = _check_layout("flashinfer", kv_layout)
+        return cls.from_layers(kv_caches, "BK" + ("NHD" if kl == "NHD" else "HND"), kind=f"flashinfer-{kl}")
+
+    @classmethod
+    def from_mla(cls, kv_caches) -> "PagedLayout":
+        """MLA (DeepSeek): per layer ``[num_blocks, block_size, head_dim]`` (e.g. 576 = 512 + 64),
+        one latent entry per token (no K/V split). fp8 caches (656-byte entries) are ``uint8``."""
+        return cls.from_layers(kv_caches, "BND", kind="mla")
+
+    @classmethod
+    def from_cross_layer(cls, kv_cache: torch.Tensor, order: str = "BLKNHD") -> "PagedLayout":
+        """One block-major tensor holding all layers per block: default ``[num_blocks, num_layers,
+        2, block_size, H, D]`` (vLLM ``prefer_cross_layer_blocks``); pass ``order`` for others
+        (``"BLKHND"``, ``"BLND"`` for MLA)."""
+        check_tensor(kv_cache, "kv_cache")
+        check("L" in str(order).upper(), "order", "an order containing 'L'", repr(order))
+        return cls.from_tensor(kv_cache, order, kind="cross-layer")
+
+    @classmethod
+    def from_vllm_packed(cls, kv_caches, order: str | None = None) -> "PagedLayout":
+        """vLLM packed K|V (2026 refactor): logical ``[num_blocks, H, block_size, 2*D]`` per layer.
+
+        ``kv_caches`` is either a list/dict of per-layer tensors in that logical shape (any strides:
+        the physical order lives in them; ``order`` then need not be given), or one tensor in
+        physical order ``order`` (one of ``LBNHC`` (default), ``LBHNC``, ``LHBNC``, ``BLHNC``,
+        ``BLNHC``, ``BHLNC``), its dims in that order.
+        """
+        if isinstance(kv_caches, torch.Tensor):
+            order = "LBNHC" if order is None else str(order).upper()
+            check(order in VLLM_PACKED_ORDERS, "order", f"one of {VLLM_PACKED_ORDERS}", repr(order))
+            return cls.from_tensor(kv_caches, order, kind=f"vllm-packed-{order}")
+        if order is not None:
+            check(str(order).upper() in VLLM_PACKED_ORDERS, "order", f"one of {VLLM_PACKED_ORDERS}", repr(order))
+        return cls.from_layers(kv_caches, "BHNC", kind="vllm-packed")
+
+    @classmethod
+    def from_sglang(cls, k_buffers, v_buffers, page_size: int) -> "PagedLayout":
+        """SGLang token pools: per layer ``k_buffers[l]`` and ``v_buffers[l]`` of ``[size, H, D]``;
+        block ``b`` is tokens ``[b * page_size, (b + 1) * page_size)`` (``num_blocks = size //
+        page_size``)."""
+        ks = _layer_list(k_buffers, "k_buffers")
+        vs = _layer_list(v_buffers, "v_buffers")
+        check(len(ks) == len(vs), "v_buffers", f"{len(ks)} layers like k_buffers", len(vs))
+        check_int(page_size, "page_size", lo=1)
+        views = []
+        for i, (k, v) in enumerate(zip(ks, vs)):
+            row = []
+            for nm, t in ((f"k_buffers[{i}]", k), (f"v_buffers[{i}]", v)):
+                check(t.dim() == 3, nm, "3 dims [size, num_heads, head_dim]", describe(t))
+                check(t.shape[0] >= page_size, nm, f"at least page_size={page_size} tokens", describe(t))
+                nb = t.shape[0] // page_size
+                s0, s1, s2 = t.stride()
+                row.append(t.as_strided((nb, page_size, t.shape[1], t.shape[2]), (page_size * s0, s0, s1, s2)))
+            views.append(row)
+        return cls.from_views(views, kind=f"sglang-page{page_size}")
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_layers(self) -> int:
+        return len(self.views)
+
+    @property
+    def num_kv(self) -> int:
+        """2 for K/V caches, 1 for MLA."""
+        return len(self.views[0])
+
+    @property
+    def _ref(self) -> torch.Tensor:
+        return self.views[0][0]
+
+    @property
+    def num_blocks(self) -> int:
+        return self._ref.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self._ref.shape[1]
+
+    @property
+    def num_heads(self) -> int:
+        return self._ref.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self._ref.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._ref.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._ref.device
+
+    @property
+    def element_size(self) -> int:
+        return self._ref.element_size()
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one (token, head) row: ``head_dim * element_size``."""
+        return self.head_dim * self.element_size
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """Bytes of one block of one layer for one entry (K or V): ``block_size*H*D*e``."""
+        return self.block_size * self.num_heads * self.row_nbytes
+
+    @property
+    def byte_strides(self) -> tuple[int, int, int]:
+        """Byte strides of (block, token, head), shared by all layers."""
+        e = self.element_size
+        s = self._ref.stride()
+        return (s[0] * e, s[1] * e, s[2] * e)
+
+    def is_contiguous_chunk(self) -> bool:
+        """True when one (block, layer, entry) chunk is one contiguous run of bytes (NHD-like)."""
+        _, sn, sh = self.byte_strides
+        h = self.num_heads
+        return (h == 1 or sh == self.row_nbytes) and (self.block_size == 1 or sn == h * self.row_nbytes)
+
+    def base_addresses(self) -> list[list[int]]:
+        """Byte addresses ``[L][C]`` of block 0 of every view."""
+        return [[v.data_ptr() for v in row] for row in self.views]
+
+    def base_addresses_flat(self) -> list[int]:
+        return [a for row in self.base_addresses() for a in row]
+
+    def pointer_table_for(self, layers: tuple[int, ...]) -> torch.Tensor:
+        """``int64 [len(layers), num_kv]`` device table of base addresses of ``layers`` (cached per
+        layer tuple, so steady-state calls do no host-to-device copy)."""
+        key = tuple(layers)
+        tab = self._ptr_tables.get(key)
+        if tab is None:
+            addrs = self.base_addresses()
+            tab = torch.tensor([addrs[l] for l in key], dtype=torch.int64, device=self.device)
+            self._ptr_tables[key] = tab
+        return tab
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedLayout(kind={self.kind!r}, layers={self.num_layers}, kv={self.num_kv}, "
+            f"blocks={self.num_blocks}, block_size={self.block_size}, heads={self.num_heads}, "
+            f"head_dim={self.head_dim}, dtype={self.dtype}, device={self.device}, "
+            f"byte_strides={self.byte_strides})"
+        )

@@ -1,0 +1,248 @@
+"""Public gather / scatter: validation, backend choice, buffer allocation.
+
+Id rules (every backend): ``block_ids`` is a 1-D int32 or int64 tensor (or a sequence of ints) of
+cache block indices in ``[0, num_blocks)``; ``-1`` is *padding* (gather writes a zero block into
+that staging slot, scatter skips it). Gather accepts duplicates; scatter rejects duplicate
+destinations (two slots writing one block would race).
+
+``validate=True`` (default; ``KVKERNELS_VALIDATE``) checks the ids on the host before any kernel
+runs — for ids on a GPU that is one device-to-host sync. ``validate=False`` is for hot paths: no
+sync; the kernels still never touch memory outside the cache (an invalid id is treated as padding)
+and count invalid ids in a per-device counter that :func:`check_errors` reads (and resets) at the
+caller's next convenient sync point. Scatter duplicates are not detected with ``validate=False``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import backends, config
+from ._validate import check, check_int, check_tensor, describe, fail, same_device
+from .layout import PagedLayout
+from .staging import StagingFormat
+
+__all__ = ["gather", "scatter", "check_errors", "as_block_ids"]
+
+_ERR: dict[str, torch.Tensor] = {}
+
+
+def _err_counter(device: torch.device) -> torch.Tensor:
+    key = str(device)
+    t = _ERR.get(key)
+    if t is None:
+        t = torch.zeros(1, dtype=torch.int32, device=device)
+        _ERR[key] = t
+    return t
+
+
+def check_errors(device=None) -> None:
+    """Raise ``ValueError`` if a ``validate=False`` call met invalid block ids since the last check.
+
+    Reads the per-device counter (a host sync on GPU) and resets it. ``device`` defaults to all
+    devices used so far.
+    """
+    keys = [str(torch.device(device))] if device is not None else list(_ERR)
+    for key in keys:
+        t = _ERR.get(key)
+        if t is None:
+            continue
+        count = int(t.item())
+        if count:
+            t.zero_()
+            raise ValueError(
+                f"`block_ids`: {count} id(s) outside [-1, num_blocks) were passed with validate=False "
+                f"on {key}; they were treated as padding (nothing outside the cache was touched)"
+            )
+
+
+def as_block_ids(block_ids, layout: PagedLayout) -> torch.Tensor:
+    """Normalise ``block_ids`` to a 1-D int32/int64 tensor on the cache device (no range check)."""
+    if isinstance(block_ids, torch.Tensor):
+        ids = block_ids
+    elif isinstance(block_ids, Sequence) and not isinstance(block_ids, (str, bytes)):
+        for x in block_ids:
+            if isinstance(x, bool) or not isinstance(x, int):
+                fail("block_ids", "ints", f"an element of type {type(x).__name__}", TypeError)
+        ids = torch.tensor(list(block_ids), dtype=torch.int64)
+    else:
+        fail("block_ids", "a 1-D int tensor or a sequence of ints", type(block_ids).__name__, TypeError)
+    check(ids.dtype in (torch.int32, torch.int64), "block_ids", "dtype int32 or int64", ids.dtype, TypeError)
+    check(ids.dim() == 1, "block_ids", "a 1-D tensor", describe(ids))
+    if not same_device(ids.device, layout.device):
+        if ids.device.type == "cpu":
+            ids = ids.to(layout.device, non_blocking=ids.is_pinned())
+        else:
+            fail("block_ids", f"a tensor on {layout.device} (the cache device) or on the CPU", ids.device)
+    return ids if ids.is_contiguous() else ids.contiguous()
+
+
+def _validate_ids(ids: torch.Tensor, layout: PagedLayout, *, unique: bool) -> None:
+    if ids.numel() == 0:
+        return
+    lo = int(ids.min())
+    hi = int(ids.max())
+    if lo < -1 or hi >= layout.num_blocks:
+        bad = ids[(ids < -1) | (ids >= layout.num_blocks)][:4].tolist()
+        fail("block_ids", f"ids in [0, {layout.num_blocks}) or -1 (padding)", f"{bad} (first invalid)")
+    if unique:
+        real = ids[ids >= 0]
+        if real.numel() != torch.unique(real).numel():
+            vals, counts = torch.unique(real, return_counts=True)
+            fail("block_ids", "distinct destination ids for scatter", f"duplicates {vals[counts > 1][:4].tolist()}")
+
+
+def _check_buffer(buf, name: str, layout: PagedLayout, nbytes: int) -> torch.Tensor:
+    check_tensor(buf, name)
+    check(buf.dtype == torch.uint8, name, "dtype torch.uint8", buf.dtype, TypeError)
+    check(buf.dim() == 1, name, "a 1-D buffer", describe(buf))
+    check(buf.stride(0) == 1 or buf.numel() <= 1, name, "a contiguous buffer", describe(buf))
+    check(buf.numel() >= nbytes, name, f"at least {nbytes} bytes", f"{buf.numel()} bytes")
+    if layout.device.type == "cuda":
+        ok = same_device(buf.device, layout.device) or (buf.device.type == "cpu" and buf.is_pinned())
+        check(ok, name, f"memory on {layout.device} or pinned host memory", f"{buf.device} (pinned={buf.is_pinned()})")
+    else:
+        check(buf.device.type == layout.device.type, name, f"a tensor on {layout.device}", buf.device)
+    return buf
+
+
+def _check_layout(layout) -> PagedLayout:
+    if not isinstance(layout, PagedLayout):
+        fail("layout", "a kvkernels.PagedLayout", type(layout).__name__, TypeError)
+    return layout
+
+
+def _prepare(layout, block_ids, layers, validate, backend, unique):
+    layout = _check_layout(layout)
+    ids = as_block_ids(block_ids, layout)
+    fmt = StagingFormat.for_layout(layout, ids.numel(), layers)
+    if validate is None:
+        validate = config.validate_default()
+    check(isinstance(validate, bool), "validate", "a bool", type(validate).__name__, TypeError)
+    b = backends.resolve(backend, layout.device)
+    if validate:
+        _validate_ids(ids, layout, unique=unique)
+    return layout, ids, fmt, b
+
+
+def _caps(max_ctas) -> int:
+    if max_ctas is None:
+        return config.max_ctas()
+    return check_int(max_ctas, "max_ctas", lo=0)
+
+
+def gather(
+    layout: PagedLayout,
+    block_ids,
+    *,
+    out: torch.Tensor | None = None,
+    layers=None,
+    backend: str = "auto",
+    max_ctas: int | None = None,
+    validate: bool | None = None,
+) -> torch.Tensor:
+    """Pack blocks of a paged KV cache into a layer-contiguous staging buffer, one launch.
+
+    Parameters
+    ----------
+    layout : PagedLayout
+        The cache (read only).
+    block_ids : Tensor or sequence of int
+        ``[n]`` int32/int64, on the cache device (or CPU: copied there). Staging slot ``i`` holds
+        cache block ``block_ids[i]``; ``-1`` = padding (a zero block); duplicates allowed.
+    out : Tensor, optional
+        ``[>= staging_nbytes]`` uint8, contiguous, on the cache device or (CUDA cache) pinned host
+        memory (the kernel then writes through UVA: zero-copy). Written in place; allocated on
+        the cache device when ``None``.
+    layers : None, int or sequence of int
+        Layers to pack (default all); regions come in ascending layer order.
+    backend : {"auto", "triton", "cuda", "torch"}
+    max_ctas : int, optional
+        Cap on the Triton grid (programs), so the copy leaves SMs to attention; 0 = no cap.
+        Default ``KVKERNELS_MAX_CTAS``.
+    validate : bool, optional
+        Host-side id check (see module docs). Default ``KVKERNELS_VALIDATE`` (True).
+
+    Returns
+    -------
+    Tensor
+        ``out`` (its first ``staging_nbytes`` bytes are the staging buffer).
+
+    Examples
+    --------
+    >>> import torch, kvkernels
+    >>> caches = [torch.randn(2, 32, 16, 2, 64).to(torch.bfloat16) for _ in range(3)]
+    >>> layout = kvkernels.PagedLayout.from_vllm(caches)
+    >>> buf = kvkernels.gather(layout, [7, 3, 12])
+    >>> buf.numel() == kvkernels.staging_nbytes(layout, 3)
+    True
+    """
+    layout, ids, fmt, b = _prepare(layout, block_ids, layers, validate, backend, unique=False)
+    cap = _caps(max_ctas)
+    if out is None:
+        out = torch.empty(fmt.nbytes, dtype=torch.uint8, device=layout.device)
+    else:
+        _check_buffer(out, "out", layout, fmt.nbytes)
+    if fmt.nbytes == 0:
+        return out
+    if b == "triton":
+        from kvkernels.triton_ops import gather_triton
+
+        return gather_triton(layout, ids, fmt, out, _err_counter(layout.device), cap)
+    from . import reference
+
+    err = _err_counter(layout.device)
+    err += ((ids < -1) | (ids >= layout.num_blocks)).sum().to(torch.int32)
+    return reference.gather(layout, ids, fmt, out)
+
+
+def scatter(
+    staging: torch.Tensor,
+    layout: PagedLayout,
+    block_ids,
+    *,
+    layers=None,
+    backend: str = "auto",
+    max_ctas: int | None = None,
+    validate: bool | None = None,
+) -> None:
+    """Unpack a staging buffer into (possibly different) blocks of a paged cache, in place.
+
+    Parameters
+    ----------
+    staging : Tensor
+        ``[>= staging_nbytes]`` uint8, as written by :func:`gather` for the same ``layers``, any
+        source layout with the same block shape and dtype; on the cache device or pinned host.
+    layout : PagedLayout
+        The destination cache (written in place).
+    block_ids : Tensor or sequence of int
+        ``[n]`` destination blocks, distinct; ``-1`` skips that slot.
+    layers, backend, max_ctas, validate
+        As in :func:`gather`.
+
+    Examples
+    --------
+    >>> import torch, kvkernels
+    >>> src = kvkernels.PagedLayout.from_vllm([torch.randn(2, 32, 16, 2, 64) for _ in range(2)])
+    >>> dst = kvkernels.PagedLayout.from_flashinfer([torch.zeros(32, 2, 2, 16, 64) for _ in range(2)], "HND")
+    >>> kvkernels.scatter(kvkernels.gather(src, [1, 2]), dst, [30, 5])
+    >>> bool((dst.views[1][1][5] == src.views[1][1][2]).all())
+    True
+    """
+    layout, ids, fmt, b = _prepare(layout, block_ids, layers, validate, backend, unique=True)
+    cap = _caps(max_ctas)
+    _check_buffer(staging, "staging", layout, fmt.nbytes)
+    if fmt.nbytes == 0:
+        return None
+    if b == "triton":
+        from kvkernels.triton_ops import scatter_triton
+
+        scatter_triton(staging, layout, ids, fmt, _err_counter(layout.device), cap)
+        return None
+    from . import reference
+
+    err = _err_counter(layout.device)
+    err += ((ids < -1) | (ids >= layout.num_blocks)).sum().to(torch.int32)
+    reference.scatter(staging, layout, ids, fmt)
+    return None
