@@ -1,0 +1,29 @@
+"""Shared test constants and helpers (importable from tests: pytest's ``pythonpath = tests``).
+
+Importing this module decides the Triton mode: without CUDA, ``TRITON_INTERPRET=1`` is set before
+anything imports triton (this is the one place it is set; conftest imports this module first).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+# Backends that run on DEVICE here; one test body runs for each.
+BACKENDS = ["torch", "triton"]
+
+
+def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact comparison of two tensors of the same shape and dtype (NaN-safe, fp8-safe)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.element_size() == 1:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
