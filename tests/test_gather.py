@@ -1,0 +1,344 @@
+"""gather / scatter: every layout x dtype x backend, bit-exact; edge cases; every error path.
+
+Two oracles: ``expected_staging`` below (slot by slot, written independently of reference.py)
+checks the reference, and every backend is compared bit-exactly with the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvkernels
+from kvkernels import StagingFormat, reference
+from kvkernels.models import LAYOUTS, make_cache
+from kvtest import BACKENDS, DEVICE, bytes_equal
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
+HEAD_DIMS = [64, 80, 96, 128, 256, 576]
+BLOCK_SIZES = [1, 16, 32]
+ALL_LAYOUTS = sorted(LAYOUTS)
+
+L, NB, BS, H, D = 3, 12, 4, 2, 64
+IDS = [7, 3, 3, 11, 0]  # unsorted, with a duplicate
+
+
+def cache(layout, *, dtype=torch.bfloat16, head_dim=D, block_size=BS, heads=H, blocks=NB, layers=L, fill="random", seed=0):
+    return make_cache(
+        layout, num_layers=layers, num_blocks=blocks, block_size=block_size, num_heads=heads,
+        head_dim=head_dim, dtype=dtype, device=DEVICE, fill=fill, seed=seed,
+    )
+
+
+def expected_staging(lay, ids, layers=None) -> torch.Tensor:
+    """Staging bytes built slot by slot from the definition (docs/layouts.md)."""
+    fmt = StagingFormat.for_layout(lay, len(ids), layers)
+    out = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+    for layer in fmt.layers:
+        for c in range(lay.num_kv):
+            base = fmt.entry_offset(layer, c)
+            for i, b in enumerate(ids):
+                if b == -1:
+                    continue
+                chunk = lay.views[layer][c][b].cpu().contiguous().view(-1).view(torch.uint8)
+                out[base + i * fmt.chunk_nbytes : base + (i + 1) * fmt.chunk_nbytes] = chunk
+    return out
+
+
+def all_bytes(lay):
+    return [v.cpu().contiguous().view(-1).view(torch.uint8) for row in lay.views for v in row]
+
+
+# ---------------------------------------------------------------------------------------- gather
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ALL_LAYOUTS)
+def test_gather_every_layout_dtype(layout, dtype, backend):
+    lay = cache(layout, dtype=dtype)
+    out = kvkernels.gather(lay, torch.tensor(IDS, device=DEVICE), backend=backend)
+    assert out.dtype == torch.uint8 and out.numel() == kvkernels.staging_nbytes(lay, len(IDS))
+    assert torch.equal(out.cpu(), expected_staging(lay, IDS))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("layout", ["vllm-nhd", "vllm-hnd", "mla"])
+def test_gather_head_dims_block_sizes(layout, head_dim, block_size, backend):
+    lay = cache(layout, head_dim=head_dim, block_size=block_size, layers=2, blocks=6)
+    ids = [5, 0, 2]
+    out = kvkernels.gather(lay, ids, backend=backend)
+    assert torch.equal(out.cpu(), expected_staging(lay, ids))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_int32_ids_padding_and_layer_subsets(backend):
+    lay = cache("vllm-hnd")
+    ids = torch.tensor([4, -1, 9], dtype=torch.int32, device=DEVICE)
+    for layers in (None, 1, [2, 0], (0, 1, 2)):
+        out = kvkernels.gather(lay, ids, layers=layers, backend=backend)
+        exp = expected_staging(lay, [4, -1, 9], layers)
+        assert torch.equal(out.cpu(), exp), layers
+    fmt = StagingFormat.for_layout(lay, 3)
+    pad = out[fmt.entry_offset(0, 0) + fmt.chunk_nbytes : fmt.entry_offset(0, 0) + 2 * fmt.chunk_nbytes]
+    assert int(pad.count_nonzero()) == 0  # the -1 slot is a zero block
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_into_given_out_zeroes_padding_and_keeps_tail(backend):
+    lay = cache("mla", head_dim=576, block_size=1)  # payload 2*576*... not 4096-aligned: padding exists
+    fmt = StagingFormat.for_layout(lay, 3)
+    assert fmt.payload_nbytes < fmt.region_nbytes
+    out = torch.full((fmt.nbytes + 100,), 0xAB, dtype=torch.uint8, device=DEVICE)
+    ret = kvkernels.gather(lay, [1, 2, 3], out=out, backend=backend)
+    assert ret is out
+    assert torch.equal(out[: fmt.nbytes].cpu(), expected_staging(lay, [1, 2, 3]))
+    assert bool((out[fmt.nbytes :] == 0xAB).all())  # bytes past the staging are untouched
+
+
+@pytest.mark.parametrize("max_ctas", [0, 1, 3, 1000])
+def test_gather_sm_cap_gives_same_bytes(max_ctas):
+    lay = cache("flashinfer-hnd")
+    out = kvkernels.gather(lay, IDS, backend="triton", max_ctas=max_ctas)
+    assert torch.equal(out.cpu(), expected_staging(lay, IDS))
+
+
+def test_gather_strided_view_of_larger_allocation():
+    big = torch.empty(2, NB + 5, BS, H, D + 24, dtype=torch.float16, device=DEVICE)
+    kvkernels.models.random_fill_(big)
+    caches = [big[:, 3 : NB + 3, :, :, 8 : 8 + D]]  # base address not 16-byte aligned
+    lay = kvkernels.PagedLayout.from_vllm(caches)
+    for backend in BACKENDS:
+        out = kvkernels.gather(lay, IDS, backend=backend)
+        assert torch.equal(out.cpu(), expected_staging(lay, IDS)), backend
+
+
+def test_gather_kv0_view_of_vllm_tensor():
+    """A K-only view such as kv[:, 0] described through from_views."""
+    t = cache("vllm-nhd")
+    k_only = kvkernels.PagedLayout.from_views([[row[0]] for row in t.views])
+    for backend in BACKENDS:
+        out = kvkernels.gather(k_only, IDS, backend=backend)
+        assert torch.equal(out.cpu(), expected_staging(k_only, IDS)), backend
+
+
+def test_reference_matches_definition_on_empty_ids():
+    lay = cache("vllm-nhd")
+    assert kvkernels.gather(lay, []).numel() == 0
+
+
+# --------------------------------------------------------------------------------------- scatter
+PAIRS = [
+    ("vllm-nhd", "vllm-nhd"),
+    ("vllm-nhd", "flashinfer-hnd"),
+    ("vllm-hnd", "sglang"),
+    ("flashinfer-nhd", "cross-layer"),
+    ("cross-layer-hnd", "vllm-packed"),
+    ("vllm-packed-blhnc", "vllm-packed-bhlnc"),
+    ("sglang", "vllm-packed-lbnhc"),
+    ("mla", "mla-cross-layer"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("src_name, dst_name", PAIRS)
+def test_round_trip_into_other_ids_and_layout(src_name, dst_name, dtype, backend):
+    src = cache(src_name, dtype=dtype, seed=1)
+    dst = cache(dst_name, dtype=dtype, seed=2)
+    src_ids, dst_ids = [7, 3, 11, 0], [1, 10, 5, 4]
+    staging = kvkernels.gather(src, src_ids, backend=backend)
+    kvkernels.scatter(staging, dst, torch.tensor(dst_ids, device=DEVICE), backend=backend)
+    for l in range(L):
+        for c in range(src.num_kv):
+            got = dst.views[l][c].cpu()
+            for s, d in zip(src_ids, dst_ids):
+                assert bytes_equal(got[d], src.views[l][c][s].cpu())
+    # blocks not named are untouched: compare with a fresh cache of the same seed
+    untouched = [b for b in range(NB) if b not in dst_ids]
+    fresh = cache(dst_name, dtype=dtype, seed=2)
+    for l in range(L):
+        for c in range(dst.num_kv):
+            for b in untouched:
+                assert bytes_equal(dst.views[l][c][b].cpu(), fresh.views[l][c][b].cpu())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scatter_padding_skips_and_layer_subset(backend):
+    src = cache("vllm-nhd", seed=3)
+    dst = cache("vllm-hnd", fill="zero")
+    staging = kvkernels.gather(src, [2, 5, 8], layers=[0, 2], backend=backend)
+    kvkernels.scatter(staging, dst, [6, -1, 1], layers=[2, 0], backend=backend)
+    for l in range(L):
+        for c in range(2):
+            v = dst.views[l][c].cpu()
+            if l == 1:
+                assert int(v.view(torch.int16).count_nonzero()) == 0
+                continue
+            assert bytes_equal(v[6], src.views[l][c][2].cpu())
+            assert bytes_equal(v[1], src.views[l][c][8].cpu())
+            assert int(v[[0, 2, 3, 4, 5, 7, 8, 9, 10, 11]].view(torch.int16).count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scatter_matches_reference_bytes(backend):
+    src = cache("flashinfer-nhd", dtype=torch.float32, seed=4)
+    staging = kvkernels.gather(src, IDS)
+    a = cache("cross-layer", dtype=torch.float32, fill="zero")
+    b = cache("cross-layer", dtype=torch.float32, fill="zero")
+    kvkernels.scatter(staging, a, [0, 1, 2, 3, 4], backend=backend)
+    reference.scatter(staging, b, torch.tensor([0, 1, 2, 3, 4], device=DEVICE), StagingFormat.for_layout(b, 5))
+    assert all(torch.equal(x, y) for x, y in zip(all_bytes(a), all_bytes(b)))
+
+
+# ------------------------------------------------------------------------------- deferred checks
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_validate_false_never_touches_outside_and_reports_later(backend):
+    kvkernels.check_errors()  # clear
+    lay = cache("vllm-nhd")
+    ids = torch.tensor([1, NB + 100, -7, 2], device=DEVICE)
+    out = kvkernels.gather(lay, ids, validate=False, backend=backend)
+    assert torch.equal(out.cpu(), expected_staging(lay, [1, -1, -1, 2]))
+    with pytest.raises(ValueError, match="2 id\\(s\\) outside"):
+        kvkernels.check_errors()
+    kvkernels.check_errors()  # reset after raising
+    dst = cache("vllm-nhd", fill="zero")
+    kvkernels.scatter(out, dst, ids, validate=False, backend=backend)
+    assert bytes_equal(dst.views[0][0][2].cpu(), lay.views[0][0][2].cpu())
+    with pytest.raises(ValueError, match="validate=False"):
+        kvkernels.check_errors(DEVICE)
+
+
+# ----------------------------------------------------------------------------------- error paths
+def _lay():
+    return cache("vllm-nhd")
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda l: kvkernels.gather("nope", [0]), TypeError, "layout"),
+        (lambda l: kvkernels.gather(l, [0.5]), TypeError, "block_ids"),
+        (lambda l: kvkernels.gather(l, "01"), TypeError, "block_ids"),
+        (lambda l: kvkernels.gather(l, torch.tensor([0.0])), TypeError, "block_ids"),
+        (lambda l: kvkernels.gather(l, torch.tensor([[0]])), ValueError, "block_ids"),
+        (lambda l: kvkernels.gather(l, [NB]), ValueError, "block_ids"),
+        (lambda l: kvkernels.gather(l, [-2]), ValueError, "block_ids"),
+        (lambda l: kvkernels.gather(l, [0], layers=[L]), ValueError, "layers"),
+        (lambda l: kvkernels.gather(l, [0], layers=[]), ValueError, "layers"),
+        (lambda l: kvkernels.gather(l, [0], out=torch.empty(10, dtype=torch.uint8, device=DEVICE)), ValueError, "out"),
+        (lambda l: kvkernels.gather(l, [0], out=torch.empty(1 << 16, device=DEVICE)), TypeError, "out"),
+        (lambda l: kvkernels.gather(l, [0], out=torch.empty(2, 1 << 16, dtype=torch.uint8, device=DEVICE)), ValueError, "out"),
+        (lambda l: kvkernels.gather(l, [0], out=torch.empty(1 << 17, dtype=torch.uint8, device=DEVICE)[::2]), ValueError, "out"),
+        (lambda l: kvkernels.gather(l, [0], backend="bogus"), ValueError, "backend"),
+        (lambda l: kvkernels.gather(l, [0], backend="cuda"), RuntimeError, "backend"),
+        (lambda l: kvkernels.gather(l, [0], max_ctas=-1), ValueError, "max_ctas"),
+        (lambda l: kvkernels.gather(l, [0], validate="yes"), TypeError, "validate"),
+        (lambda l: kvkernels.scatter(torch.empty(10, dtype=torch.uint8, device=DEVICE), l, [0]), ValueError, "staging"),
+        (lambda l: kvkernels.scatter(kvkernels.gather(l, [0, 1]), l, [3, 3]), ValueError, "duplicate"),
+        (lambda l: kvkernels.scatter(kvkernels.gather(l, [0, 1]), l, [3, NB]), ValueError, "block_ids"),
+        (lambda l: kvkernels.scatter(kvkernels.gather(l, [0]).view(torch.int8), l, [3]), TypeError, "staging"),
+    ],
+)
+def test_bad_input_raises_before_any_write(call, exc, match):
+    lay = _lay()
+    before = all_bytes(lay)
+    with pytest.raises(exc, match=match):
+        call(lay)
+    assert all(torch.equal(x, y) for x, y in zip(before, all_bytes(lay)))
+
+
+def test_env_backend_and_bad_env(monkeypatch):
+    lay = _lay()
+    monkeypatch.setenv("KVKERNELS_BACKEND", "triton")
+    assert torch.equal(kvkernels.gather(lay, [1]).cpu(), expected_staging(lay, [1]))
+    monkeypatch.setenv("KVKERNELS_BACKEND", "fast")
+    with pytest.raises(ValueError, match="KVKERNELS_BACKEND"):
+        kvkernels.gather(lay, [1])
+    monkeypatch.setenv("KVKERNELS_BACKEND", "auto")
+    monkeypatch.setenv("KVKERNELS_MAX_CTAS", "x")
+    with pytest.raises(ValueError, match="KVKERNELS_MAX_CTAS"):
+        kvkernels.gather(lay, [1])
+
+
+# ------------------------------------------------------------------------------------- fuzzing
+ORDERS = ["KBNHD", "KBHND", "BKNHD", "BKHND", "BHNC", "BNC", "HBNC", "BND", "NBHKD"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    order=st.sampled_from(ORDERS),
+    layers=st.integers(1, 3),
+    blocks=st.integers(1, 6),
+    bs=st.sampled_from([1, 2, 3, 16]),
+    heads=st.integers(1, 3),
+    dim=st.sampled_from([1, 3, 8, 64, 80]),
+    dtype=st.sampled_from(DTYPES),
+    data=st.data(),
+)
+def test_fuzz_orders_and_ids(order, layers, blocks, bs, heads, dim, dtype, data):
+    dims = {"K": 2, "B": blocks, "N": bs, "H": heads, "D": dim, "C": 2 * dim}
+    tensors = []
+    for _ in range(layers):
+        t = torch.empty(tuple(dims[x] for x in order), dtype=dtype)
+        kvkernels.models.random_fill_(t)
+        tensors.append(t.to(DEVICE))
+    lay = kvkernels.PagedLayout.from_layers(tensors, order)
+    ids = data.draw(st.lists(st.integers(-1, blocks - 1), min_size=1, max_size=8))
+    sel = data.draw(st.none() | st.lists(st.integers(0, layers - 1), min_size=1, max_size=layers, unique=True))
+    exp = expected_staging(lay, ids, sel)
+    for backend in BACKENDS:
+        out = kvkernels.gather(lay, ids, layers=sel, backend=backend, max_ctas=data.draw(st.integers(0, 4)))
+        assert torch.equal(out.cpu(), exp), backend
+
+
+# ------------------------------------------------------------------------------------- GPU only
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["vllm-nhd", "vllm-hnd", "mla"])
+def test_zero_copy_into_pinned_host(layout):
+    lay = cache(layout, blocks=64)
+    ids = torch.randint(0, 64, (40,), device=DEVICE)
+    fmt = StagingFormat.for_layout(lay, 40)
+    host = torch.empty(fmt.nbytes, dtype=torch.uint8).pin_memory()
+    kvkernels.gather(lay, ids, out=host, backend="triton", max_ctas=8)
+    torch.cuda.synchronize()
+    assert torch.equal(host, kvkernels.gather(lay, ids, backend="torch").cpu())
+    dst = cache(layout, blocks=64, fill="zero")
+    kvkernels.scatter(host, dst, torch.arange(40, device=DEVICE), backend="triton")
+    torch.cuda.synchronize()
+    assert torch.equal(kvkernels.gather(dst, torch.arange(40, device=DEVICE)).cpu(), host)
+
+
+@pytest.mark.gpu
+def test_hot_path_has_no_host_sync():
+    lay = cache("vllm-nhd", blocks=64)
+    ids = torch.randint(0, 64, (32,), device=DEVICE)
+    dst_ids = torch.arange(32, device=DEVICE)
+    out = torch.empty(kvkernels.staging_nbytes(lay, 32), dtype=torch.uint8, device=DEVICE)
+    for l in range(L):  # warm: JIT and the per-layer pointer tables
+        kvkernels.gather(lay, ids, out=out, layers=l, backend="triton", validate=False)
+        kvkernels.scatter(out, lay, dst_ids, layers=l, backend="triton", validate=False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for l in range(L):
+            kvkernels.gather(lay, ids, out=out, layers=l, backend="triton", validate=False)
+            kvkernels.scatter(out, lay, dst_ids, layers=l, backend="triton", validate=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    kvkernels.check_errors()
+
+
+@pytest.mark.gpu
+def test_large_random_gather_matches_reference():
+    lay = make_cache("vllm-nhd", num_layers=4, num_blocks=2048, block_size=16, num_heads=8, head_dim=128, device=DEVICE)
+    ids = torch.randperm(2048, device=DEVICE)[:1024]
+    a = kvkernels.gather(lay, ids, backend="triton")
+    b = kvkernels.gather(lay, ids, backend="torch")
+    assert torch.equal(a, b)
+    dst = make_cache("flashinfer-hnd", num_layers=4, num_blocks=2048, block_size=16, num_heads=8, head_dim=128, device=DEVICE, fill="zero")
+    dst_ids = torch.randperm(2048, device=DEVICE)[:1024]
+    kvkernels.scatter(a, dst, dst_ids, backend="triton")
+    assert torch.equal(kvkernels.gather(dst, dst_ids, backend="torch"), a)

@@ -1,0 +1,159 @@
+"""PagedLayout presets, the generic constructors and the staging format arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvkernels
+from kvkernels import PagedLayout, StagingFormat
+from kvkernels.models import LAYOUTS, make_cache
+
+L, B, N, H, D = 3, 10, 4, 2, 64
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_presets_describe_shape_without_copy(name):
+    lay = make_cache(name, num_layers=L, num_blocks=B, block_size=N, num_heads=H, head_dim=D)
+    mla = name.startswith("mla")
+    assert lay.num_layers == L
+    assert lay.num_kv == (1 if mla else 2)
+    assert (lay.num_blocks, lay.block_size, lay.num_heads, lay.head_dim) == (B, N, 1 if mla else H, D)
+    assert lay.chunk_nbytes == N * (1 if mla else H) * D * 2
+    for row in lay.views:
+        for v in row:
+            assert v.shape == (B, N, lay.num_heads, D)
+            assert v.stride(3) == 1
+
+
+def test_views_alias_the_cache_memory():
+    caches = [torch.zeros(2, B, N, H, D) for _ in range(L)]
+    lay = PagedLayout.from_vllm(caches)
+    caches[1][1, 7, 2, 1, 5] = 42.0  # V of layer 1, block 7, token 2, head 1, dim 5
+    assert lay.views[1][1][7, 2, 1, 5].item() == 42.0
+    assert lay.views[1][1].data_ptr() == caches[1][1].data_ptr()
+
+
+@pytest.mark.parametrize(
+    "kv_layout, shape, index",
+    [
+        ("NHD", (2, B, N, H, D), lambda t, c, b, n, h: t[c, b, n, h]),
+        ("HND", (2, B, H, N, D), lambda t, c, b, n, h: t[c, b, h, n]),
+    ],
+)
+def test_vllm_element_mapping(kv_layout, shape, index):
+    t = torch.randn(shape)
+    lay = PagedLayout.from_vllm([t], kv_layout)
+    for c, b, n, h in [(0, 3, 1, 0), (1, 9, 3, 1)]:
+        assert torch.equal(lay.views[0][c][b, n, h], index(t, c, b, n, h))
+
+
+def test_flashinfer_and_packed_and_sglang_mapping():
+    t = torch.randn(B, 2, H, N, D)
+    lay = PagedLayout.from_flashinfer([t], "HND")
+    assert torch.equal(lay.views[0][1][4, 2, 1], t[4, 1, 1, 2])
+    p = torch.randn(B, H, N, 2 * D)
+    lay = PagedLayout.from_vllm_packed([p])
+    assert torch.equal(lay.views[0][0][4, 2, 1], p[4, 1, 2, :D])
+    assert torch.equal(lay.views[0][1][4, 2, 1], p[4, 1, 2, D:])
+    k, v = torch.randn(B * N, H, D), torch.randn(B * N, H, D)
+    lay = PagedLayout.from_sglang([k], [v], N)
+    assert torch.equal(lay.views[0][1][3, 2, 1], v[3 * N + 2, 1])
+
+
+def test_packed_single_tensor_orders_agree():
+    """The same logical cache stored in each physical order gives identical views."""
+    logical = torch.randn(L, B, H, N, 2 * D)  # [L, B, H, N, C]
+    ref = PagedLayout.from_vllm_packed([logical[l] for l in range(L)])
+    for order in kvkernels.layout.VLLM_PACKED_ORDERS:
+        phys = logical.permute(["LBHNC".index(x) for x in order]).contiguous()
+        lay = PagedLayout.from_vllm_packed(phys, order=order)
+        for l in range(L):
+            for c in range(2):
+                assert torch.equal(lay.views[l][c], ref.views[l][c]), order
+
+
+def test_cross_layer_matches_per_layer():
+    t = torch.randn(B, L, 2, N, H, D)
+    lay = PagedLayout.from_cross_layer(t)
+    assert torch.equal(lay.views[2][1][5], t[5, 2, 1])
+    assert lay.byte_strides[0] == L * 2 * N * H * D * 4
+
+
+def test_strided_slice_of_larger_allocation():
+    big = torch.randn(2, B + 4, N, H, D + 32)
+    cache = big[:, 2 : B + 2, :, :, 16 : 16 + D]
+    lay = PagedLayout.from_vllm([cache])
+    assert lay.num_blocks == B and not lay.is_contiguous_chunk()
+    assert torch.equal(lay.views[0][0][0], big[0, 2, :, :, 16 : 16 + D])
+
+
+def test_from_strides_generic_and_bounds():
+    t = torch.randn(2 * B * N * H * D)
+    lay = PagedLayout.from_strides(
+        [t], block_size=N, num_heads=H, head_dim=D, strides=(N * H * D, H * D, D), kv_offset=B * N * H * D
+    )
+    assert lay.num_blocks == B
+    assert torch.equal(lay.views[0][1], t[B * N * H * D :].view(B, N, H, D))
+    with pytest.raises(ValueError, match="tensors\\[0\\]"):
+        PagedLayout.from_strides([t], num_blocks=B + 1, block_size=N, num_heads=H, head_dim=D, strides=(N * H * D, H * D, D), kv_offset=B * N * H * D)
+    with pytest.raises(ValueError, match="strides"):
+        PagedLayout.from_strides([t], block_size=N, num_heads=H, head_dim=D, strides=(1, 2))
+
+
+@pytest.mark.parametrize(
+    "make, match, exc",
+    [
+        (lambda: PagedLayout.from_vllm(torch.zeros(2, B, N, H, D)), "kv_caches", TypeError),
+        (lambda: PagedLayout.from_vllm([]), "kv_caches", ValueError),
+        (lambda: PagedLayout.from_vllm([torch.zeros(3, B, N, H, D)]), "K axis", ValueError),
+        (lambda: PagedLayout.from_vllm([torch.zeros(2, B, N, H)]), "dims", ValueError),
+        (lambda: PagedLayout.from_vllm([torch.zeros(2, B, N, H, D)], "XYZ"), "kv_layout", ValueError),
+        (lambda: PagedLayout.from_vllm([torch.zeros(2, B, N, H, D), torch.zeros(2, B, N, H, D + 1)]), "shape", ValueError),
+        (lambda: PagedLayout.from_vllm([torch.zeros(2, B, N, H, D), torch.zeros(2, B, N, H, D, dtype=torch.half)]), "dtype", TypeError),
+        (lambda: PagedLayout.from_vllm([torch.zeros(2, B, N, H, D), torch.zeros(2, B, H, N, D).transpose(2, 3)]), "strides", ValueError),
+        (lambda: PagedLayout.from_vllm([torch.zeros(2, B, N, H, D).transpose(-1, -2)]), "contiguous head dim", ValueError),
+        (lambda: PagedLayout.from_vllm(["not a tensor"]), "kv_caches\\[0\\]", TypeError),
+        (lambda: PagedLayout.from_vllm_packed([torch.zeros(B, H, N, 2 * D + 1)]), "even", ValueError),
+        (lambda: PagedLayout.from_vllm_packed(torch.zeros(L, B, N, H, 2 * D), order="LLNHC"), "order", ValueError),
+        (lambda: PagedLayout.from_sglang([torch.zeros(8, H, D)], [], 4), "v_buffers", ValueError),
+        (lambda: PagedLayout.from_sglang([torch.zeros(8, H, D)], [torch.zeros(8, H, D)], 0), "page_size", ValueError),
+        (lambda: PagedLayout.from_sglang([torch.zeros(2, H, D)], [torch.zeros(2, H, D)], 4), "page_size", ValueError),
+        (lambda: PagedLayout.from_cross_layer(torch.zeros(B, 2, N, H, D), order="BKNHD"), "'L'", ValueError),
+        (lambda: PagedLayout.from_tensor(torch.zeros(B, N, H), "BNH"), "'D'", ValueError),
+        (lambda: PagedLayout.from_views([[torch.zeros(B, N, H, D)] * 3]), "1 \\(MLA\\) or 2", ValueError),
+        (lambda: PagedLayout.from_views([[torch.zeros(B, N, H, D, dtype=torch.complex64)]]), "real dtype", TypeError),
+    ],
+)
+def test_bad_layouts_raise_naming_the_argument(make, match, exc):
+    with pytest.raises(exc, match=match):
+        make()
+
+
+def test_staging_format_worked_example():
+    """The example of docs/layouts.md: llama3-8b shape, 3 blocks, layers (0, 5)."""
+    fmt = StagingFormat(layers=(0, 5), num_blocks=3, block_size=16, num_heads=8, head_dim=128, element_size=2)
+    assert fmt.chunk_nbytes == 32768
+    assert fmt.entry_nbytes == 98304
+    assert fmt.payload_nbytes == 196608
+    assert fmt.region_nbytes == 196608  # already a multiple of 4096
+    assert fmt.entry_offset(5, 1) == 196608 + 98304
+    assert fmt.nbytes == 393216
+    mla = StagingFormat(layers=(0, 1, 2), num_blocks=3, block_size=1, num_heads=1, head_dim=576, element_size=2, num_kv=1)
+    assert mla.payload_nbytes == 3456 and mla.region_nbytes == 4096 and mla.region_offset(2) == 8192
+    with pytest.raises(ValueError, match="layer"):
+        fmt.region_offset(1)
+
+
+def test_staging_nbytes_and_layers_normalisation():
+    lay = make_cache("vllm-nhd", num_layers=L, num_blocks=B, block_size=N, num_heads=H, head_dim=D)
+    assert kvkernels.staging_nbytes(lay, 5) == L * 12288  # payload 2*5*4*2*64*2 = 10240 B, rounded up to 4096s
+    fmt = StagingFormat.for_layout(lay, 5, layers=[2, 0])
+    assert fmt.layers == (0, 2)
+    assert fmt.payload_nbytes == 2 * 5 * N * H * D * 2
+    with pytest.raises(ValueError, match="layers"):
+        StagingFormat.for_layout(lay, 5, layers=[0, 0])
+    with pytest.raises(ValueError, match="layers"):
+        StagingFormat.for_layout(lay, 5, layers=[L])
+    with pytest.raises(TypeError, match="layers"):
+        StagingFormat.for_layout(lay, 5, layers=["0"])
