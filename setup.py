@@ -6,6 +6,7 @@ triton_ops/            -> kvkernels.triton_ops
 io/                    -> kvkernels.io            (never a top-level `io`)
 integrations/lmcache/  -> kvkernels.integrations.lmcache
 integrations/vllm/     -> kvkernels.integrations.vllm
+bench/                 -> kvkernels.bench         (so `kvkernels bench` works from any install)
 
 The CUDA extension in csrc/ is built only when KVKERNELS_BUILD_CUDA=1 and nvcc is present (see
 docs/ and csrc/README.md); otherwise this is a pure-Python install that works with the Triton and
@@ -21,6 +22,7 @@ PACKAGE_DIR = {
     "kvkernels.integrations": "integrations",
     "kvkernels.integrations.lmcache": "integrations/lmcache",
     "kvkernels.integrations.vllm": "integrations/vllm",
+    "kvkernels.bench": "bench",
 }
 
-setup(packages=list(PACKAGE_DIR), package_dir=PACKAGE_DIR)
+setup(packages=list(PACKAGE_DIR), package_dir=PACKAGE_DIR, package_data={"kvkernels.bench": ["*.cpp"]})

@@ -42,3 +42,11 @@ def tile_shape(rows: int, row_words: int) -> tuple[int, int]:
     block_w = triton.next_power_of_2(row_words)
     block_r = max(1, min(triton.next_power_of_2(rows), TILE_WORDS // block_w))
     return block_r, block_w
+
+
+def aligned16(word: int, layout, staging_ptr: int) -> bool:
+    """True when 16-byte vector accesses are legal on both sides: 8-byte words, every base
+    address, byte stride and row 16-aligned (the staging regions are 4096-aligned)."""
+    sb, sn, sh = layout.byte_strides
+    vals = (layout.row_nbytes, sb, sn, sh, staging_ptr, *layout.base_addresses_flat())
+    return word == 8 and all(v % 16 == 0 for v in vals)

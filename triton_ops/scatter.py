@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._paged import NUM_WARPS, _item_coords, tile_shape, word_bytes
+from ._paged import NUM_WARPS, _item_coords, aligned16, tile_shape, word_bytes
 
 
 @triton.jit
@@ -27,8 +27,10 @@ def _scatter_kernel(
     H: tl.constexpr,  # kv heads
     ROWS: tl.constexpr,  # block_size * H
     ROW_WORDS: tl.constexpr,  # head_dim * e / word
+    WORD: tl.constexpr,  # bytes per word (8, 4, 2, 1)
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    ALIGN16: tl.constexpr,  # host checked: every base address, stride and row is 16-byte aligned
 ):
     # grid: (min(num_items, max_ctas),); each program strides over the work items
     r_ar = tl.arange(0, BLOCK_R)
@@ -41,6 +43,8 @@ def _scatter_kernel(
         valid = (bid >= 0) & (bid < num_blocks)
         tl.atomic_add(err_ptr, 1, mask=((bid != -1) & (bid < 0)) | (bid >= num_blocks))
         base = tl.load(ptr_tab + j * C + c).to(stage_ptr.dtype)
+        if ALIGN16:  # the hint must sit on the pointer (checked in PTX: ld.global.v2.b64)
+            base = tl.multiple_of(base, 16)
         cache = base + tl.where(valid, bid, 0) * stride_b
         stage = stage_ptr + j * region_words + c * entry_words + i * (ROWS * ROW_WORDS)
         for r0 in tl.range(0, ROWS, BLOCK_R):
@@ -48,7 +52,10 @@ def _scatter_kernel(
             t = rows // H
             h = rows - t * H
             row_ok = rows < ROWS
-            s_off = (t.to(tl.int64) * stride_n + h.to(tl.int64) * stride_h)[:, None] + w_ar[None, :]
+            s_row = t.to(tl.int64) * stride_n + h.to(tl.int64) * stride_h
+            if ALIGN16:
+                s_row = tl.multiple_of(s_row, 16 // WORD)
+            s_off = s_row[:, None] + w_ar[None, :]
             d_off = (rows.to(tl.int64) * ROW_WORDS)[:, None] + w_ar[None, :]
             m = row_ok[:, None] & col_ok[None, :]
             x = tl.load(stage + d_off, mask=m & valid)
@@ -68,7 +75,8 @@ def scatter_triton(staging: torch.Tensor, layout, block_ids: torch.Tensor, fmt, 
         return
     tab = layout.pointer_table_for(fmt.layers)
     sb, sn, sh = layout.byte_strides
-    wb = word_bytes(layout.row_nbytes, sb, sn, sh, staging.data_ptr(), *layout.base_addresses_flat())
+    base_ptr = staging.data_ptr()
+    wb = word_bytes(layout.row_nbytes, sb, sn, sh, base_ptr, *layout.base_addresses_flat())
     words = staging[: fmt.nbytes].view(_WORD_DTYPE[wb])
     rows = layout.block_size * layout.num_heads
     row_words = layout.row_nbytes // wb
@@ -81,5 +89,5 @@ def scatter_triton(staging: torch.Tensor, layout, block_ids: torch.Tensor, fmt, 
         sb // wb, sn // wb, sh // wb,
         fmt.region_nbytes // wb, fmt.entry_nbytes // wb,
         C=fmt.num_kv, H=layout.num_heads, ROWS=rows, ROW_WORDS=row_words,
-        BLOCK_R=block_r, BLOCK_W=block_w, num_warps=NUM_WARPS,
+        WORD=wb, BLOCK_R=block_r, BLOCK_W=block_w, ALIGN16=aligned16(wb, layout, base_ptr), num_warps=NUM_WARPS,
     )

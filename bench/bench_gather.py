@@ -1,0 +1,214 @@
+"""Benchmark: fused paged gather / scatter vs. the measured peaks and the baselines users pick.
+
+For each registry model (``kvkernels.models.MODELS``) and layout (NHD, HND; MLA for
+deepseek-v3-mla), with a pool of ``--pool`` blocks and ``--blocks`` random distinct block ids, all
+layers, in one run:
+
+* peaks: one-shot device copy (read + write counted) and one-shot pinned D2H / H2D;
+* ``kvk-gather`` / ``kvk-scatter``: kvkernels Triton, device staging (GB/s = read + write bytes);
+* ``torch-index_select``: one ``index_select(out=...)`` per layer and K/V into the same staging;
+* ``memcpy-per-chunk-d2d``: one ``cudaMemcpyAsync`` per (block, layer, K/V) chunk, C++ loop;
+* ``memcpy-per-chunk-d2h``: the same into pinned host (what vLLM's ``swap_blocks`` does);
+* ``kvk-zero-copy-d2h``: the Triton gather writing pinned host through UVA (full grid and 16 CTAs);
+* ``kvk-gather+d2h``: gather into device staging, then one D2H copy.
+
+GB/s for device-to-device methods counts bytes read + written (like the copy peak); host methods
+count payload bytes (like the D2H peak). Outputs: a table, ``gather.csv`` / ``gather.json``
+(GPU, versions, date) and ``gather.png`` under ``--out``.
+
+    python bench/bench_gather.py --out bench_results/h100      # full run on a GPU
+    kvkernels bench gather --quick                             # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+try:  # run as a script (bench/ on sys.path) or as kvkernels.bench.bench_gather
+    from . import common
+except ImportError:  # pragma: no cover
+    import common  # type: ignore
+
+import kvkernels
+from kvkernels import StagingFormat
+from kvkernels.models import MODELS, get_model, make_cache
+
+LAYOUT_OF = {"nhd": "vllm-nhd", "hnd": "vllm-hnd", "mla": "mla"}
+
+_MEMCPY = None
+
+
+def _memcpy_ext():
+    """Compile (once) the per-chunk cudaMemcpyAsync loop; None when it cannot be built."""
+    global _MEMCPY
+    if _MEMCPY is None:
+        try:
+            from torch.utils.cpp_extension import load
+
+            src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_memcpy_loop.cpp")
+            _MEMCPY = load(name="kvk_bench_memcpy", sources=[src], with_cuda=True, verbose=False)
+        except Exception as exc:  # pragma: no cover - GPU machines only
+            print(f"[bench] per-chunk memcpy baseline unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
+            _MEMCPY = False
+    return _MEMCPY or None
+
+
+def _dense_chunk(lay) -> bool:
+    """True when one (block, layer, entry) chunk is one contiguous run of raw bytes."""
+    _, sn, sh = lay.byte_strides
+    span = (lay.block_size - 1) * sn + (lay.num_heads - 1) * sh + lay.row_nbytes
+    return span == lay.chunk_nbytes
+
+
+def _chunk_tables(lay, ids: torch.Tensor, staging_base: int, fmt: StagingFormat):
+    """Source / destination addresses of every chunk (raw block bytes, as swap_blocks copies)."""
+    sb = lay.byte_strides[0]
+    ids_h = ids.cpu().to(torch.int64)
+    src, dst = [], []
+    for l in fmt.layers:
+        for c in range(lay.num_kv):
+            base = lay.views[l][c].data_ptr()
+            src.append(base + ids_h * sb)
+            off = staging_base + fmt.entry_offset(l, c)
+            dst.append(off + torch.arange(len(ids_h), dtype=torch.int64) * fmt.chunk_nbytes)
+    return torch.cat(src), torch.cat(dst)
+
+
+def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: torch.device, peaks: dict,
+               block_size: int = 16, layers: int | None = None, heads: int | None = None, dtype=torch.bfloat16,
+               baselines: bool = True) -> list[dict]:
+    shape = get_model(model)
+    if layers or heads:
+        shape = shape.scaled(num_layers=layers, num_kv_heads=heads)
+    lay = make_cache(
+        LAYOUT_OF[layout_key], num_layers=shape.num_layers, num_blocks=pool, block_size=block_size,
+        num_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=dtype, device=device,
+    )
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randperm(pool, generator=gen)[:blocks].to(device)
+    dst_ids = torch.randperm(pool, generator=gen)[:blocks].to(device)
+    fmt = StagingFormat.for_layout(lay, blocks)
+    payload = fmt.num_regions * fmt.payload_nbytes
+    out = torch.empty(fmt.nbytes, dtype=torch.uint8, device=device)
+    cuda = device.type == "cuda"
+    backend = "triton" if (cuda or kvkernels.backends.triton_interpret()) else "torch"
+    base = {"model": model, "layout": layout_key, "chunk_kb": round(lay.chunk_nbytes / 1024, 2),
+            "blocks": blocks, "layers": lay.num_layers, "payload_mb": round(payload / 1e6, 2)}
+    rows = []
+
+    def add(method, ms, nbytes, peak_key):
+        bw = common.gbps(nbytes, ms)
+        peak = peaks.get(peak_key)
+        rows.append({**base, "method": method, "ms": ms, "gbps": bw,
+                     "pct_peak": (100.0 * bw / peak) if peak else None, "peak": peak_key})
+
+    add(f"kvk-gather[{backend}]",
+        common.time_ms(lambda: kvkernels.gather(lay, ids, out=out, backend=backend, validate=False), device=device),
+        2 * payload, "d2d_gbps")
+    add(f"kvk-scatter[{backend}]",
+        common.time_ms(lambda: kvkernels.scatter(out, lay, dst_ids, backend=backend, validate=False), device=device),
+        2 * payload, "d2d_gbps")
+    if not baselines:
+        return rows
+
+    def index_select_all():
+        for l in fmt.layers:
+            for c in range(lay.num_kv):
+                off = fmt.entry_offset(l, c)
+                dst = out[off: off + fmt.entry_nbytes].view(lay.dtype).view(blocks, lay.block_size, lay.num_heads, lay.head_dim)
+                torch.index_select(lay.views[l][c], 0, ids, out=dst)
+
+    add("torch-index_select", common.time_ms(index_select_all, device=device), 2 * payload, "d2d_gbps")
+    if not cuda:
+        return rows
+    ext = _memcpy_ext() if _dense_chunk(lay) else None
+    stream = torch.cuda.current_stream().cuda_stream
+    host = torch.empty(fmt.nbytes, dtype=torch.uint8).pin_memory()
+    if ext is not None:
+        s_tab, d_tab = _chunk_tables(lay, ids, out.data_ptr(), fmt)
+        add("memcpy-per-chunk-d2d", common.time_ms(lambda: ext.memcpy_chunks(s_tab, d_tab, lay.chunk_nbytes, stream), device=device),
+            2 * payload, "d2d_gbps")
+        s_tab, h_tab = _chunk_tables(lay, ids, host.data_ptr(), fmt)
+        add("memcpy-per-chunk-d2h", common.time_ms(lambda: ext.memcpy_chunks(s_tab, h_tab, lay.chunk_nbytes, stream), device=device),
+            payload, "d2h_gbps")
+    for cap in (0, 16):
+        add(f"kvk-zero-copy-d2h[ctas={cap or 'all'}]",
+            common.time_ms(lambda: kvkernels.gather(lay, ids, out=host, backend="triton", max_ctas=cap, validate=False), device=device),
+            payload, "d2h_gbps")
+
+    def gather_then_d2h():
+        kvkernels.gather(lay, ids, out=out, backend="triton", validate=False)
+        host.copy_(out, non_blocking=True)
+
+    add("kvk-gather+d2h", common.time_ms(gather_then_d2h, device=device), payload, "d2h_gbps")
+    del host
+    return rows
+
+
+def run(*, models=None, layouts=("nhd", "hnd"), pool=4096, blocks=2048, out_dir="bench_results", quick=False,
+        peak_nbytes=1 << 30, tiny=False, plot=True) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not tiny:
+        print("[bench] no GPU: running tiny CPU sizes (numbers prove the script runs, nothing more)")
+        tiny = True
+    if tiny:
+        models = models or ["smollm2-135m"]
+        pool, blocks, peak_nbytes = 32, 8, 1 << 20
+    elif quick:
+        models = models or ["llama3-8b", "deepseek-v3-mla"]
+        blocks = min(blocks, 512)
+    models = models or list(MODELS)
+    meta = common.env_record()
+    peaks = common.measure_peaks(device, peak_nbytes)
+    meta["peaks"] = peaks
+    rows: list[dict] = []
+    for m in models:
+        keys = ["mla"] if get_model(m).mla else [k for k in layouts if k != "mla"]
+        for key in keys:
+            kw = dict(layers=2, heads=1, block_size=4) if tiny else {}
+            rows += bench_case(m, key, pool=pool, blocks=blocks, device=device, peaks=peaks, **kw)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    paths = common.write_results(rows, meta, out_dir, "gather")
+    print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['date']}")
+    pk = f"d2d {peaks['d2d_gbps']:.0f} GB/s"
+    if peaks.get("d2h_gbps"):
+        pk += f", D2H {peaks['d2h_gbps']:.1f} GB/s, H2D {peaks['h2d_gbps']:.1f} GB/s"
+    print(f"# measured peaks: {pk}")
+    print(common.format_table(rows, ["model", "layout", "chunk_kb", "method", "ms", "gbps", "pct_peak"]))
+    if plot:
+        for r in rows:
+            r["case"] = f"{r['model']}/{r['layout']}"
+        png = common.plot_bars(rows, group="case", series="method", value="pct_peak", ylabel="% of measured peak",
+                               title=f"paged gather/scatter, {blocks} blocks - {meta['device']}",
+                               path=os.path.join(out_dir, "gather.png"))
+        if png:
+            paths["png"] = png
+    print("# wrote " + ", ".join(paths.values()))
+    return {"rows": rows, "meta": meta, "paths": paths}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="*", choices=sorted(MODELS), help="default: all registry models")
+    p.add_argument("--layouts", nargs="*", default=["nhd", "hnd"], choices=["nhd", "hnd"])
+    p.add_argument("--pool", type=int, default=4096, help="blocks in the cache pool")
+    p.add_argument("--blocks", type=int, default=2048, help="random distinct blocks gathered")
+    p.add_argument("--out", default="bench_results", help="directory for CSV/JSON/PNG")
+    p.add_argument("--quick", action="store_true", help="two models, 512 blocks (CI smoke)")
+    p.add_argument("--tiny", action="store_true", help="tiny CPU-sized run")
+    p.add_argument("--no-plot", action="store_true")
+    a = p.parse_args(argv)
+    if a.blocks > a.pool:
+        p.error(f"--blocks ({a.blocks}) must be <= --pool ({a.pool})")
+    run(models=a.models, layouts=a.layouts, pool=a.pool, blocks=a.blocks, out_dir=a.out, quick=a.quick,
+        tiny=a.tiny, plot=not a.no_plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Shared benchmark utilities: timing, measured peaks, environment record, table/CSV/JSON/PNG output.
+
+Timing on the GPU: ``triton.testing.do_bench`` (CUDA events, warm-up, median). On the CPU:
+``time.perf_counter`` median of a few repetitions (CPU numbers only prove the script runs).
+Every "% of peak" is against peaks measured in the *same run* (:func:`measure_peaks`).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import importlib.metadata as md
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def env_record() -> dict:
+    """GPU, versions and date, stored with every result file."""
+    cuda = torch.cuda.is_available()
+
+    def ver(d):
+        try:
+            return md.version(d)
+        except md.PackageNotFoundError:
+            return None
+
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": ver("triton"),
+        "kvkernels": ver("kvkernels"),
+        "device": torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)",
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None,
+        "driver": _driver() if cuda else None,
+    }
+
+
+def _driver() -> str | None:
+    try:
+        import subprocess
+
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+        ).stdout.strip() or None
+    except Exception:
+        return None
+
+
+def time_ms(fn: Callable[[], object], *, device: torch.device, reps: int = 20) -> float:
+    """Median milliseconds of ``fn``. GPU: do_bench with events (warm-up included)."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()  # warm-up (JIT, allocations)
+    samples = []
+    for _ in range(max(1, reps)):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9 if ms > 0 else float("nan")
+
+
+def measure_peaks(device: torch.device, nbytes: int = 1 << 30) -> dict:
+    """Measured ceilings: one-shot device copy (read + write bytes counted) and pinned D2H / H2D."""
+    peaks: dict = {"copy_nbytes": nbytes}
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    a.random_(0, 255) if device.type == "cuda" else a.fill_(7)
+    ms = time_ms(lambda: b.copy_(a), device=device, reps=5)
+    peaks["d2d_ms"] = ms
+    peaks["d2d_gbps"] = gbps(2 * nbytes, ms)  # read + write
+    if device.type == "cuda":
+        h = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        ms = time_ms(lambda: h.copy_(a, non_blocking=True), device=device)
+        peaks["d2h_gbps"] = gbps(nbytes, ms)
+        ms = time_ms(lambda: a.copy_(h, non_blocking=True), device=device)
+        peaks["h2d_gbps"] = gbps(nbytes, ms)
+        del h
+    else:
+        peaks["d2h_gbps"] = peaks["h2d_gbps"] = None
+    del a, b
+    return peaks
+
+
+def write_results(rows: list[dict], meta: dict, out_dir: str, stem: str) -> dict:
+    """Write ``stem.csv`` and ``stem.json`` (rows + meta) under ``out_dir``; return the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"csv": os.path.join(out_dir, f"{stem}.csv"), "json": os.path.join(out_dir, f"{stem}.json")}
+    keys: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in keys:
+                keys.append(k)
+    with open(paths["csv"], "w", newline="") as f:
+        f.write("# " + json.dumps(meta, sort_keys=True) + "\n")
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    with open(paths["json"], "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1, sort_keys=True)
+    return paths
+
+
+def format_table(rows: list[dict], cols: list[str]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"
+        return "" if v is None else str(v)
+
+    cells = [[fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(x[i]) for x in cells)) if cells else len(c) for i, c in enumerate(cols)]
+    line = "  ".join(c.rjust(w) for c, w in zip(cols, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in cells]
+    return "\n".join(out)
+
+
+def plot_bars(rows: list[dict], *, group: str, series: str, value: str, title: str, path: str, ylabel: str) -> str | None:
+    """Grouped bar chart (PNG). Returns the path, or None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    groups = list(dict.fromkeys(r[group] for r in rows))
+    names = list(dict.fromkeys(r[series] for r in rows))
+    width = 0.8 / max(1, len(names))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups) * max(1, len(names)) / 2), 4.5))
+    for k, name in enumerate(names):
+        xs, ys = [], []
+        for gi, g in enumerate(groups):
+            v = [r[value] for r in rows if r[group] == g and r[series] == name and r.get(value) is not None]
+            if v:
+                xs.append(gi + k * width)
+                ys.append(v[0])
+        ax.bar(xs, ys, width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+    ax.set_xticklabels(groups, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
