@@ -1,0 +1,60 @@
+"""The command line and the benchmark scripts run (tiny sizes: they must not rot)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvkernels import cli
+from kvtest import HAS_CUDA
+
+
+def test_info_json(capsys):
+    assert cli.main(["info", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["torch"] == torch.__version__
+    assert d["backends"]["torch"] is True
+    assert d["cuda_available"] == HAS_CUDA
+
+
+@pytest.mark.parametrize("model", ["llama3-8b", "deepseek-v3-mla"])
+def test_demo_verifies_bit_exact(model, capsys):
+    res = cli.demo(model, blocks=8, device=None if HAS_CUDA else "cpu", quiet=False)
+    assert res["verified"] is True
+    assert res["staging_bytes"] > 0 and res["blocks"] == 8
+    assert "bit-exact" in capsys.readouterr().out
+
+
+def test_python_dash_m_entry_point():
+    r = subprocess.run([sys.executable, "-m", "kvkernels", "demo", "--blocks", "4", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "verify: bit-exact" in r.stdout
+
+
+def test_bad_cli_arguments_fail_cleanly(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--model", "gpt-9"])
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "nothing"])
+
+
+def test_bench_gather_tiny(tmp_path):
+    from kvkernels.bench import bench_gather
+
+    res = bench_gather.run(out_dir=str(tmp_path), tiny=True, plot=False)
+    methods = {r["method"] for r in res["rows"]}
+    assert any(m.startswith("kvk-gather") for m in methods) and "torch-index_select" in methods
+    assert all(r["gbps"] > 0 for r in res["rows"])
+    data = json.loads((tmp_path / "gather.json").read_text())
+    assert data["meta"]["peaks"]["d2d_gbps"] > 0 and data["meta"]["torch"] == torch.__version__
+    assert (tmp_path / "gather.csv").read_text().startswith("# {")
+
+
+def test_bench_cli_passes_arguments(tmp_path):
+    assert cli.main(["bench", "gather", "--tiny", "--no-plot", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "gather.csv").exists()
