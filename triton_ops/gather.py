@@ -41,6 +41,7 @@ def _gather_kernel(
         j, c, i = _item_coords(w, n, C)
         bid = tl.load(block_ids + i).to(tl.int64)
         valid = (bid >= 0) & (bid < num_blocks)
+        row_lim = tl.where(valid, ROWS, 0)  # invalid id: no row is read (gather) / written (scatter)
         tl.atomic_add(err_ptr, 1, mask=((bid != -1) & (bid < 0)) | (bid >= num_blocks))
         base = tl.load(ptr_tab + j * C + c).to(out_ptr.dtype)
         if ALIGN16:  # the hint must sit on the pointer (checked in PTX: ld.global.v2.b64)
@@ -52,13 +53,15 @@ def _gather_kernel(
             t = rows // H
             h = rows - t * H
             row_ok = rows < ROWS
+            row_v = rows < row_lim
             s_row = t.to(tl.int64) * stride_n + h.to(tl.int64) * stride_h
             if ALIGN16:
                 s_row = tl.multiple_of(s_row, 16 // WORD)
             s_off = s_row[:, None] + w_ar[None, :]
             d_off = (rows.to(tl.int64) * ROW_WORDS)[:, None] + w_ar[None, :]
             m = row_ok[:, None] & col_ok[None, :]
-            x = tl.load(src + s_off, mask=m & valid, other=0)
+            mv = row_v[:, None] & col_ok[None, :]
+            x = tl.load(src + s_off, mask=mv, other=0)
             tl.store(dst + d_off, x, mask=m)
 
 

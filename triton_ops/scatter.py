@@ -41,6 +41,7 @@ def _scatter_kernel(
         j, c, i = _item_coords(w, n, C)
         bid = tl.load(block_ids + i).to(tl.int64)
         valid = (bid >= 0) & (bid < num_blocks)
+        row_lim = tl.where(valid, ROWS, 0)  # invalid id: no row is read (gather) / written (scatter)
         tl.atomic_add(err_ptr, 1, mask=((bid != -1) & (bid < 0)) | (bid >= num_blocks))
         base = tl.load(ptr_tab + j * C + c).to(stage_ptr.dtype)
         if ALIGN16:  # the hint must sit on the pointer (checked in PTX: ld.global.v2.b64)
@@ -52,14 +53,16 @@ def _scatter_kernel(
             t = rows // H
             h = rows - t * H
             row_ok = rows < ROWS
+            row_v = rows < row_lim
             s_row = t.to(tl.int64) * stride_n + h.to(tl.int64) * stride_h
             if ALIGN16:
                 s_row = tl.multiple_of(s_row, 16 // WORD)
             s_off = s_row[:, None] + w_ar[None, :]
             d_off = (rows.to(tl.int64) * ROW_WORDS)[:, None] + w_ar[None, :]
             m = row_ok[:, None] & col_ok[None, :]
-            x = tl.load(stage + d_off, mask=m & valid)
-            tl.store(cache + s_off, x, mask=m & valid)
+            mv = row_v[:, None] & col_ok[None, :]
+            x = tl.load(stage + d_off, mask=mv)
+            tl.store(cache + s_off, x, mask=mv)
 
 
 _WORD_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
