@@ -1,0 +1,535 @@
+"""Layer-wise offload / restore: copy-engine DMA overlapped with attention, no host sync in the step.
+
+Contract (full text in ``docs/pipeline.md``). The API maps one-to-one onto vLLM's KV connector
+worker hooks:
+
+==========================  ====================================================================
+vLLM hook                   :class:`LayerPipeline`
+==========================  ====================================================================
+``start_load_kv``           :meth:`LayerPipeline.start_load` (``{key: dst_block_ids}``)
+``wait_for_layer_load``     :meth:`LayerPipeline.wait_for_layer_load` (a *stream* wait)
+``save_kv_layer``           :meth:`LayerPipeline.save_layer` (``{key: src_block_ids}``)
+``wait_for_save``           :meth:`LayerPipeline.wait_for_save` (a *stream* wait)
+``get_finished``            :meth:`LayerPipeline.get_finished` (polls events; never blocks)
+``get_block_ids_with_load_errors``  :meth:`LayerPipeline.get_block_ids_with_load_errors`
+==========================  ====================================================================
+
+Data path, per layer ``l`` (GPU):
+
+* save: an event on the compute stream marks layer ``l`` final -> the *pack* stream gathers the
+  layer's blocks (capped grid, ``max_ctas``) into a device staging slot (a ring of
+  ``num_slots`` slots of ``slot_bytes``) -> the *D2H* stream copies the slot into the request's
+  region of one pinned host pool -> the slot is released by an event. Layers larger than a slot
+  are chunked, so gathering chunk ``i + 1`` overlaps the DMA of chunk ``i``.
+* restore: the *H2D* stream copies layer ``l`` of the host entry into a slot -> the pack stream
+  scatters it into the destination blocks -> an event per layer; ``wait_for_layer_load(l)``
+  makes the compute stream wait on it and issues layer ``l + prefetch_depth``.
+* SSD: :meth:`prefetch` reads an entry from a :class:`kvkernels.io.KVStore` into the host pool
+  *before* the step (vLLM's async load); a saved entry is written to the store after its DMA
+  completes, by a background thread. Neither blocks the step.
+
+Nothing on the step path calls ``torch.cuda.synchronize()``, ``Stream.synchronize()``,
+``Event.synchronize()`` or ``.item()``: host-visible completion is only ever polled
+(``Event.query()``). On CPU the same code runs synchronously (streams and events are no-ops).
+
+Memory is bounded and allocated once: one pinned host pool of ``host_bytes`` (registered at
+construction) and ``num_slots * slot_bytes`` of device staging per direction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping
+
+import torch
+
+from . import ops
+from ._validate import check, check_int, fail
+from .layout import PagedLayout
+from .staging import REGION_ALIGN, StagingFormat
+
+__all__ = ["PinnedPool", "LayerPipeline", "HostEntry"]
+
+
+# ---------------------------------------------------------------------------- CPU stand-ins
+class _NullEvent:
+    """Event stand-in on CPU: work is synchronous, so everything is always complete."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _NullStream:
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
+def _round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+# ---------------------------------------------------------------------------- pinned host pool
+class PinnedPool:
+    """One pinned host allocation carved into 4 KiB-aligned regions (first fit, coalescing).
+
+    Registered once (``pin_memory``) at construction: no per-transfer pinning or allocation.
+    ``alloc`` returns ``None`` when no region fits (the caller decides: evict or fail).
+    """
+
+    def __init__(self, nbytes: int, *, pin: bool = True):
+        check_int(nbytes, "host_bytes", lo=REGION_ALIGN)
+        self.nbytes = _round_up(nbytes, REGION_ALIGN)
+        buf = torch.empty(self.nbytes + REGION_ALIGN, dtype=torch.uint8, pin_memory=pin)
+        skew = (-buf.data_ptr()) % REGION_ALIGN
+        self.buffer = buf[skew : skew + self.nbytes]
+        self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # sorted (offset, size)
+        self._lock = threading.Lock()
+
+    def alloc(self, nbytes: int) -> int | None:
+        size = _round_up(max(nbytes, 1), REGION_ALIGN)
+        with self._lock:
+            for i, (off, sz) in enumerate(self._free):
+                if sz >= size:
+                    if sz == size:
+                        self._free.pop(i)
+                    else:
+                        self._free[i] = (off + size, sz - size)
+                    return off
+        return None
+
+    def free(self, offset: int, nbytes: int) -> None:
+        size = _round_up(max(nbytes, 1), REGION_ALIGN)
+        with self._lock:
+            self._free.append((offset, size))
+            self._free.sort()
+            merged: list[tuple[int, int]] = []
+            for off, sz in self._free:
+                if merged and merged[-1][0] + merged[-1][1] == off:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + sz)
+                else:
+                    merged.append((off, sz))
+            self._free = merged
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(sz for _, sz in self._free)
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.buffer[offset : offset + nbytes]
+
+
+# ---------------------------------------------------------------------------- entries
+@dataclass(eq=False)
+class HostEntry:
+    """One request's KV in the host pool, in the standard staging format (all layers)."""
+
+    key: Hashable
+    fmt: StagingFormat
+    offset: int
+    buf: torch.Tensor  # uint8 [fmt.nbytes] view of the pool
+    state: str = "saving"  # saving -> saved | loading (SSD) -> ready | failed
+    layers_done: set = field(default_factory=set)
+    done_event: object = None  # D2H of the last layer complete
+    ssd_future: Future | None = None
+    error: str | None = None
+    users: int = 0  # loads in flight reading it
+
+
+class LayerPipeline:
+    """Layer-wise offload/restore of paged KV between a device cache and pinned host (and SSD).
+
+    Parameters
+    ----------
+    layout : PagedLayout
+        The device (or CPU) cache. Written in place by restores.
+    host_bytes : int
+        Size of the pinned host pool (entries live there in the staging format).
+    slot_bytes : int
+        Bytes of one device staging slot; layers bigger than a slot are chunked. Default 64 MiB.
+    num_slots : int
+        Slots per direction (a ring; >= 2 so gather and DMA overlap). Default 3.
+    max_ctas : int
+        Grid cap of the gather/scatter kernels (SMs left to attention). Default 16.
+    prefetch_depth : int
+        Layers restored ahead of ``wait_for_layer_load`` (>= 1). Default 2.
+    store : kvkernels.io.KVStore, optional
+        SSD tier: saved entries are written there; :meth:`prefetch` reads from it.
+    backend : str
+        Kernel backend for gather/scatter (``"auto"``).
+    """
+
+    def __init__(self, layout: PagedLayout, *, host_bytes: int, slot_bytes: int = 64 << 20, num_slots: int = 3,
+                 max_ctas: int = 16, prefetch_depth: int = 2, store=None, backend: str = "auto"):
+        if not isinstance(layout, PagedLayout):
+            fail("layout", "a kvkernels.PagedLayout", type(layout).__name__, TypeError)
+        check_int(num_slots, "num_slots", lo=2)
+        check_int(prefetch_depth, "prefetch_depth", lo=1)
+        check_int(max_ctas, "max_ctas", lo=0)
+        self.layout = layout
+        self.cuda = layout.device.type == "cuda"
+        per_block = layout.num_kv * layout.chunk_nbytes
+        check_int(slot_bytes, "slot_bytes", lo=per_block)
+        # a slot holds one chunk of one layer: [K chunk | V chunk], chunk_blocks blocks each
+        self.chunk_blocks = slot_bytes // per_block
+        self.slot_bytes = _round_up(self.chunk_blocks * per_block, REGION_ALIGN)
+        self.num_slots = num_slots
+        self.max_ctas = max_ctas
+        self.prefetch_depth = prefetch_depth
+        self.backend = backend
+        self.store = store
+        self.pool = PinnedPool(host_bytes, pin=self.cuda)
+        dev = layout.device
+        self._slots = {d: [torch.empty(self.slot_bytes, dtype=torch.uint8, device=dev) for _ in range(num_slots)]
+                       for d in ("save", "load")}
+        self._slot_next = {"save": 0, "load": 0}
+        if self.cuda:
+            self.pack_stream = torch.cuda.Stream(device=dev)
+            self.d2h_stream = torch.cuda.Stream(device=dev)
+            self.h2d_stream = torch.cuda.Stream(device=dev)
+        else:
+            self.pack_stream = self.d2h_stream = self.h2d_stream = _NullStream()
+        self._slot_free = {d: [self._event() for _ in range(num_slots)] for d in ("save", "load")}
+        self.entries: dict[Hashable, HostEntry] = {}
+        self._lock = threading.RLock()
+        self._loads: list[tuple[HostEntry, torch.Tensor]] = []
+        self._load_events: dict[int, object] = {}
+        self._next_load_layer = 0
+        self._save_events: list = []
+        self._saving: dict[Hashable, HostEntry] = {}
+        self._pending_loads: list[tuple[object, list]] = []  # (last layer's event, keys)
+        self._load_errors: list = []  # destination ids (tensors or lists) of loads that failed
+        self._failed_saves: set[Hashable] = set()
+        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvk-pipeline-io")
+        self._closed = False
+
+    # ------------------------------------------------------------------ helpers
+    def _event(self):
+        return torch.cuda.Event() if self.cuda else _NullEvent()
+
+    def _compute_stream(self):
+        return torch.cuda.current_stream(self.layout.device) if self.cuda else _NullStream()
+
+    def _stream(self, s):
+        return torch.cuda.stream(s) if self.cuda else contextlib.nullcontext()
+
+    def _chunks(self, n: int):
+        for a in range(0, n, self.chunk_blocks):
+            yield a, min(n, a + self.chunk_blocks)
+
+    def _take_slot(self, direction: str) -> int:
+        s = self._slot_next[direction]
+        self._slot_next[direction] = (s + 1) % self.num_slots
+        return s
+
+    def _ids(self, block_ids, name: str) -> torch.Tensor:
+        ids = ops.as_block_ids(block_ids, self.layout)
+        check(ids.numel() > 0, name, "at least one block id", "an empty list")
+        if self.cuda:
+            ids.record_stream(self.pack_stream)
+        return ids
+
+    def _ensure_open(self):
+        if self._closed:
+            raise RuntimeError("LayerPipeline is closed")
+
+    # ------------------------------------------------------------------ save (offload)
+    def _entry_for_save(self, key, n: int) -> HostEntry | None:
+        ent = self._saving.get(key)
+        if ent is not None:
+            check(ent.fmt.num_blocks == n, "saves", f"{ent.fmt.num_blocks} blocks for key {key!r} (as at its first layer)", n)
+            return ent
+        fmt = StagingFormat.for_layout(self.layout, n)
+        off = self.pool.alloc(fmt.nbytes)
+        if off is None:
+            self._evict_for(fmt.nbytes)
+            off = self.pool.alloc(fmt.nbytes)
+        if off is None:
+            self._failed_saves.add(key)
+            return None
+        with self._lock:
+            old = self.entries.pop(key, None)
+            if old is not None:
+                self._release(old)
+            ent = HostEntry(key=key, fmt=fmt, offset=off, buf=self.pool.view(off, fmt.nbytes))
+            self.entries[key] = ent
+        self._saving[key] = ent
+        return ent
+
+    def save_layer(self, layer: int, saves: Mapping[Hashable, object]) -> None:
+        """Offload ``layer`` of each request in ``saves`` (``{key: src_block_ids}``).
+
+        Call after the compute stream has produced the layer's KV (vLLM: ``save_kv_layer``).
+        Issues work on side streams and returns; it never waits for the host. The same key must
+        be saved for every layer with the same number of blocks; the entry completes when all
+        layers have been saved (see :meth:`get_finished`).
+        """
+        self._ensure_open()
+        check_int(layer, "layer", lo=0, hi=self.layout.num_layers - 1)
+        if not saves:
+            return
+        ready = self._event()
+        ready.record(self._compute_stream())  # layer's KV is final here
+        self.pack_stream.wait_event(ready)
+        C = self.layout.num_kv
+        for key, block_ids in saves.items():
+            ids = self._ids(block_ids, f"saves[{key!r}]")
+            ent = self._entry_for_save(key, ids.numel())
+            if ent is None:
+                continue
+            f = ent.fmt
+            for a, b in self._chunks(f.num_blocks):
+                s = self._take_slot("save")
+                slot = self._slots["save"][s]
+                cfmt = StagingFormat.for_layout(self.layout, b - a, (layer,))
+                self.pack_stream.wait_event(self._slot_free["save"][s])  # its last DMA is done
+                with self._stream(self.pack_stream):
+                    ops.gather(self.layout, ids[a:b], out=slot, layers=(layer,), backend=self.backend,
+                               max_ctas=self.max_ctas, validate=False)
+                    packed = self._event()
+                    packed.record(self.pack_stream if self.cuda else None)
+                self.d2h_stream.wait_event(packed)
+                with self._stream(self.d2h_stream):
+                    for c in range(C):
+                        dst = f.entry_offset(layer, c) + a * f.chunk_nbytes
+                        src = c * cfmt.entry_nbytes
+                        ent.buf[dst : dst + cfmt.entry_nbytes].copy_(slot[src : src + cfmt.entry_nbytes], non_blocking=True)
+                    self._slot_free["save"][s].record(self.d2h_stream if self.cuda else None)
+            ent.layers_done.add(layer)
+            if len(ent.layers_done) == self.layout.num_layers:
+                ev = self._event()
+                ev.record(self.d2h_stream if self.cuda else None)
+                ent.done_event = ev
+                del self._saving[key]
+                if self.store is not None:
+                    ent.ssd_future = self._io.submit(self._write_to_store, ent)
+        gathered = self._event()
+        gathered.record(self.pack_stream if self.cuda else None)
+        self._save_events.append(gathered)
+
+    def _write_to_store(self, ent: HostEntry):
+        """Background thread: wait for the entry's DMA (off the step path), then put it."""
+        ent.done_event.synchronize()
+        from kvkernels.io import EntryMeta  # the store issue's metadata
+
+        meta = EntryMeta.for_layout(self.layout, ent.fmt.num_blocks)
+        return self.store.put(ent.key, ent.buf, meta).result()
+
+    def wait_for_save(self) -> None:
+        """Make the compute stream wait until every issued gather has *read* the cache (so the
+        blocks may be reused by later kernels); a stream wait, not a host wait (vLLM:
+        ``wait_for_save``). DMA and SSD completion are reported by :meth:`get_finished`."""
+        cs = self._compute_stream()
+        for ev in self._save_events:
+            cs.wait_event(ev)
+        self._save_events.clear()
+
+    # ------------------------------------------------------------------ load (restore)
+    def prefetch(self, key, *, num_blocks: int) -> Future:
+        """Read entry ``key`` (``num_blocks`` blocks) from the SSD store into the host pool, in
+        the background (vLLM: the async part of a load, before the step). The future resolves
+        to the :class:`HostEntry` (state ``ready`` or ``failed``)."""
+        self._ensure_open()
+        if self.store is None:
+            fail("store", "a KVStore to prefetch from", None)
+        fmt = StagingFormat.for_layout(self.layout, num_blocks)
+        with self._lock:
+            ent = self.entries.get(key)
+            if ent is not None and ent.state in ("saved", "ready", "loading", "saving"):
+                fut: Future = Future()
+                fut.set_result(ent)
+                return fut
+            off = self.pool.alloc(fmt.nbytes)
+            if off is None:
+                self._evict_for(fmt.nbytes)
+                off = self.pool.alloc(fmt.nbytes)
+            if off is None:
+                fail("host_bytes", f"room for {fmt.nbytes} more bytes in the host pool", f"{self.pool.free_bytes} free")
+            ent = HostEntry(key=key, fmt=fmt, offset=off, buf=self.pool.view(off, fmt.nbytes), state="loading")
+            self.entries[key] = ent
+
+        def run():
+            try:
+                self.store.get(key, out=ent.buf).result()
+                ent.state = "ready"
+            except Exception as exc:  # a failed read marks the entry, never leaves garbage in use
+                ent.state, ent.error = "failed", f"{type(exc).__name__}: {exc}"
+            return ent
+
+        return self._io.submit(run)
+
+    def start_load(self, loads: Mapping[Hashable, object]) -> None:
+        """Begin restoring ``{key: dst_block_ids}`` layer by layer (vLLM: ``start_load_kv``).
+
+        Each key must be in the host pool (saved earlier, or prefetched from SSD and ready).
+        A key that is missing, failed or still loading does not restore: its destination block
+        ids are reported by :meth:`get_block_ids_with_load_errors` (nothing is written to them).
+        Issues the first ``prefetch_depth`` layers and returns without waiting.
+        """
+        self._ensure_open()
+        while self._loads and self._next_load_layer < self.layout.num_layers:
+            self._issue_load_layer()  # a previous load not waited to the end: finish issuing it
+        self._loads = []
+        self._load_events = {}
+        self._next_load_layer = 0
+        start = self._event()
+        start.record(self._compute_stream())  # earlier users of the destination blocks are done
+        self.h2d_stream.wait_event(start)
+        self.pack_stream.wait_event(start)
+        for key, block_ids in loads.items():
+            ids = self._ids(block_ids, f"loads[{key!r}]")
+            ent = self.entries.get(key)
+            ok = ent is not None and ent.state in ("saved", "ready", "saving") and ent.fmt.num_blocks == ids.numel()
+            if ok and ent.state == "saving":
+                ok = len(ent.layers_done) == self.layout.num_layers
+            if not ok:
+                self._load_errors.append(ids)  # converted off the step path, in the getter
+                continue
+            ent.users += 1
+            if ent.done_event is not None and self.cuda:
+                self.h2d_stream.wait_event(ent.done_event)  # a save of it still in flight
+            self._loads.append((ent, ids))
+        for _ in range(min(self.prefetch_depth, self.layout.num_layers)):
+            self._issue_load_layer()
+
+    def _issue_load_layer(self) -> None:
+        layer = self._next_load_layer
+        if layer >= self.layout.num_layers:
+            return
+        self._next_load_layer += 1
+        C = self.layout.num_kv
+        for ent, ids in self._loads:
+            f = ent.fmt
+            for a, b in self._chunks(f.num_blocks):
+                s = self._take_slot("load")
+                slot = self._slots["load"][s]
+                cfmt = StagingFormat.for_layout(self.layout, b - a, (layer,))
+                self.h2d_stream.wait_event(self._slot_free["load"][s])  # its last scatter is done
+                with self._stream(self.h2d_stream):
+                    for c in range(C):
+                        src = f.entry_offset(layer, c) + a * f.chunk_nbytes
+                        dst = c * cfmt.entry_nbytes
+                        slot[dst : dst + cfmt.entry_nbytes].copy_(ent.buf[src : src + cfmt.entry_nbytes], non_blocking=True)
+                    copied = self._event()
+                    copied.record(self.h2d_stream if self.cuda else None)
+                self.pack_stream.wait_event(copied)
+                with self._stream(self.pack_stream):
+                    ops.scatter(slot, self.layout, ids[a:b], layers=(layer,), backend=self.backend,
+                                max_ctas=self.max_ctas, validate=False)
+                    self._slot_free["load"][s].record(self.pack_stream if self.cuda else None)
+        ev = self._event()
+        ev.record(self.pack_stream if self.cuda else None)
+        self._load_events[layer] = ev
+        if layer == self.layout.num_layers - 1 and self._loads:
+            for ent, _ in self._loads:
+                ent.users -= 1
+            self._pending_loads.append((ev, [ent.key for ent, _ in self._loads]))
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Make the compute stream wait for ``layer``'s restore (a stream wait, not a host wait)
+        and issue layer ``layer + prefetch_depth`` (vLLM: ``wait_for_layer_load``)."""
+        check_int(layer, "layer", lo=0, hi=self.layout.num_layers - 1)
+        while self._next_load_layer <= layer:  # waited out of order: issue up to it
+            self._issue_load_layer()
+        ev = self._load_events.get(layer)
+        if ev is not None:
+            self._compute_stream().wait_event(ev)
+        target = layer + self.prefetch_depth
+        while self._next_load_layer <= min(target, self.layout.num_layers - 1):
+            self._issue_load_layer()
+
+    # ------------------------------------------------------------------ completion
+    def get_finished(self) -> tuple[set, set]:
+        """``(saved_keys, loaded_keys)`` completed since the last call; polls events, never
+        blocks (vLLM: ``get_finished``). A save is finished when its DMA (and SSD write, with a
+        store) is done; keys whose save could not get host memory are reported as saved-failed
+        through :attr:`failed_saves`."""
+        saved = set()
+        with self._lock:
+            for key, ent in list(self.entries.items()):
+                if ent.state != "saving" or ent.done_event is None or not ent.done_event.query():
+                    continue
+                if ent.ssd_future is not None:
+                    if not ent.ssd_future.done():
+                        continue
+                    if ent.ssd_future.exception() is not None:
+                        ent.error = repr(ent.ssd_future.exception())
+                        self._failed_saves.add(key)
+                ent.state = "saved"
+                saved.add(key)
+        loaded = set()
+        still = []
+        for ev, keys in self._pending_loads:
+            if ev.query():
+                loaded.update(keys)
+            else:
+                still.append((ev, keys))
+        self._pending_loads = still
+        return saved, loaded
+
+    @property
+    def failed_saves(self) -> set:
+        return set(self._failed_saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Destination block ids of loads that could not restore (missing / failed entries);
+        nothing was written to them. Cleared by this call. Reads device ids back to the host
+        (call it after the step, as vLLM does)."""
+        out: set[int] = set()
+        for ids in self._load_errors:
+            out.update(int(x) for x in ids.cpu().tolist() if x >= 0)
+        self._load_errors = []
+        return out
+
+    # ------------------------------------------------------------------ host pool management
+    def _release(self, ent: HostEntry) -> None:
+        self.pool.free(ent.offset, ent.fmt.nbytes)
+
+    def _evict_for(self, nbytes: int) -> None:
+        """Free finished entries (oldest first) until ``nbytes`` could fit."""
+        with self._lock:
+            for key in list(self.entries):
+                if self.pool.free_bytes >= nbytes + REGION_ALIGN:
+                    return
+                ent = self.entries[key]
+                if ent.state in ("saved", "ready", "failed") and ent.users == 0:
+                    del self.entries[key]
+                    self._release(ent)
+
+    def evict(self, key) -> bool:
+        """Drop ``key``'s host copy (not its SSD copy). False if absent or in use."""
+        with self._lock:
+            ent = self.entries.get(key)
+            if ent is None or ent.users or ent.state in ("saving", "loading"):
+                return False
+            del self.entries[key]
+            self._release(ent)
+            return True
+
+    def close(self) -> None:
+        """Wait for background SSD work and release the pool (a host wait: not on the step path)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._io.shutdown(wait=True)
+        if self.cuda:
+            for s in (self.pack_stream, self.d2h_stream, self.h2d_stream):
+                s.synchronize()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

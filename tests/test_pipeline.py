@@ -1,0 +1,219 @@
+"""LayerPipeline: save layer by layer, restore into other blocks, bit-exact; failures; no host sync.
+
+On CPU the pipeline runs synchronously (same code, no streams); on the GPU the same tests run
+with real streams, and the gpu-marked ones check the no-host-sync contract.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+import kvkernels
+from kvkernels.models import make_cache
+from kvkernels.pipeline import LayerPipeline, PinnedPool
+from kvtest import DEVICE, bytes_equal
+
+L, NB, BS, H, D = 4, 32, 4, 2, 64
+
+
+def cache(name="vllm-nhd", fill="random", seed=0):
+    return make_cache(name, num_layers=L, num_blocks=NB, block_size=BS, num_heads=H, head_dim=D, device=DEVICE,
+                      fill=fill, seed=seed)
+
+
+def ids(xs):
+    return torch.tensor(xs, device=DEVICE)
+
+
+def snapshot(lay, blocks):
+    return [[lay.views[l][c][blocks].cpu().clone() for c in range(lay.num_kv)] for l in range(L)]
+
+
+def run_step_saves(pipe, saves):
+    for layer in range(L):
+        pipe.save_layer(layer, saves)
+    pipe.wait_for_save()
+
+
+def run_step_loads(pipe, loads):
+    pipe.start_load(loads)
+    for layer in range(L):
+        pipe.wait_for_layer_load(layer)
+
+
+def drain(pipe, timeout=30.0):
+    saved, loaded = set(), set()
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        s, l = pipe.get_finished()
+        saved |= s
+        loaded |= l
+        if DEVICE.type == "cpu" or (s == set() and l == set() and pipe._pending_loads == []):
+            break
+        time.sleep(0.01)
+    return saved, loaded
+
+
+@pytest.mark.parametrize("layout", ["vllm-nhd", "flashinfer-hnd", "mla", "sglang", "cross-layer"])
+@pytest.mark.parametrize("slot_blocks", [2, 64])  # 2: layers are chunked (5 blocks -> 3 chunks)
+def test_offload_then_restore_into_other_blocks(layout, slot_blocks):
+    lay = cache(layout)
+    per_block = lay.num_kv * lay.chunk_nbytes
+    a_src, b_src = [3, 9, 1, 30, 17], [4, 5]
+    expect_a, expect_b = snapshot(lay, a_src), snapshot(lay, b_src)
+    with LayerPipeline(lay, host_bytes=1 << 20, slot_bytes=slot_blocks * per_block, max_ctas=4) as pipe:
+        run_step_saves(pipe, {"a": ids(a_src), "b": ids(b_src)})  # interleaved requests
+        saved, _ = drain(pipe)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+            saved |= pipe.get_finished()[0]
+        assert saved == {"a", "b"}
+        # restore into different blocks (they hold other random bytes now)
+        a_dst, b_dst = [20, 21, 22, 0, 2], [31, 8]
+        run_step_loads(pipe, {"a": ids(a_dst), "b": ids(b_dst)})
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        _, loaded = drain(pipe)
+        assert loaded == {"a", "b"}
+        assert pipe.get_block_ids_with_load_errors() == set()
+    for exp, dst in ((expect_a, a_dst), (expect_b, b_dst)):
+        got = snapshot(lay, dst)
+        for l in range(L):
+            for c in range(lay.num_kv):
+                assert bytes_equal(got[l][c], exp[l][c]), (layout, l, c)
+
+
+def test_missing_key_reports_load_errors_and_writes_nothing():
+    lay = cache()
+    before = snapshot(lay, [6, 7])
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        run_step_saves(pipe, {"x": ids([1, 2])})
+        drain(pipe)
+        run_step_loads(pipe, {"nope": ids([6, 7]), "x": ids([10, 11])})
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert pipe.get_block_ids_with_load_errors() == {6, 7}
+        assert pipe.get_block_ids_with_load_errors() == set()  # cleared
+        assert drain(pipe)[1] == {"x"}
+    after = snapshot(lay, [6, 7])
+    assert all(bytes_equal(a, b) for ra, rb in zip(before, after) for a, b in zip(ra, rb))
+
+
+def test_host_pool_exhaustion_fails_save_then_eviction_frees_room():
+    lay = cache()
+    one = kvkernels.staging_nbytes(lay, 4)
+    with LayerPipeline(lay, host_bytes=one, slot_bytes=1 << 16) as pipe:
+        run_step_saves(pipe, {"a": ids([0, 1, 2, 3])})
+        assert drain(pipe)[0] == {"a"}
+        assert pipe.pool.free_bytes == 0
+        pipe.evict("a")
+        assert pipe.pool.free_bytes == one
+        run_step_saves(pipe, {"b": ids([4, 5, 6, 7])})
+        assert drain(pipe)[0] == {"b"}
+        # entry "b" is finished, so it is evicted automatically for "c"
+        run_step_saves(pipe, {"c": ids([8, 9, 10, 11])})
+        assert drain(pipe)[0] == {"c"} and "b" not in pipe.entries
+        # too big to ever fit: the save is reported as failed, nothing else breaks
+        run_step_saves(pipe, {"big": ids(list(range(12, 20)))})
+        assert "big" in pipe.failed_saves and "big" not in pipe.entries
+
+
+def test_save_with_inconsistent_block_count_raises():
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        pipe.save_layer(0, {"a": ids([1, 2])})
+        with pytest.raises(ValueError, match="saves"):
+            pipe.save_layer(1, {"a": ids([1, 2, 3])})
+
+
+class _FailingStore:
+    """A store whose reads fail: the pipeline must mark the entry failed, never restore garbage."""
+
+    def get(self, key, out=None, layers=None):
+        f: Future = Future()
+        f.set_exception(OSError("simulated read error"))
+        return f
+
+
+def test_failed_ssd_read_marks_blocks_failed():
+    lay = cache()
+    before = snapshot(lay, [3, 4])
+    with LayerPipeline(lay, host_bytes=1 << 20, store=_FailingStore()) as pipe:
+        ent = pipe.prefetch("k", num_blocks=2).result(timeout=10)
+        assert ent.state == "failed" and "simulated" in ent.error
+        run_step_loads(pipe, {"k": ids([3, 4])})
+        assert pipe.get_block_ids_with_load_errors() == {3, 4}
+    after = snapshot(lay, [3, 4])
+    assert all(bytes_equal(a, b) for ra, rb in zip(before, after) for a, b in zip(ra, rb))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(host_bytes=10), "host_bytes"),
+        (dict(host_bytes=1 << 20, num_slots=1), "num_slots"),
+        (dict(host_bytes=1 << 20, prefetch_depth=0), "prefetch_depth"),
+        (dict(host_bytes=1 << 20, slot_bytes=16), "slot_bytes"),
+        (dict(host_bytes=1 << 20, max_ctas=-1), "max_ctas"),
+    ],
+)
+def test_bad_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LayerPipeline(cache(), **kwargs)
+
+
+def test_bad_calls():
+    with LayerPipeline(cache(), host_bytes=1 << 20) as pipe:
+        with pytest.raises(ValueError, match="layer"):
+            pipe.save_layer(L, {"a": ids([1])})
+        with pytest.raises(ValueError, match="block id"):
+            pipe.save_layer(0, {"a": torch.tensor([], dtype=torch.int64, device=DEVICE)})
+        with pytest.raises(ValueError, match="layer"):
+            pipe.wait_for_layer_load(-1)
+        with pytest.raises(ValueError, match="store"):
+            pipe.prefetch("k", num_blocks=1)
+    with pytest.raises(TypeError, match="layout"):
+        LayerPipeline("cache", host_bytes=1 << 20)
+
+
+def test_pinned_pool_first_fit_and_coalescing():
+    pool = PinnedPool(4 * 4096, pin=False)
+    a, b, c = pool.alloc(4096), pool.alloc(5000), pool.alloc(4096)
+    assert (a, b, c) == (0, 4096, 3 * 4096)
+    assert pool.alloc(1) is None
+    pool.free(b, 5000)
+    pool.free(a, 4096)
+    assert pool.alloc(3 * 4096) == 0  # a and b coalesced
+    assert pool.buffer.data_ptr() % 4096 == 0
+
+
+# ----------------------------------------------------------------------------------- GPU only
+@pytest.mark.gpu
+def test_step_path_has_no_host_sync_and_issue_cost():
+    lay = make_cache("vllm-nhd", num_layers=8, num_blocks=1024, block_size=16, num_heads=8, head_dim=128, device=DEVICE)
+    src, dst = torch.randperm(1024, device=DEVICE)[:256], torch.randperm(1024, device=DEVICE)[:256]
+    with LayerPipeline(lay, host_bytes=1 << 30, slot_bytes=8 << 20) as pipe:
+        run_step_saves(pipe, {"w": src})  # warm-up: JIT, pointer tables
+        torch.cuda.synchronize()
+        drain(pipe)
+        run_step_loads(pipe, {"w": dst})
+        torch.cuda.synchronize()
+        drain(pipe)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            t0 = time.perf_counter()
+            run_step_saves(pipe, {"r": src})
+            t_save = (time.perf_counter() - t0) / 8
+            t0 = time.perf_counter()
+            run_step_loads(pipe, {"w": dst})
+            t_load = (time.perf_counter() - t0) / 8
+            pipe.get_finished()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        print(f"host issue cost per layer: save {t_save * 1e6:.1f} us, restore {t_load * 1e6:.1f} us")
+        assert t_save < 1e-3 and t_load < 1e-3  # target 50 us is tracked in the benchmark
