@@ -252,6 +252,13 @@ class LayerPipeline:
             check(ent.fmt.num_blocks == n, "saves", f"{ent.fmt.num_blocks} blocks for key {key!r} (as at its first layer)", n)
             return ent
         fmt = StagingFormat.for_layout(self.layout, n)
+        with self._lock:  # re-saving a key: its old host copy goes first if nothing reads it
+            old = self.entries.get(key)
+            if old is not None and old.users == 0 and old.state != "loading" and (
+                old.ssd_future is None or old.ssd_future.done()
+            ):
+                del self.entries[key]
+                self._release(old)  # a D2H still writing it is ordered before ours (same stream)
         off = self.pool.alloc(fmt.nbytes)
         if off is None:
             self._evict_for(fmt.nbytes)

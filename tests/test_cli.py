@@ -58,3 +58,13 @@ def test_bench_gather_tiny(tmp_path):
 def test_bench_cli_passes_arguments(tmp_path):
     assert cli.main(["bench", "gather", "--tiny", "--no-plot", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "gather.csv").exists()
+
+
+def test_bench_pipeline_tiny(tmp_path):
+    from kvkernels.bench import bench_pipeline
+
+    res = bench_pipeline.run(out_dir=str(tmp_path), tiny=True, plot=False)
+    by = {(r["direction"], r["method"]) for r in res["rows"]}
+    assert {("-", "compute-alone"), ("offload", "kvk-pipeline"), ("restore", "kvk-pipeline")} <= by
+    assert all(r["wall_ms"] > 0 for r in res["rows"])
+    assert (tmp_path / "pipeline.json").exists()

@@ -1,0 +1,252 @@
+"""Benchmark: layer-wise offload / restore beside a prefill compute proxy.
+
+Compute proxy per layer (Llama-3-8B or Qwen3-32B dims): causal
+``scaled_dot_product_attention`` over the prompt (flash kernel, GQA expanded) + the MLP matmuls.
+For each prompt length and block size, in one run:
+
+* ``compute``: the proxy alone (compute-stream events);
+* ``transfer``: the transfer alone (no compute);
+* ``kvk-pipeline``: compute + :class:`kvkernels.pipeline.LayerPipeline` (capped-SM gather ->
+  copy-engine D2H, layer by layer; restore: H2D -> scatter, ``wait_for_layer_load`` per layer);
+* ``sm-zero-copy[ctas]``: compute + an SM gather writing pinned host directly on a side stream
+  (LMCache / SGLang style), full grid and 2 CTAs;
+* ``memcpy-per-chunk``: compute + one ``cudaMemcpyAsync`` per chunk on a side stream (vLLM
+  ``swap_blocks`` style; C++ loop from bench_gather).
+
+Reported: compute time and slowdown (%), transfer throughput (GB/s, % of the measured one-shot
+D2H / H2D), and wall over max(compute alone, transfer alone). Targets (issue 4): >= 95 % of the
+one-shot copy, slowdown <= 5 %, wall <= 1.05x.
+
+(cudaMemcpyBatchAsync is not exposed by torch; it is left out until a binding is chosen — see
+docs/PERF_NOTES.md.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+try:
+    from . import common
+    from .bench_gather import _chunk_tables, _dense_chunk, _memcpy_ext
+except ImportError:  # pragma: no cover
+    import common  # type: ignore
+    from bench_gather import _chunk_tables, _dense_chunk, _memcpy_ext  # type: ignore
+
+import kvkernels
+from kvkernels import StagingFormat
+from kvkernels.models import get_model, make_cache
+from kvkernels.pipeline import LayerPipeline
+
+# (query heads, hidden, ffn) of the proxies; kv heads / head_dim / layers come from the registry
+PROXY = {"llama3-8b": (32, 4096, 14336), "qwen3-32b": (64, 5120, 25600), "smollm2-135m": (9, 576, 1536)}
+
+
+class ComputeProxy:
+    """Per-layer prefill work: causal SDPA + MLP, on the current stream."""
+
+    def __init__(self, model: str, seq: int, device, layers: int | None = None):
+        shape = get_model(model)
+        qh, hidden, ffn = PROXY[model]
+        self.layers = layers or shape.num_layers
+        dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+        g = torch.Generator(device=device).manual_seed(0)
+        r = lambda *s: torch.randn(*s, device=device, dtype=dt, generator=g) * 0.05  # noqa: E731
+        self.q = r(1, qh, seq, shape.head_dim)
+        self.k = r(1, qh, seq, shape.head_dim)
+        self.v = r(1, qh, seq, shape.head_dim)
+        self.x = r(seq, hidden)
+        self.w1, self.w2 = r(hidden, ffn), r(ffn, hidden)
+
+    def layer(self, l: int):
+        o = torch.nn.functional.scaled_dot_product_attention(self.q, self.k, self.v, is_causal=True)
+        h = torch.nn.functional.silu(self.x @ self.w1) @ self.w2
+        return o, h
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(dev, fn):
+    """(wall_ms, compute_ms): wall until every stream is done; compute = compute-stream events."""
+    _sync(dev)
+    if dev.type == "cuda":
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3, s.elapsed_time(e)
+    t0 = time.perf_counter()
+    fn()
+    ms = (time.perf_counter() - t0) * 1e3
+    return ms, ms
+
+
+def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, heads=None) -> list[dict]:
+    shape = get_model(model)
+    if layers or heads:
+        shape = shape.scaled(num_layers=layers, num_kv_heads=heads)
+    n = max(1, seq // block_size)
+    pool = 2 * n + 16
+    lay = make_cache("vllm-nhd", num_layers=shape.num_layers, num_blocks=pool, block_size=block_size,
+                     num_heads=shape.num_kv_heads, head_dim=shape.head_dim, device=device)
+    proxy = ComputeProxy(model, seq, device, layers=shape.num_layers)
+    L = shape.num_layers
+    src = torch.randperm(pool, device=device)[:n]
+    dst = torch.randperm(pool, device=device)[:n]
+    fmt = StagingFormat.for_layout(lay, n)
+    payload = fmt.num_regions * fmt.payload_nbytes
+    pipe = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), slot_bytes=16 << 20, max_ctas=16, prefetch_depth=2)
+    host = torch.empty(fmt.nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    side = torch.cuda.Stream() if device.type == "cuda" else None
+    base = {"model": model, "seq": seq, "block_size": block_size, "chunk_kb": round(lay.chunk_nbytes / 1024, 2),
+            "blocks": n, "payload_mb": round(payload / 1e6, 1)}
+    rows: list[dict] = []
+
+    def best(fn):
+        res = [_timed(device, fn) for _ in range(reps)]
+        return min(res)
+
+    def compute_only():
+        for l in range(L):
+            proxy.layer(l)
+
+    def offload_only():
+        for l in range(L):
+            pipe.save_layer(l, {"req": src})
+        pipe.wait_for_save()
+
+    def offload_with_compute():
+        for l in range(L):
+            proxy.layer(l)
+            pipe.save_layer(l, {"req": src})
+        pipe.wait_for_save()
+
+    def restore_only():
+        pipe.start_load({"req": dst})
+        for l in range(L):
+            pipe.wait_for_layer_load(l)
+
+    def restore_with_compute():
+        pipe.start_load({"req": dst})
+        for l in range(L):
+            pipe.wait_for_layer_load(l)
+            proxy.layer(l)
+
+    offload_only()  # warm-up: JIT, tables; leaves a saved entry "req" for the restores
+    compute_only()  # warm-up: kernels, cuBLAS handles
+    _sync(device)
+    pipe.get_finished()
+    c_wall, c_ms = best(compute_only)
+    peak_d2h, peak_h2d = peaks.get("d2h_gbps"), peaks.get("h2d_gbps")
+
+    def add(method, direction, fn, transfer_ms=None):
+        wall, comp = best(fn)
+        tr = transfer_ms if transfer_ms is not None else wall
+        bw = common.gbps(payload, tr)
+        peak = peak_d2h if direction == "offload" else peak_h2d
+        rows.append({**base, "direction": direction, "method": method, "compute_ms": comp, "wall_ms": wall,
+                     "slowdown_pct": 100.0 * (comp / c_ms - 1.0) if method != "transfer-alone" else None,
+                     "gbps": bw, "pct_copy_peak": 100.0 * bw / peak if peak else None})
+        return wall
+
+    rows.append({**base, "direction": "-", "method": "compute-alone", "compute_ms": c_ms, "wall_ms": c_wall})
+    t_off = add("transfer-alone", "offload", offload_only)
+    add("kvk-pipeline", "offload", offload_with_compute, transfer_ms=None)
+    rows[-1]["wall_over_max"] = rows[-1]["wall_ms"] / max(c_wall, t_off)
+    t_res = add("transfer-alone", "restore", restore_only)
+    add("kvk-pipeline", "restore", restore_with_compute)
+    rows[-1]["wall_over_max"] = rows[-1]["wall_ms"] / max(c_wall, t_res)
+
+    if device.type == "cuda":
+        for cap in (0, 2):
+            def zero_copy(cap=cap):
+                for l in range(L):
+                    proxy.layer(l)
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    side.wait_event(ev)
+                    with torch.cuda.stream(side):
+                        kvkernels.gather(lay, src, out=host[fmt.region_offset(l):], layers=(l,), backend="triton",
+                                         max_ctas=cap, validate=False)
+                torch.cuda.current_stream().wait_stream(side)
+            add(f"sm-zero-copy[ctas={cap or 'all'}]", "offload", zero_copy)
+            rows[-1]["wall_over_max"] = rows[-1]["wall_ms"] / max(c_wall, t_off)
+        ext = _memcpy_ext() if _dense_chunk(lay) else None
+        if ext is not None:
+            tabs = [_chunk_tables(lay, src, host.data_ptr(), fmt.with_layers([l])) for l in range(L)]
+            # with_layers keeps offsets of a single-layer buffer: shift to the layer's region
+            tabs = [(s_, d_ + fmt.region_offset(l)) for l, (s_, d_) in enumerate(tabs)]
+
+            def per_chunk():
+                for l in range(L):
+                    proxy.layer(l)
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    side.wait_event(ev)
+                    ext.memcpy_chunks(tabs[l][0], tabs[l][1], lay.chunk_nbytes, side.cuda_stream)
+                torch.cuda.current_stream().wait_stream(side)
+            add("memcpy-per-chunk", "offload", per_chunk)
+            rows[-1]["wall_over_max"] = rows[-1]["wall_ms"] / max(c_wall, t_off)
+    pipe.close()
+    return rows
+
+
+def run(*, models=("llama3-8b",), seqs=(4096, 8192), block_sizes=(16, 2), out_dir="bench_results", tiny=False,
+        plot=True) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not tiny:
+        print("[bench] no GPU: running tiny CPU sizes (numbers prove the script runs, nothing more)")
+        tiny = True
+    meta = common.env_record()
+    peaks = common.measure_peaks(device, 1 << 20 if tiny else 1 << 30)
+    meta["peaks"] = peaks
+    rows: list[dict] = []
+    if tiny:
+        rows += bench_case("smollm2-135m", 64, 16, device=device, peaks=peaks, layers=2, reps=1, heads=1)
+    else:
+        for m in models:
+            for seq in seqs:
+                for bs in block_sizes:
+                    rows += bench_case(m, seq, bs, device=device, peaks=peaks)
+                    torch.cuda.empty_cache()
+    paths = common.write_results(rows, meta, out_dir, "pipeline")
+    print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['date']}")
+    print(common.format_table(rows, ["model", "seq", "chunk_kb", "direction", "method", "compute_ms", "wall_ms",
+                                     "slowdown_pct", "gbps", "pct_copy_peak", "wall_over_max"]))
+    if plot:
+        for r in rows:
+            r["case"] = f"{r['model']}/{r['seq']}/{r['chunk_kb']}KB/{r['direction']}"
+        png = common.plot_bars([r for r in rows if r.get("slowdown_pct") is not None], group="case", series="method",
+                               value="slowdown_pct", ylabel="compute slowdown (%)",
+                               title=f"compute slowdown beside the transfer - {meta['device']}",
+                               path=os.path.join(out_dir, "pipeline.png"))
+        if png:
+            paths["png"] = png
+    print("# wrote " + ", ".join(paths.values()))
+    return {"rows": rows, "meta": meta, "paths": paths}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="*", default=["llama3-8b"], choices=sorted(PROXY))
+    p.add_argument("--seqs", nargs="*", type=int, default=[4096, 8192])
+    p.add_argument("--block-sizes", nargs="*", type=int, default=[16, 2])
+    p.add_argument("--out", default="bench_results")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--no-plot", action="store_true")
+    a = p.parse_args(argv)
+    run(models=a.models, seqs=a.seqs, block_sizes=a.block_sizes, out_dir=a.out, tiny=a.tiny, plot=not a.no_plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
