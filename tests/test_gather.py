@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import kvkernels
@@ -342,3 +342,36 @@ def test_large_random_gather_matches_reference():
     dst_ids = torch.randperm(2048, device=DEVICE)[:1024]
     kvkernels.scatter(a, dst, dst_ids, backend="triton")
     assert torch.equal(kvkernels.gather(dst, dst_ids, backend="torch"), a)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    src_order=st.sampled_from(ORDERS),
+    dst_order=st.sampled_from(ORDERS),
+    blocks=st.integers(2, 8),
+    bs=st.sampled_from([1, 3, 16]),
+    heads=st.integers(1, 3),
+    dim=st.sampled_from([8, 64, 80]),
+    backend=st.sampled_from(BACKENDS),
+    data=st.data(),
+)
+def test_fuzz_cross_order_round_trip(src_order, dst_order, blocks, bs, heads, dim, backend, data):
+    def build(order, fill):
+        dims = {"K": 2, "B": blocks, "N": bs, "H": heads, "D": dim, "C": 2 * dim}
+        ts = []
+        for _ in range(2):
+            t = torch.zeros(tuple(dims[x] for x in order), dtype=torch.float16)
+            if fill:
+                kvkernels.models.random_fill_(t)
+            ts.append(t.to(DEVICE))
+        return kvkernels.PagedLayout.from_layers(ts, order)
+
+    # only layouts of the same block shape pair up: same K/V split, same head count
+    assume(("K" in src_order or "C" in src_order) == ("K" in dst_order or "C" in dst_order))
+    assume(heads == 1 or ("H" in src_order) == ("H" in dst_order))
+    src, dst = build(src_order, True), build(dst_order, False)
+    src_ids = data.draw(st.lists(st.integers(0, blocks - 1), min_size=1, max_size=blocks))
+    dst_ids = data.draw(st.permutations(range(blocks)))[: len(src_ids)]
+    staging = kvkernels.gather(src, src_ids, backend=backend)
+    kvkernels.scatter(staging, dst, dst_ids, backend=backend)
+    assert torch.equal(kvkernels.gather(dst, dst_ids, backend="torch").cpu(), staging.cpu())
