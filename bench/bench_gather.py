@@ -180,16 +180,8 @@ def run(*, models=None, layouts=("nhd", "hnd"), pool=4096, blocks=2048, out_dir=
         pk += f", D2H {peaks['d2h_gbps']:.1f} GB/s, H2D {peaks['h2d_gbps']:.1f} GB/s"
     print(f"# measured peaks: {pk}")
     print(common.format_table(rows, ["model", "layout", "chunk_kb", "method", "ms", "gbps", "pct_peak"]))
-    if plot:
-        for r in rows:
-            r["case"] = f"{r['model']}/{r['layout']}"
-        png = common.plot_bars(rows, group="case", series="method", value="pct_peak", ylabel="% of measured peak",
-                               title=f"paged gather/scatter, {blocks} blocks - {meta['device']}",
-                               path=os.path.join(out_dir, "gather.png"))
-        if png:
-            paths["png"] = png
-    print("# wrote " + ", ".join(paths.values()))
-    return {"rows": rows, "meta": meta, "paths": paths}
+    return common.finish(rows, meta, paths, out_dir=out_dir, stem="gather", plot=plot,
+                         case=lambda r: f"{r['model']}/{r['layout']}", value="pct_peak", ylabel="% of measured peak", title=f"paged gather/scatter, {blocks} blocks")
 
 
 def main(argv=None) -> int:

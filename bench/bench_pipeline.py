@@ -222,17 +222,8 @@ def run(*, models=("llama3-8b",), seqs=(4096, 8192), block_sizes=(16, 2), out_di
     print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['date']}")
     print(common.format_table(rows, ["model", "seq", "chunk_kb", "direction", "method", "compute_ms", "wall_ms",
                                      "slowdown_pct", "gbps", "pct_copy_peak", "wall_over_max"]))
-    if plot:
-        for r in rows:
-            r["case"] = f"{r['model']}/{r['seq']}/{r['chunk_kb']}KB/{r['direction']}"
-        png = common.plot_bars([r for r in rows if r.get("slowdown_pct") is not None], group="case", series="method",
-                               value="slowdown_pct", ylabel="compute slowdown (%)",
-                               title=f"compute slowdown beside the transfer - {meta['device']}",
-                               path=os.path.join(out_dir, "pipeline.png"))
-        if png:
-            paths["png"] = png
-    print("# wrote " + ", ".join(paths.values()))
-    return {"rows": rows, "meta": meta, "paths": paths}
+    return common.finish(rows, meta, paths, out_dir=out_dir, stem="pipeline", plot=plot,
+                         case=lambda r: f"{r['model']}/{r['seq']}/{r['chunk_kb']}KB/{r['direction']}", value="slowdown_pct", ylabel="compute slowdown (%)", title="compute slowdown beside the transfer")
 
 
 def main(argv=None) -> int:

@@ -159,3 +159,17 @@ def plot_bars(rows: list[dict], *, group: str, series: str, value: str, title: s
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def finish(rows: list[dict], meta: dict, paths: dict, *, out_dir: str, stem: str, plot: bool, case, value: str,
+           ylabel: str, title: str) -> dict:
+    """Optional PNG (grouped by ``case(row)``, one bar per method), the 'wrote' line, the result."""
+    if plot:
+        for r in rows:
+            r["case"] = case(r)
+        png = plot_bars([r for r in rows if r.get(value) is not None], group="case", series="method", value=value,
+                        ylabel=ylabel, title=f"{title} - {meta['device']}", path=os.path.join(out_dir, f"{stem}.png"))
+        if png:
+            paths["png"] = png
+    print("# wrote " + ", ".join(paths.values()))
+    return {"rows": rows, "meta": meta, "paths": paths}

@@ -259,10 +259,7 @@ class LayerPipeline:
             ):
                 del self.entries[key]
                 self._release(old)  # a D2H still writing it is ordered before ours (same stream)
-        off = self.pool.alloc(fmt.nbytes)
-        if off is None:
-            self._evict_for(fmt.nbytes)
-            off = self.pool.alloc(fmt.nbytes)
+        off = self._alloc_host(fmt.nbytes)
         if off is None:
             self._failed_saves.add(key)
             return None
@@ -358,10 +355,7 @@ class LayerPipeline:
                 fut: Future = Future()
                 fut.set_result(ent)
                 return fut
-            off = self.pool.alloc(fmt.nbytes)
-            if off is None:
-                self._evict_for(fmt.nbytes)
-                off = self.pool.alloc(fmt.nbytes)
+            off = self._alloc_host(fmt.nbytes)
             if off is None:
                 fail("host_bytes", f"room for {fmt.nbytes} more bytes in the host pool", f"{self.pool.free_bytes} free")
             ent = HostEntry(key=key, fmt=fmt, offset=off, buf=self.pool.view(off, fmt.nbytes), state="loading")
@@ -503,6 +497,14 @@ class LayerPipeline:
     # ------------------------------------------------------------------ host pool management
     def _release(self, ent: HostEntry) -> None:
         self.pool.free(ent.offset, ent.fmt.nbytes)
+
+    def _alloc_host(self, nbytes: int) -> int | None:
+        """A pool region for ``nbytes``, evicting finished entries if needed; None if none fits."""
+        off = self.pool.alloc(nbytes)
+        if off is None:
+            self._evict_for(nbytes)
+            off = self.pool.alloc(nbytes)
+        return off
 
     def _evict_for(self, nbytes: int) -> None:
         """Free finished entries (oldest first) until ``nbytes`` could fit."""

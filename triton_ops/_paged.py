@@ -1,4 +1,4 @@
-"""Launch-side helpers shared by the paged copy kernels (gather, scatter) and one device helper.
+"""Shared body and launcher of the paged copy kernels (gather, scatter).
 
 Work decomposition (both directions): a *work item* is one (region j, entry c, staging slot i),
 i.e. one block of one layer's K or V: ``block_size * H`` rows of ``head_dim * e`` bytes. Items are
@@ -9,14 +9,17 @@ stride over the items (persistent grid), which is how the SM cap works.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 # Words per program tile. 2048 x 8-byte words = 16 KiB in flight per program with 4 warps:
 # 32 bytes per thread per load, two 16-byte vectors. Chosen to cover one 32 KB Llama-3-8B chunk in
-# 2 iterations; to be re-tuned on the GPU (docs/PERF_NOTES.md, "gather v1").
+# 2 iterations; NOT yet measured on a GPU (docs/PERF_NOTES.md, "open questions").
 TILE_WORDS = 2048
 NUM_WARPS = 4
+
+_WORD_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 @triton.jit
@@ -27,6 +30,58 @@ def _item_coords(w, n, C: tl.constexpr):
     j = jc // C
     c = jc - j * C
     return j, c, i
+
+
+@triton.jit
+def _paged_copy(
+    ptr_tab,  # int64 [R, C]: byte address of block 0 of (requested layer j, entry c)
+    block_ids,  # int32/int64 [n]: cache block of staging slot i (outside [0, num_blocks) = padding)
+    stage_ptr,  # word [>= R * region_words]: staging buffer (written by gather, read by scatter)
+    err_ptr,  # int32 [1]: += 1 per invalid id other than -1 (deferred validation)
+    n, num_blocks, num_items,  # staging slots, cache blocks, R * C * n
+    stride_b, stride_n, stride_h,  # cache strides in words: block, token, head (int64)
+    region_words, entry_words,  # staging: words per region, words per entry (K or V)
+    C: tl.constexpr,  # entries per layer (2 = K, V; 1 = MLA)
+    H: tl.constexpr,  # kv heads
+    ROWS: tl.constexpr,  # block_size * H
+    ROW_WORDS: tl.constexpr,  # head_dim * e / WORD
+    WORD: tl.constexpr,  # bytes per word (8, 4, 2, 1)
+    BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    ALIGN16: tl.constexpr,  # host checked: every base address, stride and row is 16-byte aligned
+    TO_STAGING: tl.constexpr,  # True: cache -> staging (gather); False: staging -> cache (scatter)
+):
+    # grid: (min(num_items, max_ctas),); each program strides over the work items
+    r_ar = tl.arange(0, BLOCK_R)
+    w_ar = tl.arange(0, BLOCK_W)
+    col_ok = w_ar < ROW_WORDS
+    for w32 in tl.range(tl.program_id(0), num_items, tl.num_programs(0)):
+        w = tl.cast(w32, tl.int64)
+        j, c, i = _item_coords(w, n, C)
+        bid = tl.load(block_ids + i).to(tl.int64)
+        valid = (bid >= 0) & (bid < num_blocks)
+        row_lim = tl.where(valid, ROWS, 0)  # invalid id: no cache row is touched
+        tl.atomic_add(err_ptr, 1, mask=((bid != -1) & (bid < 0)) | (bid >= num_blocks))
+        base = tl.load(ptr_tab + j * C + c).to(stage_ptr.dtype)
+        if ALIGN16:  # the hint must sit on the pointer (checked in PTX: ld.global.v2.b64)
+            base = tl.multiple_of(base, 16)
+        cache = base + tl.where(valid, bid, 0) * stride_b
+        stage = stage_ptr + j * region_words + c * entry_words + i * (ROWS * ROW_WORDS)
+        for r0 in tl.range(0, ROWS, BLOCK_R):
+            rows = r0 + r_ar
+            t = rows // H
+            h = rows - t * H
+            c_row = t.to(tl.int64) * stride_n + h.to(tl.int64) * stride_h
+            if ALIGN16:
+                c_row = tl.multiple_of(c_row, 16 // WORD)
+            c_off = c_row[:, None] + w_ar[None, :]
+            s_off = (rows.to(tl.int64) * ROW_WORDS)[:, None] + w_ar[None, :]
+            m = (rows < ROWS)[:, None] & col_ok[None, :]
+            mv = (rows < row_lim)[:, None] & col_ok[None, :]
+            if TO_STAGING:  # padding / invalid ids write a zero block
+                tl.store(stage + s_off, tl.load(cache + c_off, mask=mv, other=0), mask=m)
+            else:  # padding / invalid ids are skipped
+                tl.store(cache + c_off, tl.load(stage + s_off, mask=mv), mask=mv)
 
 
 def word_bytes(*values: int) -> int:
@@ -50,3 +105,29 @@ def aligned16(word: int, layout, staging_ptr: int) -> bool:
     sb, sn, sh = layout.byte_strides
     vals = (layout.row_nbytes, sb, sn, sh, staging_ptr, *layout.base_addresses_flat())
     return word == 8 and all(v % 16 == 0 for v in vals)
+
+
+def launch(kernel, layout, block_ids: torch.Tensor, fmt, staging: torch.Tensor, err: torch.Tensor, max_ctas: int) -> None:
+    """Launch a paged copy ``kernel`` (same signature as :func:`_paged_copy` minus TO_STAGING)
+    over ``fmt.layers`` of ``layout`` on the current stream."""
+    n = fmt.num_blocks
+    if n == 0 or fmt.num_regions == 0:
+        return
+    tab = layout.pointer_table_for(fmt.layers)
+    sb, sn, sh = layout.byte_strides
+    ptr = staging.data_ptr()
+    wb = word_bytes(layout.row_nbytes, sb, sn, sh, ptr, *layout.base_addresses_flat())
+    words = staging[: fmt.nbytes].view(_WORD_DTYPE[wb])
+    rows = layout.block_size * layout.num_heads
+    row_words = layout.row_nbytes // wb
+    block_r, block_w = tile_shape(rows, row_words)
+    num_items = fmt.num_regions * fmt.num_kv * n
+    grid = (num_items if max_ctas <= 0 else min(num_items, max_ctas),)
+    kernel[grid](
+        tab, block_ids, words, err,
+        n, layout.num_blocks, num_items,
+        sb // wb, sn // wb, sh // wb,
+        fmt.region_nbytes // wb, fmt.entry_nbytes // wb,
+        C=fmt.num_kv, H=layout.num_heads, ROWS=rows, ROW_WORDS=row_words, WORD=wb,
+        BLOCK_R=block_r, BLOCK_W=block_w, ALIGN16=aligned16(wb, layout, ptr), num_warps=NUM_WARPS,
+    )
