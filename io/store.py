@@ -1,0 +1,489 @@
+"""``KVStore``: layer-addressable, checksummed, crash-safe KV entries on one or more SSDs.
+
+See docs/store.md for the protocol. In short:
+
+* one file per entry, ``<path>/<digest[:2]>/<digest>.kvk``; the digest hashes the key, so a key
+  can never name a path; entries are placed on ``paths[digest % len(paths)]`` (one path per SSD:
+  bandwidth adds up);
+* a put writes ``<digest>.kvk.tmp.<pid>.<n>``, fsyncs it, renames it over the final name and
+  fsyncs the directory: an entry is visible only when complete; on open, temporaries are deleted
+  and every header is checked (bad files are skipped and reported in ``stats()["recovery"]``);
+* every region carries an xxh3_64 checksum, verified on read: a mismatch raises
+  :class:`~kvkernels.io.format.CorruptEntryError` from the get's future and drops the entry
+  (renamed ``*.corrupt``) so later lookups miss — wrong bytes are never handed out;
+* LRU eviction keeps the files under ``capacity_bytes``; ENOSPC / EFBIG fail the put's future,
+  delete the temporary, and leave the store working;
+* worker threads take requests from one priority queue: with ``read_priority`` (default) pending
+  reads go before pending writes (mixed read/write costs SSDs ~60 % of their bandwidth), writes
+  fill the gaps; in-flight put bytes are bounded by ``max_inflight_bytes`` (``put`` blocks: back
+  pressure, not unbounded memory).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from kvkernels import config
+from kvkernels._validate import check, check_int, check_tensor, describe, fail
+
+from .engines import make_engine
+from .format import CorruptEntryError, EntryMeta, Header, checksum, key_digest
+
+__all__ = ["KVStore"]
+
+_SUFFIX = ".kvk"
+
+
+@dataclass
+class _Entry:
+    path: str
+    header: Header
+    nbytes: int
+    readers: int = 0
+    doomed: str | None = None  # dropped while being read: "" = unlink, ".corrupt" = rename, when the last reader leaves
+
+
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class KVStore:
+    """Store staging buffers (``kvkernels.gather`` output) as layer-addressable files.
+
+    Parameters
+    ----------
+    paths : str or list of str
+        Directories, one per SSD; created if missing.
+    capacity_bytes : int, optional
+        Upper bound on the bytes of all entry files (LRU eviction). ``None`` = unbounded.
+    engine : {"auto", "posix", "kvikio"}
+        ``auto``: kvikio when CUDA is available and kvikio imports, else POSIX.
+    io_threads : int, optional
+        Worker threads = queue depth (``KVKERNELS_IO_THREADS``, default 4).
+    max_inflight_bytes : int, optional
+        Bound on bytes of puts submitted but not yet written (``KVKERNELS_IO_INFLIGHT_BYTES``,
+        default 1 GiB). A single larger put still proceeds alone.
+    read_priority : bool
+        Pending reads before pending writes (default True).
+    verify : bool
+        Verify region checksums on read (default True).
+    fsync : bool
+        fsync files and directories on put (default True; False only for benchmarks of the page
+        cache).
+
+    Examples
+    --------
+    >>> import tempfile, torch, kvkernels
+    >>> from kvkernels.io import KVStore, EntryMeta
+    >>> lay = kvkernels.PagedLayout.from_vllm([torch.randn(2, 8, 16, 2, 64) for _ in range(2)])
+    >>> staging = kvkernels.gather(lay, [3, 1])
+    >>> with KVStore(tempfile.mkdtemp()) as store:
+    ...     store.put("req-1", staging, EntryMeta.for_layout(lay, 2)).result()
+    ...     back = store.get("req-1").result()
+    >>> bool(torch.equal(back, staging))
+    True
+    """
+
+    def __init__(self, paths, capacity_bytes: int | None = None, engine: str = "auto", *, io_threads: int | None = None,
+                 max_inflight_bytes: int | None = None, read_priority: bool = True, verify: bool = True,
+                 fsync: bool = True):
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        try:
+            paths = [os.fspath(p) for p in paths]
+        except TypeError:
+            fail("paths", "a directory or a list of directories", type(paths).__name__, TypeError)
+        check(len(paths) > 0, "paths", "at least one directory", "none")
+        if capacity_bytes is not None:
+            check_int(capacity_bytes, "capacity_bytes", lo=1)
+        self.paths = [os.path.abspath(p) for p in paths]
+        for p in self.paths:
+            os.makedirs(p, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self.engine = make_engine(engine)
+        self.io_threads = io_threads if io_threads is not None else config.env_int("KVKERNELS_IO_THREADS", 4, lo=1)
+        check_int(self.io_threads, "io_threads", lo=1)
+        self.max_inflight_bytes = (max_inflight_bytes if max_inflight_bytes is not None
+                                   else config.env_int("KVKERNELS_IO_INFLIGHT_BYTES", 1 << 30, lo=1))
+        self.read_priority = bool(read_priority)
+        self.verify = bool(verify)
+        self.fsync = bool(fsync)
+        self._lock = threading.RLock()
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU: oldest first
+        self._used = 0
+        self._inflight = 0
+        self._inflight_cv = threading.Condition()
+        self._seq = itertools.count()
+        self._tmp_seq = itertools.count()
+        self._q: queue.PriorityQueue = queue.PriorityQueue()
+        self._closed = False
+        self._stats = {k: 0 for k in ("puts", "put_errors", "gets", "hits", "misses", "corrupt", "evictions",
+                                      "bytes_written", "bytes_read")}
+        self._stats.update(write_s=0.0, read_s=0.0)
+        self.recovery = self._recover()
+        self._workers = [threading.Thread(target=self._worker, name=f"kvk-store-{i}", daemon=True)
+                         for i in range(self.io_threads)]
+        for w in self._workers:
+            w.start()
+
+    # ------------------------------------------------------------------ naming
+    def _path_for(self, digest: bytes) -> str:
+        root = self.paths[int.from_bytes(digest[:8], "little") % len(self.paths)]
+        hexd = digest.hex()
+        return os.path.join(root, hexd[:2], hexd + _SUFFIX)
+
+    # ------------------------------------------------------------------ recovery
+    def _recover(self) -> dict:
+        report = {"removed_temporaries": 0, "bad_files": [], "entries": 0}
+        found = []
+        for root in self.paths:
+            for shard in sorted(os.listdir(root)):
+                d = os.path.join(root, shard)
+                if not (len(shard) == 2 and os.path.isdir(d)):
+                    continue
+                for name in os.listdir(d):
+                    p = os.path.join(d, name)
+                    if ".tmp." in name:
+                        try:
+                            os.unlink(p)
+                            report["removed_temporaries"] += 1
+                        except FileNotFoundError:
+                            pass
+                        continue
+                    if not name.endswith(_SUFFIX):
+                        continue
+                    try:
+                        st = os.stat(p)
+                        with open(p, "rb") as f:
+                            head = f.read(4096)
+                            need = int.from_bytes(head[12:16], "little") if len(head) >= 16 else 0
+                            if 4096 < need <= (1 << 24):
+                                head += f.read(need - 4096)
+                        h = Header.unpack(head)
+                        if h.digest.hex() + _SUFFIX != name:
+                            raise CorruptEntryError("file name does not match the key digest in its header")
+                        if st.st_size < h.file_nbytes - 4095:
+                            raise CorruptEntryError(f"size {st.st_size} < {h.file_nbytes - 4095} expected")
+                        found.append((st.st_mtime_ns, h.digest, _Entry(p, h, st.st_size)))
+                    except (OSError, EOFError) as exc:
+                        report["bad_files"].append((p, str(exc)))
+        for _, digest, ent in sorted(found, key=lambda x: x[0]):
+            self._index[digest] = ent
+            self._used += ent.nbytes
+        report["entries"] = len(self._index)
+        return report
+
+    # ------------------------------------------------------------------ workers
+    def _submit(self, prio: int, fn) -> Future:
+        if self._closed:
+            raise RuntimeError("KVStore is closed")
+        fut: Future = Future()
+        self._q.put((prio if self.read_priority else 0, next(self._seq), fn, fut))
+        return fut
+
+    def _worker(self) -> None:
+        while True:
+            _, _, fn, fut = self._q.get()
+            if fn is None:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # delivered through the future
+                fut.set_exception(exc)
+
+    # ------------------------------------------------------------------ put
+    def put(self, key, staging, meta: EntryMeta) -> Future:
+        """Store ``staging`` under ``key``; returns a Future of the written :class:`Header`.
+
+        ``staging``: a 1-D uint8 tensor of at least ``meta.fmt.nbytes`` bytes in the staging
+        format (CPU, pinned, or CUDA: CUDA buffers go straight to the file with kvikio and
+        through host memory with POSIX), or a list of one 1-D uint8 tensor per region holding
+        that region's *stored* bytes (compressed / quantized schemes; each at most the region
+        size). The buffer must stay unchanged until the future completes. Blocks while more than
+        ``max_inflight_bytes`` of puts are pending (back pressure).
+        """
+        digest = key_digest(key)
+        if not isinstance(meta, EntryMeta):
+            fail("meta", "a kvkernels.io.EntryMeta", type(meta).__name__, TypeError)
+        meta.validate()
+        fmt = meta.fmt
+        if isinstance(staging, (list, tuple)):
+            check(len(staging) == fmt.num_regions, "staging", f"{fmt.num_regions} region buffers", len(staging))
+            pieces = []
+            for j, t in enumerate(staging):
+                check_tensor(t, f"staging[{j}]")
+                check(t.dtype == torch.uint8 and t.dim() == 1 and t.is_contiguous(), f"staging[{j}]",
+                      "a contiguous 1-D uint8 tensor", describe(t), TypeError if t.dtype != torch.uint8 else ValueError)
+                check(0 < t.numel() <= fmt.region_nbytes, f"staging[{j}]", f"1..{fmt.region_nbytes} bytes", t.numel())
+                pieces.append(t)
+        else:
+            check_tensor(staging, "staging")
+            check(staging.dtype == torch.uint8, "staging", "dtype torch.uint8", staging.dtype, TypeError)
+            check(staging.dim() == 1 and staging.is_contiguous(), "staging", "a contiguous 1-D buffer", describe(staging))
+            check(staging.numel() >= fmt.nbytes, "staging", f"at least {fmt.nbytes} bytes", staging.numel())
+            check(meta.codec == "none", "meta.codec", "'none' for a single staging buffer (pass per-region buffers)",
+                  meta.codec)
+            pieces = [staging[: fmt.nbytes]]
+        nbytes = sum(t.numel() for t in pieces)
+        self._acquire_inflight(nbytes)
+        try:
+            return self._submit(1, lambda: self._do_put(digest, pieces, meta, nbytes))
+        except BaseException:
+            self._release_inflight(nbytes)
+            raise
+
+    def _acquire_inflight(self, n: int) -> None:
+        with self._inflight_cv:
+            while self._inflight > 0 and self._inflight + n > self.max_inflight_bytes:
+                self._inflight_cv.wait()
+            self._inflight += n
+
+    def _release_inflight(self, n: int) -> None:
+        with self._inflight_cv:
+            self._inflight -= n
+            self._inflight_cv.notify_all()
+
+    def _do_put(self, digest: bytes, pieces, meta: EntryMeta, nbytes: int) -> Header:
+        t0 = time.perf_counter()
+        tmp = None
+        try:
+            fmt = meta.fmt
+            if len(pieces) == 1 and meta.codec == "none" and pieces[0].numel() == fmt.nbytes:
+                buf = pieces[0]
+                host = buf if buf.device.type == "cpu" else buf.cpu()
+                regions = [host[j * fmt.region_nbytes : (j + 1) * fmt.region_nbytes] for j in range(fmt.num_regions)]
+            else:
+                regions = [t if t.device.type == "cpu" else t.cpu() for t in pieces]
+            sums = [checksum(memoryview(r.numpy())) for r in regions]
+            header = Header(digest, meta, Header.layout_regions(meta, [r.numel() for r in regions], sums), time.time_ns())
+            final = self._path_for(digest)
+            d = os.path.dirname(final)
+            os.makedirs(d, exist_ok=True)
+            self._make_room(header.file_nbytes, exclude=digest)
+            tmp = f"{final}.tmp.{os.getpid()}.{next(self._tmp_seq)}"
+            head = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
+            if len(pieces) == 1 and regions[0].numel() * len(regions) == pieces[0].numel():
+                # raw staging: the regions are contiguous in memory and in the file: one write
+                # (kvikio takes the device buffer itself; POSIX the host copy made for checksums)
+                src = pieces[0] if self.engine.name == "kvikio" else host
+                body = [(header.regions[0].offset, src)]
+            else:
+                body = [(r.offset, _pad(t)) for r, t in zip(header.regions, regions)]
+            self.engine.write_file(tmp, [(0, head), *body], fsync=self.fsync)
+            os.replace(tmp, final)
+            tmp = None
+            if self.fsync:
+                _fsync_dir(d)
+            with self._lock:
+                old = self._index.pop(digest, None)
+                if old is not None:
+                    self._used -= old.nbytes
+                self._index[digest] = _Entry(final, header, header.file_nbytes)
+                self._used += header.file_nbytes
+                self._stats["puts"] += 1
+                self._stats["bytes_written"] += nbytes
+                self._stats["write_s"] += time.perf_counter() - t0
+            return header
+        except BaseException:
+            with self._lock:
+                self._stats["put_errors"] += 1
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+            raise
+        finally:
+            self._release_inflight(nbytes)
+
+    def _make_room(self, need: int, exclude: bytes) -> None:
+        if self.capacity_bytes is None:
+            return
+        if need > self.capacity_bytes:
+            raise ValueError(f"`staging`: entry of {need} bytes exceeds capacity_bytes={self.capacity_bytes}")
+        with self._lock:
+            for digest in list(self._index):
+                cur = self._index.get(exclude)
+                if self._used - (cur.nbytes if cur else 0) + need <= self.capacity_bytes:
+                    return
+                if digest == exclude:
+                    continue
+                self._drop(digest)
+                self._stats["evictions"] += 1
+            cur = self._index.get(exclude)
+            if self._used - (cur.nbytes if cur else 0) + need > self.capacity_bytes:
+                raise OSError(f"store full: {self._used} of {self.capacity_bytes} bytes used by entries being read")
+
+    def _drop(self, digest: bytes, rename_to: str | None = None) -> bool:
+        """Remove an entry from the index and its file from disk (deferred while it is read)."""
+        with self._lock:
+            ent = self._index.pop(digest, None)
+            if ent is None:
+                return False
+            self._used -= ent.nbytes
+            if ent.readers:
+                ent.doomed = rename_to or ""
+                return True
+        self._unlink(ent.path, rename_to)
+        return True
+
+    @staticmethod
+    def _unlink(path: str, rename_to: str | None = None) -> None:
+        try:
+            if rename_to:
+                os.replace(path, path + rename_to)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    # ------------------------------------------------------------------ get
+    def header(self, key) -> Header | None:
+        """The stored header of ``key`` (stored sizes, scheme, codec), or None."""
+        with self._lock:
+            ent = self._index.get(key_digest(key))
+            return ent.header if ent else None
+
+    def get(self, key, out: torch.Tensor | None = None, layers=None) -> Future:
+        """Read ``key``'s regions for ``layers`` (default: all stored) into ``out``.
+
+        Region ``j`` (the ``j``-th requested layer) lands at ``out[j * region_nbytes:]`` — the
+        staging format restricted to ``layers``, ready for ``kvkernels.scatter(..., layers=)``.
+        For compressed schemes region ``j`` holds its stored bytes (``header(key)`` gives their
+        sizes). ``out``: 1-D uint8, contiguous, CPU / pinned (any engine) or CUDA (kvikio reads
+        straight into it; POSIX stages through host); allocated on the CPU when ``None``.
+        The future raises ``KeyError`` on a miss and ``CorruptEntryError`` when a checksum fails
+        (the entry is then dropped).
+        """
+        digest = key_digest(key)
+        with self._lock:
+            ent = self._index.get(digest)
+            if ent is None:
+                self._stats["gets"] += 1
+                self._stats["misses"] += 1
+                fut: Future = Future()
+                fut.set_exception(KeyError(key))
+                return fut
+            h = ent.header
+            if layers is None:
+                sel = list(h.regions)
+            else:
+                from kvkernels.staging import normalize_layers
+
+                want = normalize_layers(layers, h.meta.num_layers)
+                have = {r.layer: r for r in h.regions}
+                missing = [l for l in want if l not in have]
+                check(not missing, "layers", f"layers stored for this key {tuple(have)}", missing)
+                sel = [have[l] for l in want]
+            region = h.meta.fmt.region_nbytes
+            total = len(sel) * region
+            if out is None:
+                out = torch.empty(total, dtype=torch.uint8)
+            else:
+                check_tensor(out, "out")
+                check(out.dtype == torch.uint8, "out", "dtype torch.uint8", out.dtype, TypeError)
+                check(out.dim() == 1 and out.is_contiguous(), "out", "a contiguous 1-D buffer", describe(out))
+                check(out.numel() >= total, "out", f"at least {total} bytes", out.numel())
+            ent.readers += 1
+            self._index.move_to_end(digest)
+        return self._submit(0, lambda: self._do_get(digest, ent, sel, out, region))
+
+    def _do_get(self, digest: bytes, ent: _Entry, sel, out: torch.Tensor, region: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            contiguous = all(r.stored == region for r in sel) and all(
+                b.offset == a.offset + region for a, b in zip(sel, sel[1:]))
+            if contiguous:  # one large sequential read straight into the staging layout
+                self.engine.read_into(ent.path, [(sel[0].offset, out[: len(sel) * region])])
+            else:
+                self.engine.read_into(ent.path, [(r.offset, out[j * region : j * region + r.stored])
+                                                 for j, r in enumerate(sel)])
+            if self.verify:
+                host = out if out.device.type == "cpu" else out[: len(sel) * region].cpu()
+                for j, r in enumerate(sel):
+                    if checksum(memoryview(host[j * region : j * region + r.stored].numpy())) != r.checksum:
+                        with self._lock:
+                            self._stats["corrupt"] += 1
+                        self._drop(digest, rename_to=".corrupt")
+                        raise CorruptEntryError(f"region of layer {r.layer} of {ent.path}: checksum mismatch "
+                                                f"(entry dropped; the destination buffer must not be used)")
+            with self._lock:
+                self._stats["gets"] += 1
+                self._stats["hits"] += 1
+                self._stats["bytes_read"] += sum(r.stored for r in sel)
+                self._stats["read_s"] += time.perf_counter() - t0
+            return out
+        except EOFError as exc:
+            with self._lock:
+                self._stats["corrupt"] += 1
+            self._drop(digest, rename_to=".corrupt")
+            raise CorruptEntryError(f"{ent.path}: truncated ({exc}); entry dropped") from None
+        finally:
+            with self._lock:
+                ent.readers -= 1
+                doomed = ent.doomed if ent.readers == 0 else None
+            if doomed is not None:
+                self._unlink(ent.path, doomed or None)
+
+    # ------------------------------------------------------------------ misc
+    def contains(self, key) -> bool:
+        """True when ``key`` has a complete entry (no I/O)."""
+        with self._lock:
+            return key_digest(key) in self._index
+
+    def remove(self, key) -> bool:
+        """Delete ``key``'s entry; False if absent."""
+        return self._drop(key_digest(key))
+
+    def stats(self) -> dict:
+        with self._lock:
+            d = dict(self._stats)
+            d.update(entries=len(self._index), bytes_used=self._used, capacity_bytes=self.capacity_bytes,
+                     inflight_bytes=self._inflight, engine=self.engine.name, paths=list(self.paths),
+                     io_threads=self.io_threads, read_priority=self.read_priority, recovery=self.recovery)
+        return d
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def close(self) -> None:
+        """Finish queued work, stop the workers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._workers:
+            self._q.put((9, next(self._seq), None, None))
+        for w in self._workers:
+            w.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _pad(t: torch.Tensor) -> torch.Tensor:
+    """Pad a stored region to a multiple of 4096 bytes (so O_DIRECT can write it)."""
+    n = t.numel()
+    full = (n + 4095) // 4096 * 4096
+    if full == n:
+        return t
+    out = torch.zeros(full, dtype=torch.uint8)
+    out[:n] = t
+    return out

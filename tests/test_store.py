@@ -1,0 +1,376 @@
+"""KVStore (POSIX engine on CPU; kvikio on GPU): round trips, partial reads, corruption, torn
+writes (SIGKILL), disk full (RLIMIT_FSIZE), eviction, concurrency, hostile keys, recovery."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvkernels
+from kvkernels import StagingFormat
+from kvkernels.io import CorruptEntryError, EntryMeta, Header, KVStore
+from kvkernels.models import make_cache
+from kvtest import DEVICE, bytes_equal
+
+L, NB, BS, H, D = 3, 16, 4, 2, 64
+
+
+def cache(name="vllm-nhd", seed=0, fill="random"):
+    return make_cache(name, num_layers=L, num_blocks=NB, block_size=BS, num_heads=H, head_dim=D, device=DEVICE,
+                      seed=seed, fill=fill)
+
+
+def staged(name="vllm-nhd", ids=(3, 9, 1), seed=0):
+    lay = cache(name, seed=seed)
+    return lay, kvkernels.gather(lay, list(ids)).cpu(), EntryMeta.for_layout(lay, len(ids))
+
+
+def files(root):
+    out = []
+    for dp, _, fs in os.walk(root):
+        out += [os.path.join(dp, f) for f in fs]
+    return sorted(out)
+
+
+@pytest.mark.parametrize("layout", ["vllm-nhd", "flashinfer-hnd", "mla", "sglang", "vllm-packed"])
+def test_round_trip_through_store_into_other_blocks(tmp_path, layout):
+    src, buf, meta = staged(layout)
+    dst = cache(layout, fill="zero")
+    with KVStore(tmp_path) as store:
+        store.put("req", buf, meta).result()
+        back = store.get("req").result()
+    assert torch.equal(back, buf)
+    kvkernels.scatter(back.to(DEVICE), dst, [10, 11, 12])
+    for l in range(L):
+        for c in range(src.num_kv):
+            for s, d in zip((3, 9, 1), (10, 11, 12)):
+                assert bytes_equal(dst.views[l][c][d].cpu(), src.views[l][c][s].cpu())
+
+
+def test_partial_layer_reads_and_layer_subset_entries(tmp_path):
+    lay, buf, meta = staged()
+    fmt = meta.fmt
+    with KVStore(tmp_path) as store:
+        store.put("k", buf, meta).result()
+        one = store.get("k", layers=1).result()
+        assert torch.equal(one, buf[fmt.region_offset(1) : fmt.region_offset(1) + fmt.region_nbytes])
+        two = store.get("k", layers=[2, 0]).result()
+        assert torch.equal(two, torch.cat([buf[: fmt.region_nbytes], buf[fmt.region_offset(2) :]]))
+        # an entry holding only layers (0, 2): scatter with layers= restores exactly those
+        sub = kvkernels.gather(lay, [5, 6], layers=[0, 2]).cpu()
+        store.put("sub", sub, EntryMeta.for_layout(lay, 2, layers=[0, 2])).result()
+        with pytest.raises(ValueError, match="layers"):
+            store.get("sub", layers=[1])
+        assert torch.equal(store.get("sub", layers=[2]).result(), sub[StagingFormat.for_layout(lay, 2, [0, 2]).region_nbytes :])
+        out = torch.full((buf.numel() + 7,), 0xEE, dtype=torch.uint8)
+        assert store.get("k", out=out).result() is out and torch.equal(out[: buf.numel()], buf)
+        assert bool((out[buf.numel() :] == 0xEE).all())
+
+
+def test_header_is_one_aligned_block_and_regions_are_4k_aligned(tmp_path):
+    _, buf, meta = staged("mla")  # MLA regions carry padding
+    with KVStore(tmp_path) as store:
+        h = store.put("k", buf, meta).result()
+        (path,) = files(tmp_path)
+    assert h.nbytes == 4096 and all(r.offset % 4096 == 0 for r in h.regions)
+    assert os.path.getsize(path) == h.file_nbytes == 4096 + buf.numel()
+    assert Header.unpack(open(path, "rb").read(4096)) == h
+
+
+def test_per_region_stored_buffers_for_compressed_schemes(tmp_path):
+    lay, buf, meta = staged()
+    fmt = meta.fmt
+    regions = [buf[fmt.region_offset(l) : fmt.region_offset(l) + 1000 + 10 * l].clone() for l in range(L)]
+    cmeta = EntryMeta(**{**meta.__dict__, "scheme": "raw", "codec": "zstd"})
+    with KVStore(tmp_path) as store:
+        h = store.put("c", regions, cmeta).result()
+        assert [r.stored for r in h.regions] == [1000, 1010, 1020]
+        out = store.get("c").result()
+        assert store.header("c").meta.codec == "zstd"
+    for j, r in enumerate(regions):
+        assert torch.equal(out[j * fmt.region_nbytes : j * fmt.region_nbytes + r.numel()], r)
+
+
+def test_flip_a_region_byte_gives_corrupt_error_then_miss(tmp_path):
+    _, buf, meta = staged()
+    with KVStore(tmp_path) as store:
+        h = store.put("k", buf, meta).result()
+        (path,) = files(tmp_path)
+        with open(path, "r+b") as f:
+            f.seek(h.regions[1].offset + 77)
+            b = f.read(1)
+            f.seek(h.regions[1].offset + 77)
+            f.write(bytes([b[0] ^ 0x10]))
+        assert torch.equal(store.get("k", layers=0).result(), buf[: meta.fmt.region_nbytes])  # other layer fine
+        with pytest.raises(CorruptEntryError, match="checksum"):
+            store.get("k").result()
+        assert not store.contains("k")  # dropped: later lookups miss
+        with pytest.raises(KeyError):
+            store.get("k").result()
+        assert store.stats()["corrupt"] == 1
+    assert files(tmp_path) == [path + ".corrupt"]
+
+
+def test_flip_a_header_byte_is_skipped_and_reported_on_open(tmp_path):
+    _, buf, meta = staged()
+    with KVStore(tmp_path) as store:
+        store.put("a", buf, meta).result()
+        store.put("b", buf, meta).result()
+    victim = files(tmp_path)[0]
+    with open(victim, "r+b") as f:
+        f.seek(50)
+        f.write(b"\xff")
+    with KVStore(tmp_path) as store:
+        assert len(store) == 1
+        bad = store.stats()["recovery"]["bad_files"]
+        assert [p for p, _ in bad] == [victim] and "checksum" in bad[0][1]
+
+
+def test_truncated_file_is_skipped_on_open(tmp_path):
+    _, buf, meta = staged()
+    with KVStore(tmp_path) as store:
+        store.put("a", buf, meta).result()
+    (path,) = files(tmp_path)
+    os.truncate(path, 4096 + 100)
+    with KVStore(tmp_path) as store:
+        assert not store.contains("a") and store.stats()["recovery"]["bad_files"]
+
+
+def test_lru_eviction_order(tmp_path):
+    _, buf, meta = staged()
+    size = 4096 + buf.numel()
+    with KVStore(tmp_path, capacity_bytes=3 * size) as store:
+        for k in "abc":
+            store.put(k, buf, meta).result()
+        store.get("a").result()  # a is now most recent: b is the oldest
+        store.put("d", buf, meta).result()
+        assert [store.contains(k) for k in "abcd"] == [True, False, True, True]
+        assert store.stats()["evictions"] == 1 and store.stats()["bytes_used"] == 3 * size
+        fut = store.put("huge", torch.zeros(4 * size, dtype=torch.uint8),
+                        EntryMeta(**{**meta.__dict__, "num_blocks": meta.num_blocks * 5}))
+        with pytest.raises(ValueError, match="capacity"):
+            fut.result()
+        assert len(store) == 3
+
+
+@pytest.mark.parametrize("key", ["../../etc/passwd", "/", "a/b\\c", "x\x00y", "", "ü" * 300, b"\x00\xff/.."])
+def test_keys_with_path_characters_stay_inside(tmp_path, key):
+    _, buf, meta = staged()
+    with KVStore(tmp_path) as store:
+        store.put(key, buf, meta).result()
+        assert store.contains(key) and torch.equal(store.get(key).result(), buf)
+    (path,) = files(tmp_path)
+    assert os.path.commonpath([path, str(tmp_path)]) == str(tmp_path)
+    assert len(os.path.basename(path)) == 32 + 4
+
+
+def test_str_and_bytes_keys_differ_and_remove(tmp_path):
+    _, buf, meta = staged()
+    with KVStore(tmp_path) as store:
+        store.put("k", buf, meta).result()
+        assert not store.contains(b"k")
+        assert store.remove("k") and not store.remove("k")
+        assert files(tmp_path) == []
+
+
+def test_reopen_after_close_and_several_paths(tmp_path):
+    paths = [tmp_path / "ssd0", tmp_path / "ssd1"]
+    _, buf, meta = staged()
+    with KVStore(paths) as store:
+        for i in range(12):
+            store.put(f"k{i}", buf, meta).result()
+    assert files(paths[0]) and files(paths[1])  # spread over both "SSDs"
+    with KVStore(paths) as store:
+        assert len(store) == 12
+        assert torch.equal(store.get("k7").result(), buf)
+    with pytest.raises(RuntimeError, match="closed"):
+        store.put("x", buf, meta)
+
+
+def test_concurrent_puts_gets_removes_with_bounded_memory(tmp_path):
+    _, buf, meta = staged()
+    errors, peak = [], [0]
+    with KVStore(tmp_path, io_threads=3, max_inflight_bytes=2 * buf.numel()) as store:
+        def watch():
+            while not stop.is_set():
+                peak[0] = max(peak[0], store.stats()["inflight_bytes"])
+                time.sleep(0.001)
+
+        def worker(t):
+            try:
+                for i in range(15):
+                    k = f"t{t}-{i % 4}"
+                    store.put(k, buf, meta).result()
+                    got = store.get(k).result()
+                    if not torch.equal(got, buf):
+                        errors.append("mismatch")
+                    if i % 5 == 4:
+                        store.remove(k)
+            except Exception as exc:  # collected, asserted below
+                errors.append(repr(exc))
+
+        stop = threading.Event()
+        w = threading.Thread(target=watch)
+        w.start()
+        ts = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        stop.set()
+        w.join()
+        assert errors == []
+        assert peak[0] <= 2 * buf.numel()
+        assert store.stats()["inflight_bytes"] == 0
+
+
+def test_reads_go_before_queued_writes(tmp_path):
+    _, buf, meta = staged()
+    with KVStore(tmp_path, io_threads=1) as store:
+        store.put("r", buf, meta).result()
+        gate = threading.Event()
+        order = []
+        store._submit(0, lambda: gate.wait(5))  # occupy the single worker
+        w = [store.put(f"w{i}", buf, meta) for i in range(3)]
+        r = store.get("r")
+        for f, name in [(x, "w") for x in w] + [(r, "r")]:
+            f.add_done_callback(lambda _f, n=name: order.append(n))
+        gate.set()
+        r.result()
+        for f in w:
+            f.result()
+    assert order[0] == "r"
+
+
+def test_bad_arguments(tmp_path):
+    _, buf, meta = staged()
+    with KVStore(tmp_path) as store:
+        with pytest.raises(TypeError, match="key"):
+            store.put(3, buf, meta)
+        with pytest.raises(TypeError, match="meta"):
+            store.put("k", buf, {"layers": (0,)})
+        with pytest.raises(ValueError, match="staging"):
+            store.put("k", buf[:100], meta)
+        with pytest.raises(TypeError, match="staging"):
+            store.put("k", buf.view(torch.int8), meta)
+        with pytest.raises(ValueError, match="meta.scheme"):
+            store.put("k", buf, EntryMeta(**{**meta.__dict__, "scheme": "x" * 40}))
+        store.put("k", buf, meta).result()
+        with pytest.raises(ValueError, match="out"):
+            store.get("k", out=torch.empty(10, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="engine"):
+        KVStore(tmp_path, engine="nvme")
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        KVStore(tmp_path, capacity_bytes=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="kvikio"):
+            KVStore(tmp_path, engine="kvikio")
+
+
+# ------------------------------------------------------------------- crash safety, disk full
+CHILD = textwrap.dedent(
+    """
+    import os, sys, signal, torch
+    from kvkernels.io import KVStore, EntryMeta
+    from kvkernels.models import make_cache
+    import kvkernels
+    mode, root = sys.argv[1], sys.argv[2]
+    lay = make_cache("vllm-nhd", num_layers=8, num_blocks=64, block_size=16, num_heads=8, head_dim=128)
+    buf = kvkernels.gather(lay, list(range(48)))
+    meta = EntryMeta.for_layout(lay, 48)
+    store = KVStore(root, io_threads=2)
+    if mode == "kill":
+        print("ready", flush=True)
+        i = 0
+        while True:
+            store.put(f"k{i}", buf, meta)
+            i += 1
+    if mode == "fsize":
+        import resource
+        resource.setrlimit(resource.RLIMIT_FSIZE, (buf.numel() // 2, buf.numel() // 2))
+        fut = store.put("big", buf, meta)
+        err = fut.exception()
+        small = kvkernels.gather(lay, [1])
+        store.put("small", small, EntryMeta.for_layout(lay, 1)).result()
+        ok = torch.equal(store.get("small").result(), small)
+        print("result", type(err).__name__, getattr(err, "errno", None), store.contains("big"), ok, flush=True)
+        store.close()
+    """
+)
+
+
+def test_sigkill_during_puts_leaves_no_partial_entry(tmp_path):
+    root = tmp_path / "store"
+    p = subprocess.Popen([sys.executable, "-c", CHILD, "kill", str(root)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    time.sleep(1.0)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    with KVStore(root) as store:
+        rec = store.stats()["recovery"]
+        assert rec["bad_files"] == []
+        assert all(f.endswith(".kvk") for f in files(root))  # temporaries were deleted
+        for digest_entry in list(store._index.values()):  # every visible entry reads back intact
+            h = digest_entry.header
+            assert os.path.getsize(digest_entry.path) == h.file_nbytes
+        n = len(store)
+        for i in range(n):
+            if store.contains(f"k{i}"):
+                store.get(f"k{i}").result()  # checksums verified: raises if torn
+
+
+def test_disk_full_fails_put_cleanly_and_store_keeps_working(tmp_path):
+    root = tmp_path / "store"
+    r = subprocess.run([sys.executable, "-c", CHILD, "fsize", str(root)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = [x for x in r.stdout.splitlines() if x.startswith("result")][0].split()
+    assert line[1] in ("OSError", "PermissionError") and line[2] == "27"  # EFBIG
+    assert line[3] == "False" and line[4] == "True"
+    assert not [f for f in files(root) if ".tmp." in f]
+
+
+# ------------------------------------------------------------------------ header fuzzing
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=0, max_size=9000))
+def test_random_bytes_never_parse_as_a_header(data):
+    with pytest.raises(CorruptEntryError):
+        Header.unpack(data)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 4095), st.integers(1, 255))
+def test_any_single_byte_flip_in_a_header_is_detected(pos, bit):
+    _, _, meta = staged()
+    h = Header(b"\x01" * 16, meta, Header.layout_regions(meta, [meta.fmt.region_nbytes] * L, [1, 2, 3]))
+    raw = bytearray(h.pack())
+    raw[pos] ^= bit
+    with pytest.raises(CorruptEntryError):
+        Header.unpack(bytes(raw))
+
+
+# ------------------------------------------------------------------------------ GPU only
+@pytest.mark.gpu
+def test_kvikio_and_posix_read_each_others_files(tmp_path):
+    lay = cache()
+    buf = kvkernels.gather(lay, [1, 2, 3])
+    meta = EntryMeta.for_layout(lay, 3)
+    with KVStore(tmp_path / "a", engine="kvikio") as kv:
+        kv.put("k", buf, meta).result()  # device buffer straight to the file
+    with KVStore(tmp_path / "a", engine="posix") as px:
+        assert torch.equal(px.get("k").result(), buf.cpu())
+        px.put("p", buf.cpu(), meta).result()
+    with KVStore(tmp_path / "a", engine="kvikio") as kv:
+        out = torch.empty_like(buf)
+        assert torch.equal(kv.get("p", out=out).result(), buf)  # read straight into device memory
+        pinned = torch.empty(buf.numel(), dtype=torch.uint8).pin_memory()
+        assert torch.equal(kv.get("k", out=pinned).result(), buf.cpu())
