@@ -1,7 +1,8 @@
 """The ``kvkernels`` command (also ``python -m kvkernels``).
 
     kvkernels info                 versions, GPU, backends, I/O engines, nvCOMP
-    kvkernels demo [--model M]     the main job: paged cache -> gather -> scatter elsewhere -> verify
+    kvkernels demo [--model M]     the main job: paged cache -> gather -> SSD store -> get -> scatter
+                                   into other blocks of another layout -> verify bit-exactly
     kvkernels bench NAME [...]     run bench/bench_NAME.py (gather, store, compress, ...)
 """
 
@@ -75,24 +76,19 @@ def demo(model: str = "llama3-8b", *, blocks: int | None = None, layout: str = "
            "chunk_bytes": src.chunk_nbytes, "gather_s": t_gather}
     restored = staging
     if store_dir is not None:
-        try:
-            from kvkernels.io import KVStore, EntryMeta  # noqa: F401
-        except ImportError:
-            say("  (store step skipped: kvkernels.io.KVStore is not available in this build)")
-        else:
-            from kvkernels.io import EntryMeta, KVStore
+        from kvkernels.io import EntryMeta, KVStore
 
-            host = staging.cpu()
-            meta = EntryMeta.for_layout(src, n)
-            with KVStore([store_dir]) as store:
-                t0 = time.perf_counter()
-                store.put("demo-request", host, meta).result()
-                res["store_put_s"] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                restored = store.get("demo-request").result()
-                res["store_get_s"] = time.perf_counter() - t0
-            restored = restored.to(dev)
-            say(f"  store: put {host.numel() / res['store_put_s'] / 1e9:.2f} GB/s, get {host.numel() / res['store_get_s'] / 1e9:.2f} GB/s ({store_dir})")
+        host = staging.cpu()
+        meta = EntryMeta.for_layout(src, n)
+        with KVStore([store_dir]) as store:
+            t0 = time.perf_counter()
+            store.put("demo-request", host, meta).result()
+            res["store_put_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            restored = store.get("demo-request").result()
+            res["store_get_s"] = time.perf_counter() - t0
+        restored = restored.to(dev)
+        say(f"  store: put {host.numel() / res['store_put_s'] / 1e9:.2f} GB/s, get {host.numel() / res['store_get_s'] / 1e9:.2f} GB/s ({store_dir})")
     t0 = time.perf_counter()
     kvkernels.scatter(restored, dst, dst_ids, backend=backend)
     _sync(dev)
@@ -113,7 +109,18 @@ def demo(model: str = "llama3-8b", *, blocks: int | None = None, layout: str = "
 
 
 def _cmd_demo(args) -> int:
-    res = demo(args.model, blocks=args.blocks, backend=args.backend, device=args.device, store_dir=args.store)
+    import shutil
+    import tempfile
+
+    tmp = None
+    store = args.store
+    if store is None and not args.no_store:
+        tmp = store = tempfile.mkdtemp(prefix="kvkernels-demo-")
+    try:
+        res = demo(args.model, blocks=args.blocks, backend=args.backend, device=args.device, store_dir=store)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return 0 if res["verified"] else 1
 
 
@@ -136,7 +143,9 @@ def main(argv=None) -> int:
     pd.add_argument("--blocks", type=int, default=None, help="blocks to move (default 2048 GPU, 64 CPU)")
     pd.add_argument("--backend", default="auto", choices=["auto", "triton", "cuda", "torch"])
     pd.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    pd.add_argument("--store", default=None, metavar="DIR", help="also round-trip through the SSD store in DIR")
+    pd.add_argument("--store", default=None, metavar="DIR",
+                    help="SSD store directory for the round trip (default: a temporary directory, removed after)")
+    pd.add_argument("--no-store", action="store_true", help="skip the SSD store step")
     pb = sub.add_parser("bench", help="run a benchmark (arguments after NAME go to it)")
     pb.add_argument("name", choices=BENCHES)
     args, rest = p.parse_known_args(argv)

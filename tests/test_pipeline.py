@@ -290,3 +290,26 @@ def test_ssd_reads_go_before_writes(read_priority, monkeypatch):
         assert order.index(("get-end", "old")) < order.index(("put-start", "new"))
     else:
         assert order.index(("put-start", "new")) < order.index(("get-end", "old"))
+
+
+def test_offload_to_ssd_then_prefetch_and_restore(tmp_path):
+    from kvkernels.io import KVStore
+
+    lay = cache("flashinfer-nhd")
+    expect = snapshot(lay, [5, 6, 7])
+    with KVStore(tmp_path) as store, LayerPipeline(lay, host_bytes=1 << 20, store=store) as pipe:
+        run_step_saves(pipe, {"req-1": ids([5, 6, 7])})
+        t0 = time.time()
+        saved = set()
+        while "req-1" not in saved and time.time() - t0 < 20:
+            saved |= pipe.get_finished()[0]
+            time.sleep(0.01)
+        assert "req-1" in saved and store.contains("req-1") and not pipe.failed_saves
+        assert pipe.evict("req-1")  # only the SSD copy remains
+        ent = pipe.prefetch("req-1", num_blocks=3).result(timeout=20)
+        assert ent.state == "ready"
+        run_step_loads(pipe, {"req-1": ids([20, 21, 22])})
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+    got = snapshot(lay, [20, 21, 22])
+    assert all(bytes_equal(a, b) for ra, rb in zip(expect, got) for a, b in zip(ra, rb))
