@@ -68,3 +68,13 @@ def test_bench_pipeline_tiny(tmp_path):
     assert {("-", "compute-alone"), ("offload", "kvk-pipeline"), ("restore", "kvk-pipeline")} <= by
     assert all(r["wall_ms"] > 0 for r in res["rows"])
     assert (tmp_path / "pipeline.json").exists()
+
+
+def test_bench_store_tiny(tmp_path):
+    from kvkernels.bench import bench_store
+
+    res = bench_store.run(directory=str(tmp_path / "d"), out_dir=str(tmp_path), tiny=True, plot=False)
+    methods = {r["method"] for r in res["rows"]}
+    assert {"put", "get", "get-1-layer", "restore", "read-while-write[read_priority=True]"} <= methods
+    assert res["meta"]["ceiling"]["dd_read_gbps"] > 0 and all(r["gbps"] > 0 for r in res["rows"])
+    assert (tmp_path / "store.json").exists()

@@ -1,0 +1,212 @@
+"""Benchmark: the SSD store against the disk's own ceiling, in one run on one directory.
+
+* ``dd-write`` / ``dd-read``: sequential O_DIRECT write (+ fsync) and cold O_DIRECT read of one
+  large file in 16 MiB pieces — the ceiling (page cache dropped for the file with
+  ``posix_fadvise(DONTNEED)``; O_DIRECT falls back to buffered I/O where the FS refuses it);
+* ``put`` / ``get`` / ``get-1-layer``: the store with llama3-8b-shaped entries (32 layers, 8 kv
+  heads, head_dim 128, block 16, bf16; ``--blocks`` blocks per entry), cold reads;
+* ``qd-sweep``: puts then gets of many entries with 1/2/4/8 worker threads (queue depth);
+* ``read-while-write``: reads of old entries while new entries are written, with and without
+  read priority (reported: read GB/s, which priority should protect);
+* ``restore``: tokens/s of whole-entry cold reads (tokens = blocks x block_size).
+
+Targets (issue 3): >= 90 % of the dd ceiling for large entries with both engines.
+
+    python bench/bench_store.py --dir /mnt/nvme0/kvk --out bench_results/<device>
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+try:
+    from . import common
+except ImportError:  # pragma: no cover
+    import common  # type: ignore
+
+import kvkernels
+from kvkernels.io import EntryMeta, KVStore
+from kvkernels.models import get_model, make_cache
+
+PIECE = 16 << 20
+
+
+def _drop_cache(path: str) -> None:
+    """Evict a file's pages from the page cache (clean pages; no root needed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _drop_tree(root: str) -> None:
+    for dp, _, fs in os.walk(root):
+        for f in fs:
+            _drop_cache(os.path.join(dp, f))
+
+
+def dd_ceiling(directory: str, nbytes: int) -> dict:
+    """Sequential O_DIRECT write + fsync, then cold O_DIRECT read, of one file."""
+    path = os.path.join(directory, "dd.bin")
+    buf = mmap.mmap(-1, PIECE)  # page aligned
+    buf.write(os.urandom(1 << 20) * (PIECE >> 20))
+    flags = getattr(os, "O_DIRECT", 0)
+    direct = True
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
+    except OSError:
+        direct = False
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    t0 = time.perf_counter()
+    try:
+        for off in range(0, nbytes, PIECE):
+            os.pwrite(fd, buf, off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    w = time.perf_counter() - t0
+    _drop_cache(path)
+    fd = os.open(path, os.O_RDONLY | (flags if direct else 0))
+    t0 = time.perf_counter()
+    try:
+        for off in range(0, nbytes, PIECE):
+            os.preadv(fd, [buf], off)
+    finally:
+        os.close(fd)
+    r = time.perf_counter() - t0
+    os.unlink(path)
+    return {"dd_write_gbps": nbytes / w / 1e9, "dd_read_gbps": nbytes / r / 1e9, "o_direct": direct}
+
+
+def _entry(blocks: int, tiny: bool):
+    shape = get_model("llama3-8b")
+    if tiny:
+        shape = shape.scaled(num_layers=4, num_kv_heads=1)
+    lay = make_cache("vllm-nhd", num_layers=shape.num_layers, num_blocks=blocks, block_size=16,
+                     num_heads=shape.num_kv_heads, head_dim=shape.head_dim)
+    buf = kvkernels.gather(lay, list(range(blocks)))
+    return lay, buf, EntryMeta.for_layout(lay, blocks)
+
+
+def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd_bytes: int = 2 << 30,
+        out_dir: str = "bench_results", tiny: bool = False, plot: bool = True) -> dict:
+    if tiny:
+        blocks, entries, dd_bytes = 8, 4, 32 << 20
+    own = directory is None
+    directory = directory or tempfile.mkdtemp(prefix="kvk-bench-store-", dir=os.environ.get("KVKERNELS_BENCH_DIR"))
+    os.makedirs(directory, exist_ok=True)
+    meta = common.env_record()
+    meta["directory"] = directory
+    ceil = dd_ceiling(directory, dd_bytes)
+    meta["ceiling"] = ceil
+    lay, buf, emeta = _entry(blocks, tiny)
+    nbytes = buf.numel()
+    tokens = blocks * 16
+    rows: list[dict] = []
+
+    def add(method, gbps, peak_key, **extra):
+        peak = ceil[peak_key]
+        rows.append({"method": method, "entry_mb": round(nbytes / 1e6, 2), "gbps": gbps,
+                     "pct_dd": 100.0 * gbps / peak if peak else None, "ceiling": peak_key, **extra})
+
+    root = os.path.join(directory, "store")
+    try:
+        with KVStore(root, engine="auto") as store:
+            meta["engine"] = store.engine.name
+            t0 = time.perf_counter()
+            futs = [store.put(f"e{i}", buf, emeta) for i in range(entries)]
+            for f in futs:
+                f.result()
+            add("put", entries * nbytes / (time.perf_counter() - t0) / 1e9, "dd_write_gbps", engine=store.engine.name)
+            _drop_tree(root)
+            t0 = time.perf_counter()
+            outs = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(entries)]
+            futs = [store.get(f"e{i}", out=outs[i]) for i in range(entries)]
+            for f in futs:
+                f.result()
+            dt = time.perf_counter() - t0
+            add("get", entries * nbytes / dt / 1e9, "dd_read_gbps", engine=store.engine.name)
+            add("restore", entries * nbytes / dt / 1e9, "dd_read_gbps", engine=store.engine.name,
+                tokens_per_s=entries * tokens / dt)
+            _drop_tree(root)
+            region = emeta.fmt.region_nbytes
+            t0 = time.perf_counter()
+            futs = [store.get(f"e{i}", layers=lay.num_layers // 2) for i in range(entries)]
+            for f in futs:
+                f.result()
+            add("get-1-layer", entries * region / (time.perf_counter() - t0) / 1e9, "dd_read_gbps",
+                engine=store.engine.name)
+        shutil.rmtree(root, ignore_errors=True)
+        for qd in (1, 2, 4, 8):
+            with KVStore(root, io_threads=qd) as store:
+                t0 = time.perf_counter()
+                for f in [store.put(f"q{i}", buf, emeta) for i in range(entries)]:
+                    f.result()
+                w = time.perf_counter() - t0
+                _drop_tree(root)
+                t0 = time.perf_counter()
+                for f in [store.get(f"q{i}") for i in range(entries)]:
+                    f.result()
+                r = time.perf_counter() - t0
+            add(f"qd-sweep-put[qd={qd}]", entries * nbytes / w / 1e9, "dd_write_gbps")
+            add(f"qd-sweep-get[qd={qd}]", entries * nbytes / r / 1e9, "dd_read_gbps")
+            shutil.rmtree(root, ignore_errors=True)
+        for prio in (True, False):
+            with KVStore(root, io_threads=2, read_priority=prio) as store:
+                for f in [store.put(f"old{i}", buf, emeta) for i in range(entries)]:
+                    f.result()
+                _drop_tree(root)
+                done = threading.Event()
+                t0 = time.perf_counter()
+                wf = [store.put(f"new{i}", buf, emeta) for i in range(entries)]
+                rf = [store.get(f"old{i}") for i in range(entries)]
+                for f in rf:
+                    f.result()
+                r = time.perf_counter() - t0
+                for f in wf:
+                    f.result()
+                done.set()
+                total = time.perf_counter() - t0
+            add(f"read-while-write[read_priority={prio}]", entries * nbytes / r / 1e9, "dd_read_gbps",
+                mixed_total_gbps=2 * entries * nbytes / total / 1e9)
+            shutil.rmtree(root, ignore_errors=True)
+    finally:
+        if own:
+            shutil.rmtree(directory, ignore_errors=True)
+    paths = common.write_results(rows, meta, out_dir, "store")
+    print(f"# {meta['device']}  {meta['date']}  dir={directory}  engine={meta.get('engine')}")
+    print(f"# ceiling (dd, O_DIRECT={ceil['o_direct']}): write {ceil['dd_write_gbps']:.2f} GB/s, read {ceil['dd_read_gbps']:.2f} GB/s")
+    print(common.format_table(rows, ["method", "entry_mb", "gbps", "pct_dd", "tokens_per_s", "mixed_total_gbps"]))
+    for r in rows:
+        r["model"] = "llama3-8b"
+    return common.finish(rows, meta, paths, out_dir=out_dir, stem="store", plot=plot, case=lambda r: r["method"].split("[")[0],
+                         value="pct_dd", ylabel="% of dd ceiling", title="SSD store vs dd")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
+    p.add_argument("--blocks", type=int, default=512, help="blocks per llama3-8b entry (512 = 8192 tokens, 1 GiB)")
+    p.add_argument("--entries", type=int, default=8)
+    p.add_argument("--dd-bytes", type=int, default=2 << 30)
+    p.add_argument("--out", default="bench_results")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--no-plot", action="store_true")
+    a = p.parse_args(argv)
+    run(directory=a.dir, blocks=a.blocks, entries=a.entries, dd_bytes=a.dd_bytes, out_dir=a.out, tiny=a.tiny,
+        plot=not a.no_plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
