@@ -5,12 +5,12 @@
 * engines: kvikio (GPUDirect Storage / compat mode, GPU machines) and POSIX (everywhere)
 """
 
-from .engines import KvikioEngine, PosixEngine, kvikio_status, make_engine
+from .engines import KvikioEngine, PosixEngine, aligned_empty, kvikio_status, make_engine
 from .format import CorruptEntryError, EntryMeta, Header, key_digest
 from .store import KVStore
 
 __all__ = ["KVStore", "EntryMeta", "Header", "CorruptEntryError", "key_digest", "PosixEngine", "KvikioEngine",
-           "make_engine", "engine_info", "available_engines"]
+           "make_engine", "aligned_empty", "engine_info", "available_engines"]
 
 
 def available_engines() -> list[str]:
