@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 from .layout import PagedLayout
 from .ops import as_block_ids, check_errors, gather, scatter
+from .quant import QuantStagingFormat, fp8_round_to_grid, gather_quant, quant_staging_nbytes, scatter_quant
 from .staging import REGION_ALIGN, StagingFormat, staging_nbytes
 from .info import info
 
@@ -23,6 +24,11 @@ __all__ = [
     "scatter",
     "check_errors",
     "as_block_ids",
+    "QuantStagingFormat",
+    "quant_staging_nbytes",
+    "gather_quant",
+    "scatter_quant",
+    "fp8_round_to_grid",
     "info",
     "__version__",
 ]

@@ -141,6 +141,9 @@ def gather(
     backend: str = "auto",
     max_ctas: int | None = None,
     validate: bool | None = None,
+    quant: str | None = None,
+    shuffle: bool = False,
+    granularity: str = "token",
 ) -> torch.Tensor:
     """Pack blocks of a paged KV cache into a layer-contiguous staging buffer, one launch.
 
@@ -163,6 +166,12 @@ def gather(
         Default ``KVKERNELS_MAX_CTAS``.
     validate : bool, optional
         Host-side id check (see module docs). Default ``KVKERNELS_VALIDATE`` (True).
+    quant : {None, "fp8"}
+        ``"fp8"``: quantize in the same pass to e4m3 with fp32 scales per (token, head)
+        (``granularity="token"``) or per (block, head) (``"block"``); format in docs/quant.md.
+    shuffle : bool
+        Store each 16-bit entry as a high-byte plane then a low-byte plane (better lossless
+        compression); docs/quant.md.
 
     Returns
     -------
@@ -178,6 +187,11 @@ def gather(
     >>> buf.numel() == kvkernels.staging_nbytes(layout, 3)
     True
     """
+    if quant is not None or shuffle:
+        from .quant import gather_quant  # lazy: quant imports this module
+
+        return gather_quant(layout, block_ids, quant=quant, shuffle=shuffle, granularity=granularity, out=out,
+                            layers=layers, backend=backend, max_ctas=max_ctas, validate=validate)
     layout, ids, fmt, b = _prepare(layout, block_ids, layers, validate, backend, unique=False)
     cap = _caps(max_ctas)
     if out is None:
@@ -206,6 +220,9 @@ def scatter(
     backend: str = "auto",
     max_ctas: int | None = None,
     validate: bool | None = None,
+    quant: str | None = None,
+    shuffle: bool = False,
+    granularity: str = "token",
 ) -> None:
     """Unpack a staging buffer into (possibly different) blocks of a paged cache, in place.
 
@@ -218,8 +235,9 @@ def scatter(
         The destination cache (written in place).
     block_ids : Tensor or sequence of int
         ``[n]`` destination blocks, distinct; ``-1`` skips that slot.
-    layers, backend, max_ctas, validate
-        As in :func:`gather`.
+    layers, backend, max_ctas, validate, quant, shuffle, granularity
+        As in :func:`gather`; ``quant``/``shuffle``/``granularity`` must match the gather that
+        wrote ``staging`` (the bytes cannot tell; the SSD store records the scheme).
 
     Examples
     --------
@@ -230,6 +248,11 @@ def scatter(
     >>> bool((dst.views[1][1][5] == src.views[1][1][2]).all())
     True
     """
+    if quant is not None or shuffle:
+        from .quant import scatter_quant
+
+        return scatter_quant(staging, layout, block_ids, quant=quant, shuffle=shuffle, granularity=granularity,
+                             layers=layers, backend=backend, max_ctas=max_ctas, validate=validate)
     layout, ids, fmt, b = _prepare(layout, block_ids, layers, validate, backend, unique=True)
     cap = _caps(max_ctas)
     _check_buffer(staging, "staging", layout, fmt.nbytes)

@@ -1,0 +1,535 @@
+"""FP8 (e4m3 + fp32 scales) and byte-plane-shuffle staging formats, their reference ops and the
+public entry points :func:`gather_quant` / :func:`scatter_quant` (exact formats: ``docs/quant.md``).
+
+FP8 staging (:class:`QuantStagingFormat`)
+    Region ``j`` (layer ``layers[j]``) starts at ``j * region_nbytes`` and holds, in this order::
+
+        K codes   uint8 (e4m3fn) [n, block_size, H, D]    q_entry_nbytes bytes (rounded up to 16)
+        V codes   uint8 (e4m3fn) [n, block_size, H, D]    q_entry_nbytes
+        K scales  fp32           [n, block_size, H]       scale_entry_nbytes (rounded up to 16)
+                                 ([n, H] with granularity="block")
+        V scales  fp32           same
+        zero padding up to a multiple of 4096
+
+    MLA (one entry) holds codes then scales. ``x ≈ code * scale`` with
+    ``scale = amax / 448`` where ``amax`` is the max of ``|x|`` over the *finite* elements of the
+    (token, head) row (``granularity="token"``) or of the (block, head) tile (``"block"``).
+    **Zero rule**: when ``amax / 448`` is 0 (an all-zero row, or only non-finite values, or an fp32
+    row below ``448 * 2**-149``) the scale is 1.0, so zeros (with their sign) round-trip exactly.
+    Codes are ``(x / scale).clamp(-448, 448).to(torch.float8_e4m3fn)`` (saturating RNE) except that
+    every NaN becomes ``0x7F`` (NaN's sign is not portable: GPU arithmetic returns canonical NaN);
+    ``±inf`` saturates to ``±448``. Padding ids (``-1``) write all-zero bytes (codes and scales).
+
+Shuffle staging (same :class:`~kvkernels.staging.StagingFormat` offsets as the raw format)
+    Each entry (K or V) of a region, ``N = n * block_size * H * D`` 16-bit elements ``e[k]`` in the
+    raw staging order, is stored as its high-byte plane ``e[k] >> 8`` (``N`` bytes) followed by its
+    low-byte plane ``e[k] & 0xFF`` (``N`` bytes). Only 16-bit caches (bf16, fp16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._validate import check, check_int, fail
+from .layout import PagedLayout
+from .ops import _caps, _check_buffer, _err_counter, _prepare
+from .staging import REGION_ALIGN, StagingFormat, normalize_layers
+
+__all__ = [
+    "FP8_MAX",
+    "CANONICAL_NAN_BITS",
+    "QUANT_SCHEMES",
+    "GRANULARITIES",
+    "QuantStagingFormat",
+    "quant_staging_nbytes",
+    "fp8_round_to_grid",
+    "fp8_codes",
+    "gather_fp8",
+    "scatter_fp8",
+    "gather_shuffle",
+    "scatter_shuffle",
+    "gather_quant",
+    "scatter_quant",
+]
+
+FP8_MAX = 448.0
+# The one NaN that FP8 dequantization writes, per cache dtype (positive quiet NaN).
+CANONICAL_NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00, torch.float32: 0x7FC00000}
+QUANT_SCHEMES = (None, "fp8")
+GRANULARITIES = ("token", "block")
+SECTION_ALIGN = 16  # every codes / scales section starts 16-byte aligned (vector access, fp32 scales)
+FP8_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FP8_DTYPES = tuple(
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)
+)
+
+
+def _round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+# ------------------------------------------------------------------------------------------ format
+@dataclass(frozen=True)
+class QuantStagingFormat:
+    """Offsets and sizes of an FP8 staging buffer (see the module docstring / ``docs/quant.md``).
+
+    Parameters
+    ----------
+    layers : tuple of int
+        Layers present, ascending; region ``j`` holds ``layers[j]``.
+    num_blocks, block_size, num_heads, head_dim : int
+        ``n`` staged blocks and the block shape of the cache.
+    num_kv : int
+        2 (K, V) or 1 (MLA).
+    granularity : {"token", "block"}
+        One scale per (token, head) or per (block, head).
+    """
+
+    layers: tuple[int, ...]
+    num_blocks: int
+    block_size: int
+    num_heads: int
+    head_dim: int
+    num_kv: int = 2
+    granularity: str = "token"
+
+    @classmethod
+    def for_layout(cls, layout, num_blocks: int, layers=None, granularity: str = "token") -> "QuantStagingFormat":
+        check_int(num_blocks, "num_blocks", lo=0)
+        _check_granularity(granularity)
+        return cls(
+            normalize_layers(layers, layout.num_layers), num_blocks, layout.block_size,
+            layout.num_heads, layout.head_dim, layout.num_kv, granularity,
+        )
+
+    @classmethod
+    def from_staging(cls, fmt: StagingFormat, granularity: str = "token") -> "QuantStagingFormat":
+        """The FP8 format with the same layers and block shape as the raw format ``fmt``."""
+        _check_granularity(granularity)
+        return cls(fmt.layers, fmt.num_blocks, fmt.block_size, fmt.num_heads, fmt.head_dim, fmt.num_kv, granularity)
+
+    @property
+    def rows_per_block(self) -> int:
+        """(token, head) rows of ``head_dim`` values in one block: ``block_size * H``."""
+        return self.block_size * self.num_heads
+
+    @property
+    def scales_per_block(self) -> int:
+        """``block_size * H`` (token granularity) or ``H`` (block granularity)."""
+        return self.rows_per_block if self.granularity == "token" else self.num_heads
+
+    @property
+    def q_nbytes(self) -> int:
+        """Meaningful bytes of one entry's codes: ``n * block_size * H * D``."""
+        return self.num_blocks * self.rows_per_block * self.head_dim
+
+    @property
+    def q_entry_nbytes(self) -> int:
+        """One entry's codes section, rounded up to 16 bytes."""
+        return _round_up(self.q_nbytes, SECTION_ALIGN)
+
+    @property
+    def scale_nbytes(self) -> int:
+        """Meaningful bytes of one entry's scales: ``4 * n * scales_per_block``."""
+        return 4 * self.num_blocks * self.scales_per_block
+
+    @property
+    def scale_entry_nbytes(self) -> int:
+        """One entry's scales section, rounded up to 16 bytes."""
+        return _round_up(self.scale_nbytes, SECTION_ALIGN)
+
+    @property
+    def payload_nbytes(self) -> int:
+        return self.num_kv * (self.q_entry_nbytes + self.scale_entry_nbytes)
+
+    @property
+    def region_nbytes(self) -> int:
+        return _round_up(self.payload_nbytes, REGION_ALIGN)
+
+    @property
+    def num_regions(self) -> int:
+        return len(self.layers)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_regions * self.region_nbytes
+
+    def region_index(self, layer: int) -> int:
+        try:
+            return self.layers.index(layer)
+        except ValueError:
+            fail("layer", f"one of the staged layers {self.layers}", layer)
+
+    def region_offset(self, layer: int) -> int:
+        return self.region_index(layer) * self.region_nbytes
+
+    def q_offset(self, layer: int, kv: int) -> int:
+        """Byte offset of the codes of entry ``kv`` (0 = K, 1 = V) of ``layer``."""
+        check(0 <= kv < self.num_kv, "kv", f"an entry index in [0, {self.num_kv})", kv)
+        return self.region_offset(layer) + kv * self.q_entry_nbytes
+
+    def scale_offset(self, layer: int, kv: int) -> int:
+        """Byte offset of the fp32 scales of entry ``kv`` of ``layer``."""
+        check(0 <= kv < self.num_kv, "kv", f"an entry index in [0, {self.num_kv})", kv)
+        return self.region_offset(layer) + self.num_kv * self.q_entry_nbytes + kv * self.scale_entry_nbytes
+
+    def regions(self) -> list[tuple[int, int, int]]:
+        """``[(layer, offset, payload_nbytes)]`` for every region."""
+        return [(l, j * self.region_nbytes, self.payload_nbytes) for j, l in enumerate(self.layers)]
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """``[(start, stop)]`` byte ranges *within a region* that hold no data (zeroed by gather)."""
+        out = []
+        for c in range(self.num_kv):
+            q0 = c * self.q_entry_nbytes
+            out.append((q0 + self.q_nbytes, q0 + self.q_entry_nbytes))
+            s0 = self.num_kv * self.q_entry_nbytes + c * self.scale_entry_nbytes
+            out.append((s0 + self.scale_nbytes, s0 + self.scale_entry_nbytes))
+        out.append((self.payload_nbytes, self.region_nbytes))
+        return [(a, b) for a, b in out if b > a]
+
+
+def quant_staging_nbytes(layout, num_blocks: int, layers=None, *, quant=None, shuffle=False, granularity="token") -> int:
+    """Bytes :func:`gather_quant` needs (``quant=None``: the raw / shuffled size)."""
+    _check_scheme(quant, shuffle, granularity)
+    if quant == "fp8":
+        return QuantStagingFormat.for_layout(layout, num_blocks, layers, granularity).nbytes
+    return StagingFormat.for_layout(layout, num_blocks, layers).nbytes
+
+
+# ------------------------------------------------------------------------------------ fp8 rounding
+def fp8_codes(y: torch.Tensor) -> torch.Tensor:
+    """fp32 ``y`` -> uint8 e4m3fn codes, saturating round-to-nearest-even, with integer bit ops.
+
+    The same arithmetic as the Triton kernel: bit-identical to
+    ``y.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)`` for every non-NaN ``y``;
+    every NaN gives ``0x7F``.
+    """
+    check(y.dtype == torch.float32, "y", "dtype torch.float32", y.dtype, TypeError)
+    b = y.view(torch.int32)
+    sign = (b >> 24) & 0x80
+    a = b & 0x7FFFFFFF
+    nan = a > 0x7F800000
+    a = torch.clamp_max(a, 0x43E00000)  # 448.0: saturate (inf included)
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960  # RNE on the 20 dropped mantissa bits
+    # below 2**-6 the e4m3 grid is k * 2**-9: RNE of y * 512 through the 2**23 magic number (exact)
+    sub = (a.view(torch.float32) * 512.0 + 8388608.0).view(torch.int32) - 0x4B000000
+    code = torch.where(a < 0x3C800000, sub, normal) | sign
+    return torch.where(nan, 0x7F, code).to(torch.uint8)
+
+
+def _decode_codes(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.float8_e4m3fn).float()
+
+
+def fp8_round_to_grid(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> fp32 values exactly on the e4m3 grid (saturating RNE, integer bit ops).
+
+    Bit-identical to ``x.clamp(-448, 448).to(torch.float8_e4m3fn).float()`` for every non-NaN
+    input (signed zeros and ties included); NaN stays NaN.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kvkernels.quant import fp8_round_to_grid
+    >>> fp8_round_to_grid(torch.tensor([1.0625, 1.1875, 500.0, -0.0])).tolist()
+    [1.0, 1.25, 448.0, -0.0]
+    """
+    check(isinstance(x, torch.Tensor), "x", "a torch.Tensor", type(x).__name__, TypeError)
+    check(x.dtype == torch.float32, "x", "dtype torch.float32", x.dtype, TypeError)
+    return _decode_codes(fp8_codes(x.contiguous()))
+
+
+def _scales(x: torch.Tensor, granularity: str) -> torch.Tensor:
+    """``x`` fp32 ``[n, bs, H, D]`` -> scales ``[n, bs, H, 1]`` or ``[n, 1, H, 1]`` (zero rule applied)."""
+    a = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x))
+    amax = a.amax(dim=-1, keepdim=True)
+    if granularity == "block":
+        amax = amax.amax(dim=1, keepdim=True)
+    s = amax / FP8_MAX
+    return torch.where(s > 0, s, torch.ones_like(s))
+
+
+def quantize_rows(x: torch.Tensor, granularity: str = "token") -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[n, bs, H, D]`` (bf16/fp16/fp32) -> (codes uint8 ``[n, bs, H, D]``, fp32 scales
+    ``[n, bs, H]`` or ``[n, H]``), by the definition (``torch``'s own fp8 cast)."""
+    xf = x.float()
+    s = _scales(xf, granularity)
+    y = xf / s
+    q = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    q = torch.where(torch.isnan(y), torch.full_like(q, 0x7F), q)  # one NaN code whatever the sign
+    s = s.squeeze(-1)
+    return q, (s.squeeze(1) if granularity == "block" else s)
+
+
+def dequantize_rows(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, granularity: str = "token") -> torch.Tensor:
+    """Inverse of :func:`quantize_rows`: ``(code * scale)`` in fp32, cast (RNE) to ``dtype``; every
+    NaN becomes :data:`CANONICAL_NAN_BITS` (set on the bits: torch's own casts disagree on NaN,
+    e.g. its vectorized CPU fp32 -> bf16 path writes ``0xFFFF``)."""
+    s = s.unsqueeze(1) if granularity == "block" else s
+    y = _decode_codes(q) * s.unsqueeze(-1)
+    out = y.to(dtype)
+    ity = torch.int32 if out.element_size() == 4 else torch.int16
+    bits = torch.where(torch.isnan(y), torch.full_like(out, 0, dtype=ity) + CANONICAL_NAN_BITS[dtype], out.view(ity))
+    return bits.view(dtype)
+
+
+# ------------------------------------------------------------------------------------ references
+def _ids(layout, block_ids):
+    ids = block_ids.to(device=layout.device, dtype=torch.int64)
+    valid = (ids >= 0) & (ids < layout.num_blocks)
+    return ids, valid
+
+
+def gather_fp8(layout: PagedLayout, block_ids: torch.Tensor, fmt: QuantStagingFormat, out: torch.Tensor) -> torch.Tensor:
+    """Reference FP8 gather: quantize ``block_ids`` of ``fmt.layers`` into ``out[:fmt.nbytes]``.
+
+    ``block_ids`` int32/int64 ``[n]`` (padding / invalid ids -> all-zero codes and scales);
+    ``out`` uint8 ``[>= fmt.nbytes]``, written in place; gaps and region padding are zeroed.
+    """
+    ids, valid = _ids(layout, block_ids)
+    safe = torch.where(valid, ids, torch.zeros_like(ids))
+    n = fmt.num_blocks
+    out[: fmt.nbytes].zero_()
+    keep = valid.view(n, 1, 1, 1)
+    for layer in fmt.layers:
+        for c in range(fmt.num_kv):
+            x = layout.views[layer][c].index_select(0, safe)
+            q, s = quantize_rows(x, fmt.granularity)
+            q = torch.where(keep, q, torch.zeros_like(q))
+            s = torch.where(valid.view((n,) + (1,) * (s.dim() - 1)), s, torch.zeros_like(s))
+            qo, so = fmt.q_offset(layer, c), fmt.scale_offset(layer, c)
+            out[qo : qo + fmt.q_nbytes].copy_(q.reshape(-1).to(out.device))
+            out[so : so + fmt.scale_nbytes].copy_(s.reshape(-1).contiguous().view(torch.uint8).to(out.device))
+    return out
+
+
+def scatter_fp8(staging: torch.Tensor, layout: PagedLayout, block_ids: torch.Tensor, fmt: QuantStagingFormat) -> None:
+    """Reference FP8 scatter: dequantize ``staging`` into ``block_ids`` of the cache (in place);
+    padding / invalid ids are skipped."""
+    ids, valid = _ids(layout, block_ids)
+    sel = valid.nonzero().flatten()
+    dst = ids.index_select(0, sel)
+    buf = staging.to(layout.device) if staging.device != layout.device else staging
+    n, bs, hh, d = fmt.num_blocks, fmt.block_size, fmt.num_heads, fmt.head_dim
+    sshape = (n, bs, hh) if fmt.granularity == "token" else (n, hh)
+    for layer in fmt.layers:
+        for c in range(fmt.num_kv):
+            qo, so = fmt.q_offset(layer, c), fmt.scale_offset(layer, c)
+            q = buf[qo : qo + fmt.q_nbytes].view(n, bs, hh, d).index_select(0, sel)
+            s = buf[so : so + fmt.scale_nbytes].view(torch.float32).view(sshape).index_select(0, sel)
+            layout.views[layer][c].index_copy_(0, dst, dequantize_rows(q, s, layout.dtype, fmt.granularity))
+
+
+def _entries(fmt: StagingFormat):
+    for j in range(fmt.num_regions):
+        for c in range(fmt.num_kv):
+            yield j * fmt.region_nbytes + c * fmt.entry_nbytes
+
+
+def gather_shuffle(layout: PagedLayout, block_ids: torch.Tensor, fmt: StagingFormat, out: torch.Tensor) -> torch.Tensor:
+    """Reference shuffled gather: the raw staging with each entry split into its high-byte plane
+    then its low-byte plane (16-bit caches; little-endian element bytes)."""
+    from . import reference
+
+    raw = reference.gather(layout, block_ids, fmt, torch.empty(fmt.nbytes, dtype=torch.uint8, device=layout.device))
+    half = fmt.entry_nbytes // 2
+    for off in _entries(fmt):
+        e = raw[off : off + fmt.entry_nbytes].view(half, 2)
+        out[off : off + half].copy_(e[:, 1])
+        out[off + half : off + fmt.entry_nbytes].copy_(e[:, 0])
+    for j in range(fmt.num_regions):
+        out[j * fmt.region_nbytes + fmt.payload_nbytes : (j + 1) * fmt.region_nbytes].zero_()
+    return out
+
+
+def scatter_shuffle(staging: torch.Tensor, layout: PagedLayout, block_ids: torch.Tensor, fmt: StagingFormat) -> None:
+    """Reference shuffled scatter: undo the plane split, then the raw scatter (in place)."""
+    from . import reference
+
+    buf = staging.to(layout.device) if staging.device != layout.device else staging
+    raw = torch.zeros(fmt.nbytes, dtype=torch.uint8, device=layout.device)
+    half = fmt.entry_nbytes // 2
+    for off in _entries(fmt):
+        e = raw[off : off + fmt.entry_nbytes].view(half, 2)
+        e[:, 1].copy_(buf[off : off + half])
+        e[:, 0].copy_(buf[off + half : off + fmt.entry_nbytes])
+    reference.scatter(raw, layout, block_ids, fmt)
+
+
+# ------------------------------------------------------------------------------------ public ops
+def _check_granularity(granularity) -> None:
+    check(granularity in GRANULARITIES, "granularity", "'token' or 'block'", repr(granularity))
+
+
+def _check_scheme(quant, shuffle, granularity) -> None:
+    check(quant in QUANT_SCHEMES, "quant", "None or 'fp8'", repr(quant))
+    check(isinstance(shuffle, bool), "shuffle", "a bool", type(shuffle).__name__, TypeError)
+    check(not (quant == "fp8" and shuffle), "shuffle", "False with quant='fp8' (e4m3 codes are single bytes)", True)
+    _check_granularity(granularity)
+
+
+def _check_dtype(layout: PagedLayout, quant, shuffle) -> None:
+    dt = layout.dtype
+    if quant == "fp8":
+        if dt in _FP8_DTYPES or dt == torch.uint8:
+            fail(
+                "quant",
+                "None for an 8-bit cache: fp8 caches (per-layer scales) pass through raw without re-quantizing",
+                f"quant='fp8' on a {dt} cache",
+            )
+        check(dt in FP8_SOURCE_DTYPES, "quant", "a bfloat16, float16 or float32 cache for quant='fp8'", f"a {dt} cache")
+    if shuffle:
+        check(
+            layout.element_size == 2,
+            "shuffle",
+            "a cache with a 16-bit dtype (bfloat16, float16) for shuffle=True",
+            f"a {dt} cache ({layout.element_size}-byte elements)",
+        )
+
+
+def _check_aligned(buf: torch.Tensor, name: str) -> None:
+    check(buf.data_ptr() % SECTION_ALIGN == 0, name, "a 16-byte aligned buffer for quant='fp8' (fp32 scales)",
+          f"address {buf.data_ptr():#x}")
+
+
+def gather_quant(
+    layout: PagedLayout,
+    block_ids,
+    *,
+    quant: str | None = None,
+    shuffle: bool = False,
+    granularity: str = "token",
+    out: torch.Tensor | None = None,
+    layers=None,
+    backend: str = "auto",
+    max_ctas: int | None = None,
+    validate: bool | None = None,
+) -> torch.Tensor:
+    """:func:`kvkernels.gather` with fused FP8 quantization or byte-plane shuffle.
+
+    Parameters
+    ----------
+    layout : PagedLayout
+        The cache (read only). ``quant="fp8"``: bfloat16, float16 or float32. ``shuffle=True``:
+        a 16-bit dtype.
+    block_ids : Tensor or sequence of int
+        ``[n]`` int32/int64 (CPU or cache device); ``-1`` = padding (all-zero bytes); duplicates allowed.
+    quant : {None, "fp8"}
+        ``"fp8"``: write the :class:`QuantStagingFormat` (e4m3 codes + fp32 scales).
+    shuffle : bool
+        Write each entry as its high-byte plane then its low-byte plane (not with ``quant``).
+    granularity : {"token", "block"}
+        FP8 scale per (token, head) or per (block, head).
+    out : Tensor, optional
+        ``[>= quant_staging_nbytes]`` uint8, contiguous (16-byte aligned for fp8), on the cache
+        device or pinned host memory; written in place; allocated when ``None``.
+    layers, backend, max_ctas, validate
+        As in :func:`kvkernels.gather`.
+
+    Returns
+    -------
+    Tensor
+        ``out``.
+
+    Examples
+    --------
+    >>> import torch, kvkernels
+    >>> from kvkernels.quant import gather_quant, scatter_quant
+    >>> lay = kvkernels.PagedLayout.from_vllm([torch.randn(2, 8, 16, 2, 64).bfloat16()])
+    >>> buf = gather_quant(lay, [3, 5], quant="fp8")
+    >>> buf.numel()
+    12288
+    >>> scatter_quant(buf, lay, [0, 1], quant="fp8")
+    >>> bool(((lay.views[0][0][0].float() - lay.views[0][0][3].float()).abs().max() < 0.2))
+    True
+    """
+    _check_scheme(quant, shuffle, granularity)
+    if quant is None and not shuffle:
+        from .ops import gather
+
+        return gather(layout, block_ids, out=out, layers=layers, backend=backend, max_ctas=max_ctas, validate=validate)
+    layout, ids, raw, b = _prepare(layout, block_ids, layers, validate, backend, unique=False)
+    _check_dtype(layout, quant, shuffle)
+    cap = _caps(max_ctas)
+    fmt = QuantStagingFormat.from_staging(raw, granularity) if quant == "fp8" else raw
+    if out is None:
+        out = torch.empty(fmt.nbytes, dtype=torch.uint8, device=layout.device)
+    else:
+        _check_buffer(out, "out", layout, fmt.nbytes)
+    if quant == "fp8":
+        _check_aligned(out, "out")
+    if fmt.nbytes == 0:
+        return out
+    err = _err_counter(layout.device)
+    if b == "triton":
+        if quant == "fp8":
+            from kvkernels.triton_ops.quant_gather import quant_gather_triton
+
+            return quant_gather_triton(layout, ids, fmt, out, err, cap)
+        from kvkernels.triton_ops.shuffle_gather import shuffle_gather_triton
+
+        return shuffle_gather_triton(layout, ids, fmt, out, err, cap)
+    err += ((ids < -1) | (ids >= layout.num_blocks)).sum().to(torch.int32)
+    return (gather_fp8 if quant == "fp8" else gather_shuffle)(layout, ids, fmt, out)
+
+
+def scatter_quant(
+    staging: torch.Tensor,
+    layout: PagedLayout,
+    block_ids,
+    *,
+    quant: str | None = None,
+    shuffle: bool = False,
+    granularity: str = "token",
+    layers=None,
+    backend: str = "auto",
+    max_ctas: int | None = None,
+    validate: bool | None = None,
+) -> None:
+    """:func:`kvkernels.scatter` of a buffer written by :func:`gather_quant` with the same
+    ``quant`` / ``shuffle`` / ``granularity`` / ``layers``: dequantizes (RNE into the cache dtype)
+    or un-shuffles in the same pass, in place.
+
+    Parameters
+    ----------
+    staging : Tensor
+        ``[>= quant_staging_nbytes]`` uint8 (16-byte aligned for fp8), cache device or pinned host.
+    layout : PagedLayout
+        Destination cache (written in place); same dtype rules as :func:`gather_quant`.
+    block_ids : Tensor or sequence of int
+        ``[n]`` distinct destination blocks; ``-1`` skips the slot.
+    quant, shuffle, granularity, layers, backend, max_ctas, validate
+        As in :func:`gather_quant`. The scheme is not recorded in the buffer: the caller (the
+        store's header) must pass the one the buffer was written with.
+    """
+    _check_scheme(quant, shuffle, granularity)
+    if quant is None and not shuffle:
+        from .ops import scatter
+
+        return scatter(staging, layout, block_ids, layers=layers, backend=backend, max_ctas=max_ctas, validate=validate)
+    layout, ids, raw, b = _prepare(layout, block_ids, layers, validate, backend, unique=True)
+    _check_dtype(layout, quant, shuffle)
+    cap = _caps(max_ctas)
+    fmt = QuantStagingFormat.from_staging(raw, granularity) if quant == "fp8" else raw
+    _check_buffer(staging, "staging", layout, fmt.nbytes)
+    if quant == "fp8":
+        _check_aligned(staging, "staging")
+    if fmt.nbytes == 0:
+        return None
+    err = _err_counter(layout.device)
+    if b == "triton":
+        if quant == "fp8":
+            from kvkernels.triton_ops.dequant_scatter import dequant_scatter_triton
+
+            dequant_scatter_triton(staging, layout, ids, fmt, err, cap)
+        else:
+            from kvkernels.triton_ops.unshuffle_scatter import unshuffle_scatter_triton
+
+            unshuffle_scatter_triton(staging, layout, ids, fmt, err, cap)
+        return None
+    err += ((ids < -1) | (ids >= layout.num_blocks)).sum().to(torch.int32)
+    (scatter_fp8 if quant == "fp8" else scatter_shuffle)(staging, layout, ids, fmt)
+    return None

@@ -1,0 +1,552 @@
+"""FP8 quantization and byte-plane shuffle (kvkernels.quant, triton_ops/{quant_gather,
+dequant_scatter,shuffle_gather,unshuffle_scatter}.py).
+
+Oracles: the rounding helpers against torch's own ``float8_e4m3fn`` cast (bit-exact); the reference
+against staging bytes built slot by slot from the definition (docs/quant.md); every backend
+against the reference, bit-exactly, in both directions; shuffle round trips bit-exact; FP8 round
+trips within the tolerance table below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvkernels
+from kvkernels import StagingFormat
+from kvkernels.models import make_cache, random_fill_
+from kvkernels.quant import (
+    CANONICAL_NAN_BITS,
+    QuantStagingFormat,
+    dequantize_rows,
+    fp8_codes,
+    fp8_round_to_grid,
+    gather_quant,
+    quant_staging_nbytes,
+    quantize_rows,
+    scatter_quant,
+)
+from kvtest import BACKENDS, DEVICE, bytes_equal
+
+FP8_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+SHUFFLE_DTYPES = [torch.bfloat16, torch.float16]
+LAYOUTS = ["vllm-nhd", "vllm-hnd", "flashinfer-nhd", "mla", "sglang"]
+GRANULARITIES = ["token", "block"]
+HEAD_DIMS = [64, 128, 576]
+BLOCK_SIZES = [1, 16]
+
+L, NB, BS, H, D = 2, 8, 4, 2, 64
+IDS = [5, -1, 2, 2, 7]  # unsorted, padding, duplicate (gather)
+DST = [1, -1, 6, 0, 3]  # distinct destinations (scatter)
+
+# Round-trip tolerance table: |x - dequant(quant(x))| <= REL * |x| + SUB * scale + OUT * |x_hat|.
+#   REL = 2**-4: e4m3 keeps 3 mantissa bits; RNE error is at most half a step, 2**-4 of the binade's
+#                lower bound, so <= 2**-4 * |x / s| for |x / s| >= 2**-6 (the normal range).
+#   SUB = 2**-10: below 2**-6 the grid is uniform with step 2**-9 (in units of the scale): half a step.
+#   OUT: the final RNE into the cache dtype, half an ulp: bf16 2**-8, fp16 2**-11, fp32 2**-24.
+#   (x / s and code * s are IEEE fp32 operations: their 2**-24 relative errors are inside the slack
+#   factor 1.001 applied below.)
+# RMSE / RMS bounds on N(0, 1) data: measured 2.50-2.52% (token) and 2.67-2.70% (block: the block
+# amax is larger, so more values sit in lower binades relative to it) for every dtype here (max error
+# 3.6-3.8% of the row / tile amax). Field notes section 5 measured 2.2% RMSE on real SmolLM2 KV per
+# (token, head). Bounds leave ~30% head room for other seeds.
+TOL = {
+    "REL": 2.0**-4,
+    "SUB": 2.0**-10,
+    "OUT": {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24},
+    "RMSE": {"token": 0.032, "block": 0.035},
+}
+
+
+def cache(layout, *, dtype=torch.bfloat16, head_dim=D, block_size=BS, heads=H, blocks=NB, layers=L, fill="random", seed=0):
+    return make_cache(
+        layout, num_layers=layers, num_blocks=blocks, block_size=block_size, num_heads=heads,
+        head_dim=head_dim, dtype=dtype, device=DEVICE, fill=fill, seed=seed,
+    )
+
+
+def normal_cache(layout, *, dtype=torch.bfloat16, seed=0, **kw):
+    """A cache of N(0, 1) * 3 values (random *bytes* would be mostly NaN / huge for fp8 accuracy)."""
+    lay = cache(layout, dtype=dtype, fill="zero", **kw)
+    g = torch.Generator().manual_seed(seed)
+    for row in lay.views:
+        for v in row:
+            v.copy_((torch.randn(v.shape, generator=g) * 3).to(dtype))
+    return lay
+
+
+def cache_bytes(lay):
+    return [v.cpu().contiguous().view(-1).view(torch.uint8) for row in lay.views for v in row]
+
+
+def same_cache(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(cache_bytes(a), cache_bytes(b)))
+
+
+# ------------------------------------------------------------------------------ rounding helpers
+def special_values() -> torch.Tensor:
+    """Every e4m3 grid value, every midpoint (ties) and its fp32 neighbours, the saturation
+    boundary, e4m3 and fp32 subnormals, signed zeros, inf, NaN."""
+    grid = torch.arange(0, 127, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (grid[:-1] + grid[1:]) / 2  # exact in fp32
+    nb = lambda t, k: (t.view(torch.int32) + k).view(torch.float32)  # noqa: E731
+    extra = torch.tensor(
+        [448.0, 449.0, 463.99, 464.0, 464.01, 479.9, 480.0, 1e30, float("inf"), 2.0**-9, 2.0**-10,
+         3 * 2.0**-10, 2.0**-11, 2.0**-6, 2.0**-6 - 2.0**-10, 1e-40, 1.4e-45, 0.0, float("nan")]
+    )
+    pos = torch.cat([grid, mids, nb(mids, 1), nb(mids, -1), extra])
+    return torch.cat([pos, -pos])
+
+
+def fp32_samples() -> torch.Tensor:
+    """Special values + every fp32 whose low 16 bits are zero (all exponents, signs, NaN/inf) +
+    random bit patterns."""
+    hi = (torch.arange(0, 1 << 16, dtype=torch.int32) << 16).view(torch.float32)
+    rnd = torch.randint(-(2**31), 2**31 - 1, (1 << 16,), dtype=torch.int64, generator=torch.Generator().manual_seed(1))
+    return torch.cat([special_values(), hi, rnd.to(torch.int32).view(torch.float32)])
+
+
+def test_fp8_round_to_grid_is_torch_cast_bit_exact():
+    x = fp32_samples()
+    got = fp8_round_to_grid(x)
+    exp = x.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    nan = torch.isnan(x)
+    assert torch.equal(got[~nan].view(torch.int32), exp[~nan].view(torch.int32))  # signed zeros too
+    assert bool(torch.isnan(got[nan]).all())
+
+
+def test_fp8_codes_bytes_and_nan_policy():
+    x = fp32_samples()
+    codes = fp8_codes(x)
+    exp = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    nan = torch.isnan(x)
+    assert torch.equal(codes[~nan], exp[~nan])
+    assert bool((codes[nan] == 0x7F).all())  # one NaN code whatever the sign
+    got = fp8_codes(torch.tensor([-0.0, 0.0, float("inf"), -float("inf"), 1.0625, 1.1875, -1e-30]))
+    assert got.tolist() == [0x80, 0x00, 0x7E, 0xFE, 0x38, 0x3A, 0x80]  # ties to even: 1.0, 1.25
+
+
+def test_fp8_round_to_grid_rejects_other_dtypes():
+    with pytest.raises(TypeError, match="`x`: expected dtype torch.float32"):
+        fp8_round_to_grid(torch.zeros(3, dtype=torch.bfloat16))
+
+
+def crafted_fp32_cache():
+    """fp32 cache whose every (token, head) row has amax exactly 448 (scale exactly 1.0), so the
+    kernel encodes the crafted values themselves: ties, saturation, subnormals, zeros, inf, NaN."""
+    vals = special_values()
+    vals = vals[torch.isfinite(vals) & (vals.abs() <= 448)]
+    rows_needed = -(-vals.numel() // (D - 1))
+    blocks = -(-rows_needed // (BS * H)) + 1
+    lay = cache("vllm-nhd", dtype=torch.float32, blocks=blocks, layers=1, fill="zero")
+    flat = torch.zeros(blocks * BS * H, D)
+    flat[:, 0] = 448.0
+    body = torch.zeros(blocks * BS * H * (D - 1))
+    body[: vals.numel()] = vals
+    flat[:, 1:] = body.view(-1, D - 1)
+    flat[-1, 1:4] = torch.tensor([float("inf"), float("nan"), -float("inf")])  # non-finite row
+    lay.views[0][0].copy_(flat.view(blocks, BS, H, D))
+    lay.views[0][1].copy_(-flat.view(blocks, BS, H, D))
+    return lay
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernel_codes_equal_torch_cast(backend):
+    lay = crafted_fp32_cache()
+    ids = list(range(lay.num_blocks))
+    buf = gather_quant(lay, ids, quant="fp8", backend=backend).cpu()
+    fmt = QuantStagingFormat.for_layout(lay, len(ids))
+    for c in range(2):
+        x = lay.views[0][c].reshape(-1, D)
+        q = buf[fmt.q_offset(0, c) :][: fmt.q_nbytes].view(-1, D)
+        s = buf[fmt.scale_offset(0, c) :][: fmt.scale_nbytes].view(torch.float32)
+        assert bool((s == 1.0).all())
+        exp = (x / 1.0).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        nan = torch.isnan(x)
+        assert torch.equal(q[~nan], exp[~nan]), backend
+        assert bool((q[nan] == 0x7F).all())
+
+
+# -------------------------------------------------------------------------------------- format
+def test_quant_format_worked_example():
+    """The worked example of docs/quant.md: Llama-3-8B shape, 3 blocks, layers 1 and 3 of 4."""
+    lay = cache("vllm-nhd", heads=8, head_dim=128, block_size=16, layers=4, blocks=4, fill="zero")
+    fmt = QuantStagingFormat.for_layout(lay, 3, layers=[3, 1])
+    assert fmt.layers == (1, 3)
+    assert (fmt.q_nbytes, fmt.q_entry_nbytes, fmt.scale_nbytes, fmt.scale_entry_nbytes) == (49152, 49152, 1536, 1536)
+    assert (fmt.payload_nbytes, fmt.region_nbytes, fmt.nbytes) == (101376, 102400, 204800)
+    assert [fmt.q_offset(3, 0), fmt.q_offset(3, 1), fmt.scale_offset(3, 0), fmt.scale_offset(3, 1)] == [
+        102400, 151552, 200704, 202240]
+    blk = QuantStagingFormat.for_layout(lay, 3, layers=[3, 1], granularity="block")
+    assert (blk.scale_nbytes, blk.payload_nbytes, blk.region_nbytes) == (96, 98496, 102400)
+    raw = StagingFormat.for_layout(lay, 3, layers=[3, 1])
+    assert raw.region_nbytes == 196608  # fp8 is 0.52x of bf16 here
+    assert quant_staging_nbytes(lay, 3, [1, 3], quant="fp8") == 204800
+    assert quant_staging_nbytes(lay, 3, [1, 3], shuffle=True) == raw.nbytes
+    # element-level positions of the docs: (slot 1 = block 2, token 5, head 2, dim 7) of layer 3's V
+    lay.views[3][1][2, 5, 2, 7] = torch.tensor(0x4123, dtype=torch.int16).view(torch.bfloat16)
+    buf = gather_quant(lay, [0, 2, 1], quant="fp8", layers=[3, 1])
+    assert buf[173319].item() == 0x7E  # the row's amax: code 448
+    assert torch.equal(buf[202920:202924].view(torch.float32), lay.views[3][1][2, 5, 2, 7:8].float() / 448)
+    shuf = gather_quant(lay, [0, 2, 1], shuffle=True, layers=[1, 3])
+    assert (shuf[316679].item(), shuf[365831].item()) == (0x41, 0x23)
+
+
+def test_quant_format_sections_are_16_aligned():
+    lay = cache("mla", head_dim=5, block_size=3, heads=1, fill="zero")  # odd sizes everywhere
+    fmt = QuantStagingFormat.for_layout(lay, 3)
+    assert fmt.q_nbytes == 45 and fmt.q_entry_nbytes == 48 and fmt.scale_offset(0, 0) == 48
+    assert fmt.gaps() == [(45, 48), (48 + 36, 48 + 48), (96, 4096)]
+
+
+def expected_fp8_staging(lay, ids, granularity="token", layers=None) -> torch.Tensor:
+    """FP8 staging bytes built slot by slot from the definition (docs/quant.md)."""
+    fmt = QuantStagingFormat.for_layout(lay, len(ids), layers, granularity)
+    out = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+    rows, sp = fmt.rows_per_block * fmt.head_dim, fmt.scales_per_block * 4
+    for layer in fmt.layers:
+        for c in range(lay.num_kv):
+            for i, b in enumerate(ids):
+                if b == -1:
+                    continue
+                x = lay.views[layer][c][b].cpu().float()  # [bs, H, D]
+                a = torch.where(torch.isfinite(x), x.abs(), 0.0).amax(-1, keepdim=True)
+                if granularity == "block":
+                    a = a.amax(0, keepdim=True)
+                s = a / 448
+                s = torch.where(s > 0, s, 1.0)
+                y = x / s
+                q = torch.where(torch.isnan(y), float("nan"), y).clamp(-448, 448).to(torch.float8_e4m3fn)
+                qo, so = fmt.q_offset(layer, c) + i * rows, fmt.scale_offset(layer, c) + i * sp
+                out[qo : qo + rows] = q.view(torch.uint8).reshape(-1)
+                out[so : so + sp] = s.reshape(-1).contiguous().view(torch.uint8)
+    return out
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("layout", ["vllm-hnd", "mla"])
+def test_reference_fp8_matches_definition(layout, granularity):
+    lay = cache(layout, dtype=torch.bfloat16)  # random bytes: NaN, inf, huge, subnormal values
+    out = gather_quant(lay, IDS, quant="fp8", granularity=granularity, backend="torch")
+    assert torch.equal(out.cpu(), expected_fp8_staging(lay, IDS, granularity))
+    sub = gather_quant(lay, IDS, quant="fp8", granularity=granularity, layers=[1], backend="torch")
+    assert torch.equal(sub.cpu(), expected_fp8_staging(lay, IDS, granularity, layers=[1]))
+
+
+def test_reference_shuffle_is_planes_of_raw_staging():
+    lay = cache("flashinfer-nhd", dtype=torch.float16)
+    raw = kvkernels.gather(lay, IDS, backend="torch").cpu()
+    shuf = gather_quant(lay, IDS, shuffle=True, backend="torch").cpu()
+    fmt = StagingFormat.for_layout(lay, len(IDS))
+    assert shuf.numel() == raw.numel()
+    half = fmt.entry_nbytes // 2
+    for layer in fmt.layers:
+        for c in range(2):
+            off = fmt.entry_offset(layer, c)
+            pairs = raw[off : off + fmt.entry_nbytes].view(-1, 2)
+            assert torch.equal(shuf[off : off + half], pairs[:, 1])  # high bytes first
+            assert torch.equal(shuf[off + half : off + 2 * half], pairs[:, 0])
+
+
+# ------------------------------------------------------------- backends vs reference, bit-exact
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_triton_matches_reference(layout, dtype, granularity):
+    lay = cache(layout, dtype=dtype)  # random bytes: every special value class appears
+    ids = torch.tensor(IDS, device=DEVICE)
+    ref = gather_quant(lay, ids, quant="fp8", granularity=granularity, backend="torch")
+    tri = gather_quant(lay, ids, quant="fp8", granularity=granularity, backend="triton")
+    assert torch.equal(ref, tri)
+    outs = []
+    for backend in BACKENDS:
+        dst = cache(layout, dtype=dtype, seed=1)
+        scatter_quant(ref, dst, DST, quant="fp8", granularity=granularity, backend=backend)
+        outs.append(dst)
+    assert same_cache(outs[0], outs[1])
+    untouched = cache(layout, dtype=dtype, seed=1)  # the -1 slot and other blocks are not written
+    for c in range(lay.num_kv):
+        for b in (2, 4, 5, 7):
+            assert bytes_equal(outs[1].views[1][c][b], untouched.views[1][c][b])
+
+
+@pytest.mark.parametrize("dtype", SHUFFLE_DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shuffle_triton_matches_reference_and_round_trips(layout, dtype):
+    lay = cache(layout, dtype=dtype)
+    ref = gather_quant(lay, IDS, shuffle=True, backend="torch")
+    tri = gather_quant(lay, IDS, shuffle=True, backend="triton")
+    assert torch.equal(ref, tri)
+    dsts = []
+    for backend in BACKENDS:
+        dst = cache(layout, dtype=dtype, seed=1)
+        scatter_quant(tri, dst, DST, shuffle=True, backend=backend)
+        dsts.append(dst)
+    assert same_cache(dsts[0], dsts[1])
+    for c in range(lay.num_kv):  # bit-exact round trip (NaN payloads included)
+        for i, (s, d) in enumerate(zip(IDS, DST)):
+            if s >= 0 and d >= 0:
+                assert bytes_equal(dsts[1].views[0][c][d], lay.views[0][c][s]), (c, i)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("layout", ["vllm-nhd", "mla"])
+def test_head_dims_block_sizes(layout, head_dim, block_size):
+    kw = dict(head_dim=head_dim, block_size=block_size, blocks=4, layers=1)
+    lay = cache(layout, **kw)
+    ids = [3, -1, 0]
+    for mode in (dict(quant="fp8"), dict(quant="fp8", granularity="block"), dict(shuffle=True)):
+        ref = gather_quant(lay, ids, backend="torch", **mode)
+        assert torch.equal(ref, gather_quant(lay, ids, backend="triton", **mode)), mode
+        a, b = cache(layout, seed=2, **kw), cache(layout, seed=2, **kw)
+        scatter_quant(ref, a, [1, -1, 2], backend="torch", **mode)
+        scatter_quant(ref, b, [1, -1, 2], backend="triton", **mode)
+        assert same_cache(a, b), mode
+
+
+def strided_layouts(dtype, seed=0):
+    """A view into a larger allocation (odd base offset, padded head stride) and a K-only view."""
+    big = torch.zeros(2, NB + 5, BS, H, D + 24, dtype=dtype)
+    random_fill_(big, torch.Generator().manual_seed(seed))
+    sliced = kvkernels.PagedLayout.from_vllm([big.to(DEVICE)[:, 3 : NB + 3, :, :, 8 : 8 + D]])
+    k_only = kvkernels.PagedLayout.from_views([[row[0]] for row in cache("vllm-hnd", dtype=dtype, seed=seed).views])
+    return sliced, k_only
+
+
+@pytest.mark.parametrize("dtype", SHUFFLE_DTYPES, ids=str)
+def test_strided_views(dtype):
+    for lay in strided_layouts(dtype):
+        for mode in (dict(quant="fp8"), dict(shuffle=True)):
+            ref = gather_quant(lay, IDS, backend="torch", **mode)
+            assert torch.equal(ref, gather_quant(lay, IDS, backend="triton", **mode)), mode
+            dsts = []
+            for backend in BACKENDS:
+                dst = strided_layouts(dtype)[0 if lay.num_layers == 1 and lay.num_kv == 2 else 1]
+                scatter_quant(ref, dst, DST, backend=backend, **mode)
+                dsts.append(dst)
+            assert same_cache(*dsts), mode
+
+
+@pytest.mark.parametrize("max_ctas", [1, 3])
+def test_sm_cap_gives_same_bytes(max_ctas):
+    lay = cache("flashinfer-nhd")
+    for mode in (dict(quant="fp8"), dict(shuffle=True)):
+        ref = gather_quant(lay, IDS, backend="torch", **mode)
+        assert torch.equal(ref, gather_quant(lay, IDS, backend="triton", max_ctas=max_ctas, **mode))
+
+
+# ---------------------------------------------------------------------------------- semantics
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_gaps_and_tail_are_zero_and_out_is_reused(backend):
+    lay = cache("mla", head_dim=576, block_size=1, fill="random")
+    fmt = QuantStagingFormat.for_layout(lay, 3)
+    out = torch.full((fmt.nbytes + 64,), 0xAB, dtype=torch.uint8, device=DEVICE)
+    ret = gather_quant(lay, [1, -1, 3], quant="fp8", out=out, backend=backend)
+    assert ret is out
+    assert bool((out[fmt.nbytes :] == 0xAB).all())  # bytes past the staging are untouched
+    for layer in fmt.layers:
+        q = out[fmt.q_offset(layer, 0) + 576 : fmt.q_offset(layer, 0) + 2 * 576]
+        s = out[fmt.scale_offset(layer, 0) + 4 : fmt.scale_offset(layer, 0) + 8]
+        assert int(q.count_nonzero()) == 0 and int(s.count_nonzero()) == 0  # the -1 slot
+        base = fmt.region_offset(layer)
+        for a, b in fmt.gaps():
+            assert int(out[base + a : base + b].count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_rows_round_trip_exactly_with_scale_one(backend):
+    lay = cache("vllm-nhd", dtype=torch.bfloat16, fill="zero")
+    lay.views[0][0][2, 1].fill_(-0.0)  # a row of negative zeros keeps its signs
+    buf = gather_quant(lay, [2], quant="fp8", backend=backend)
+    fmt = QuantStagingFormat.for_layout(lay, 1)
+    s = buf[fmt.scale_offset(0, 0) :][: fmt.scale_nbytes].view(torch.float32)
+    assert bool((s == 1.0).all())
+    dst = cache("vllm-nhd", dtype=torch.bfloat16, seed=3)
+    scatter_quant(buf, dst, [5], quant="fp8", backend=backend)
+    for c in range(2):
+        assert bytes_equal(dst.views[0][c][5], lay.views[0][c][2])
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inf_saturates_and_nan_is_canonical(backend, dtype):
+    lay = normal_cache("vllm-nhd", dtype=dtype, blocks=2, layers=1)
+    row = lay.views[0][0][0, 0, 0]
+    row[:3] = torch.tensor([float("inf"), float("nan"), -float("inf")], dtype=dtype)
+    amax = torch.where(torch.isfinite(row.float()), row.float().abs(), 0).max()
+    dst = cache("vllm-nhd", dtype=dtype, blocks=2, layers=1, fill="zero")
+    scatter_quant(gather_quant(lay, [0], quant="fp8", backend=backend), dst, [1], quant="fp8", backend=backend)
+    got = dst.views[0][0][1, 0, 0]
+    s = amax / 448
+    assert got[0].float().item() == pytest.approx((448 * s).item(), rel=TOL["OUT"][dtype])
+    assert got[2].float().item() == pytest.approx((-448 * s).item(), rel=TOL["OUT"][dtype])
+    ity = torch.int32 if dtype == torch.float32 else torch.int16
+    assert got[1:2].view(ity).item() == CANONICAL_NAN_BITS[dtype]
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=str)
+def test_fp8_round_trip_error_within_tolerance(dtype, granularity):
+    lay = normal_cache("vllm-hnd", dtype=dtype, blocks=6, block_size=16, heads=2)
+    ids = [4, 0, 5]
+    buf = gather_quant(lay, ids, quant="fp8", granularity=granularity, backend="triton")
+    dst = cache("vllm-hnd", dtype=dtype, blocks=6, block_size=16, heads=2, fill="zero")
+    scatter_quant(buf, dst, [1, 2, 3], quant="fp8", granularity=granularity, backend="triton")
+    fmt = QuantStagingFormat.for_layout(lay, 3, granularity=granularity)
+    for c in range(2):
+        x = lay.views[0][c][ids].float()
+        xh = dst.views[0][c][[1, 2, 3]].float()
+        s = buf[fmt.scale_offset(0, c) :][: fmt.scale_nbytes].view(torch.float32)
+        s = s.view(3, 16, 2, 1) if granularity == "token" else s.view(3, 1, 2, 1)
+        bound = (TOL["REL"] * x.abs() + TOL["SUB"] * s + TOL["OUT"][dtype] * xh.abs()) * 1.001
+        assert bool(((x - xh).abs() <= bound).all())
+        rmse = ((x - xh).pow(2).mean().sqrt() / x.pow(2).mean().sqrt()).item()
+        assert rmse <= TOL["RMSE"][granularity], rmse
+
+
+def test_quantize_rows_and_dequantize_rows_are_inverse_on_grid_values():
+    q = torch.arange(0, 256, dtype=torch.int32).to(torch.uint8)
+    q = q[(q & 0x7F) != 0x7F].view(1, 1, 2, -1)  # every non-NaN code (127 x 2), one row per sign
+    x = dequantize_rows(q, torch.ones(1, 1, 2), torch.float32)
+    q2, s = quantize_rows(x * 1.0)
+    assert bool((s == 1.0).all()) and torch.equal(q2, q)  # amax 448 per row: scale exactly 1
+
+
+def test_validate_false_counts_invalid_ids_as_padding():
+    lay = cache("vllm-nhd")
+    kvkernels.check_errors()
+    for backend in BACKENDS:
+        ref = gather_quant(lay, [1, -1, 2], quant="fp8", backend="torch")
+        got = gather_quant(lay, [1, 999, 2], quant="fp8", backend=backend, validate=False)
+        assert torch.equal(ref, got)
+        with pytest.raises(ValueError, match="validate=False"):
+            kvkernels.check_errors()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_ids(backend):
+    lay = cache("vllm-nhd")
+    for mode in (dict(quant="fp8"), dict(shuffle=True)):
+        buf = gather_quant(lay, [], backend=backend, **mode)
+        assert buf.numel() == 0
+        scatter_quant(buf, lay, [], backend=backend, **mode)  # a no-op, no error
+
+
+def test_quant_none_is_the_plain_gather_scatter():
+    lay = cache("vllm-hnd")
+    out = gather_quant(lay, IDS)
+    assert torch.equal(out, kvkernels.gather(lay, IDS))
+    dst = cache("vllm-hnd", seed=1)
+    scatter_quant(out, dst, DST)
+    assert bytes_equal(dst.views[1][1][6], lay.views[1][1][2])
+
+
+# ----------------------------------------------------------------------------------- errors
+def test_errors():
+    bf = cache("vllm-nhd")
+    f32 = cache("vllm-nhd", dtype=torch.float32)
+    f8 = cache("vllm-nhd", dtype=torch.float8_e4m3fn)
+    mla_u8 = cache("mla", dtype=torch.uint8)
+    with pytest.raises(ValueError, match="`shuffle`: expected a cache with a 16-bit dtype"):
+        gather_quant(f32, [0], shuffle=True)
+    with pytest.raises(ValueError, match="`shuffle`: expected a cache with a 16-bit dtype"):
+        scatter_quant(torch.zeros(1 << 20, dtype=torch.uint8), f32, [0], shuffle=True)
+    for lay in (f8, mla_u8):
+        with pytest.raises(ValueError, match="`quant`: .*pass through raw"):
+            gather_quant(lay, [0], quant="fp8")
+    with pytest.raises(ValueError, match="`quant`: expected a bfloat16, float16 or float32 cache"):
+        gather_quant(cache("vllm-nhd", dtype=torch.int16), [0], quant="fp8")
+    with pytest.raises(ValueError, match="`quant`: expected None or 'fp8'"):
+        gather_quant(bf, [0], quant="int8")
+    with pytest.raises(ValueError, match="`shuffle`: expected False with quant='fp8'"):
+        gather_quant(bf, [0], quant="fp8", shuffle=True)
+    with pytest.raises(TypeError, match="`shuffle`: expected a bool"):
+        gather_quant(bf, [0], shuffle=1)
+    with pytest.raises(ValueError, match="`granularity`: expected 'token' or 'block'"):
+        gather_quant(bf, [0], quant="fp8", granularity="head")
+    need = quant_staging_nbytes(bf, 2, quant="fp8")
+    with pytest.raises(ValueError, match=f"`out`: expected at least {need} bytes"):
+        gather_quant(bf, [0, 1], quant="fp8", out=torch.empty(need - 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="`out`: expected a 16-byte aligned buffer"):
+        gather_quant(bf, [0, 1], quant="fp8", out=torch.empty(need + 16, dtype=torch.uint8)[1:])
+    with pytest.raises(ValueError, match="`staging`: expected at least"):
+        scatter_quant(torch.empty(10, dtype=torch.uint8), bf, [0], quant="fp8")
+    with pytest.raises(TypeError, match="`staging`: expected dtype torch.uint8"):
+        scatter_quant(torch.empty(need, dtype=torch.float32), bf, [0], quant="fp8")
+    good = gather_quant(bf, [0, 1], quant="fp8")
+    before = cache_bytes(bf)
+    with pytest.raises(ValueError, match="`block_ids`: expected distinct destination ids"):
+        scatter_quant(good, bf, [3, 3], quant="fp8")
+    with pytest.raises(ValueError, match=r"`block_ids`: expected ids in \[0, 8\) or -1"):
+        scatter_quant(good, bf, [3, 8], quant="fp8")
+    with pytest.raises(ValueError, match=r"`block_ids`: expected ids in \[0, 8\) or -1"):
+        gather_quant(bf, [-2], shuffle=True)
+    with pytest.raises(ValueError, match="`layers`: expected layer indices"):
+        gather_quant(bf, [0], quant="fp8", layers=[5])
+    assert all(torch.equal(a, b) for a, b in zip(before, cache_bytes(bf)))  # nothing was written
+
+
+# ------------------------------------------------------------------------- GPU compile (no GPU)
+PTX_PROBE = r"""
+import json, os, re, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvkernels.triton_ops.quant_gather import _quant_gather_kernel
+from kvkernels.triton_ops.dequant_scatter import _dequant_scatter_kernel
+from kvkernels.triton_ops.shuffle_gather import _shuffle_gather_kernel
+from kvkernels.triton_ops.unshuffle_scatter import _unshuffle_scatter_kernel
+align = sys.argv[1] == "align16"
+common = ["n", "num_blocks", "num_items", "stride_b", "stride_n", "stride_h"]
+ctypes = ["i32", "i32", "i32", "i64", "i64", "i64"]
+out = {}
+def comp(name, kern, names, types, consts, div16):
+    sig = dict(zip(names, types))
+    sig.update({k: "constexpr" for k in consts})
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div16}  # what Triton specialises
+    k = triton.compile(ASTSource(kern, sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    out[name] = sorted(set(re.findall(r"(?:ld|st|div|cvt)\.[\w.]*", k.asm["ptx"])))
+qn = ["ptr_tab", "block_ids", "q_ptr", "s_ptr", "err_ptr"] + common + [
+    "region_nbytes", "q_entry_nbytes", "scale_base_nbytes", "scale_entry_nbytes"]
+qt = ["*i64", "*i64", "*u8", "*i32", "*i32"] + ctypes + ["i64"] * 4
+div = ["ptr_tab", "q_ptr", "s_ptr", "stride_b", "stride_n", "stride_h"] + qn[-4:]
+for kind in (0, 1, 2):
+    for pb in (False, True):
+        comp(f"quant{kind}{int(pb)}", _quant_gather_kernel, qn, qt, dict(
+            C=2, H=8, BS=16, D=128, IN_KIND=kind, PER_BLOCK=pb, BLOCK_R=32, BLOCK_D=128, ALIGN16=align), div)
+    comp(f"dequant{kind}", _dequant_scatter_kernel, qn, qt[:3] + ["*fp32"] + qt[4:], dict(
+        C=2, H=8, BS=16, D=128, OUT_KIND=kind, PER_BLOCK=False, BLOCK_R=32, BLOCK_D=128, ALIGN16=align), div)
+sn = ["ptr_tab", "block_ids", "out_ptr", "err_ptr"] + common + ["region_nbytes", "entry_nbytes", "plane_nbytes"]
+st = ["*i64", "*i64", "*u8", "*i32"] + ctypes + ["i64"] * 3
+sdiv = ["ptr_tab", "out_ptr", "stride_b", "stride_n", "stride_h"] + sn[-3:]
+sc = dict(C=2, H=8, ROWS=128, D=128, BLOCK_R=32, BLOCK_D=128, ALIGN16=align)
+comp("shuffle", _shuffle_gather_kernel, sn, st, sc, sdiv)
+un = ["stage_ptr" if x == "out_ptr" else x for x in sn]
+comp("unshuffle", _unshuffle_scatter_kernel, un, st, sc, ["stage_ptr" if x == "out_ptr" else x for x in sdiv])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("align", ["align16", "unaligned"])
+def test_kernels_compile_for_sm90(align):
+    """Every kernel variant compiles to sm_90 PTX here (no GPU): the division is IEEE (div.rn.f32),
+    no fp8 conversion instruction is used, and the aligned variants use 16-byte accesses."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", PTX_PROBE, align], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    insns = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(insns) == 11
+    for name, ins in insns.items():
+        assert not any("e4m3" in i or "bf16" in i for i in ins), (name, ins)
+        if name.startswith("quant"):
+            assert "div.rn.f32" in ins and not any(i.startswith("div.full") or i.startswith("div.approx") for i in ins)
+        if align == "align16":
+            assert "ld.global.v4.b32" in ins and "st.global.v4.b32" in ins, (name, ins)

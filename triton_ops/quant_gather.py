@@ -1,0 +1,214 @@
+"""Fused paged gather + FP8 quantization: (layer, K/V, block) chunks -> e4m3 codes + fp32 scales.
+
+Format: :class:`kvkernels.quant.QuantStagingFormat` (``docs/quant.md``). Same work decomposition as
+:mod:`._paged`: work item ``w = (j * C + c) * n + i`` (region j, entry c, staging slot i), a
+persistent grid of ``min(num_items, max_ctas)`` programs striding over the items.
+
+Rounding never uses Triton's fp32 -> fp8 conversion (wrong in the interpreter, field notes
+section 7) nor its fp32 division (approximate on the GPU): ``x / s`` is ``tl.div_rn`` (IEEE), and
+the e4m3 code is built from the fp32 bits with integer operations (:func:`_e4m3_code`), so the
+interpreter and the GPU produce the same bytes as ``torch``'s saturating RNE cast.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._paged import _item_coords, aligned16, word_bytes
+
+# Elements per program tile (rows x padded head dim). 4096 fp32 temporaries = 16 KiB of registers
+# per program at 4 warps. NOT yet measured on a GPU.
+TILE_ELEMS = 4096
+NUM_WARPS = 4
+
+# cache dtype -> (IN_KIND constexpr, integer element type the kernel loads)
+_KINDS = {torch.bfloat16: (0, torch.int16), torch.float16: (1, torch.int16), torch.float32: (2, torch.int32)}
+
+
+def align16(layout, staging: torch.Tensor) -> bool:
+    """True when 16-byte vector accesses are legal on both sides: every cache base address, byte
+    stride and row, the staging address, and the staging rows (``head_dim`` bytes per fp8 row or
+    byte plane; sections are 16-aligned) are multiples of 16 bytes."""
+    sb, sn, sh = layout.byte_strides
+    ptr = staging.data_ptr()
+    word = word_bytes(layout.row_nbytes, sb, sn, sh, ptr, *layout.base_addresses_flat())
+    return aligned16(word, layout, ptr) and layout.head_dim % 16 == 0
+
+
+@triton.jit
+def _load_f32(ptr, mask, IN_KIND: tl.constexpr):
+    """Load cache elements (as int16 / int32 bits) and widen to fp32 exactly."""
+    v = tl.load(ptr, mask=mask, other=0)
+    if IN_KIND == 0:  # bf16: the high half of an fp32 (no conversion instruction, exact)
+        return (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    elif IN_KIND == 1:  # fp16
+        return v.to(tl.float16, bitcast=True).to(tl.float32)
+    else:  # fp32
+        return v.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _abs_bits(x):
+    """``|x|`` as int32 bits with non-finite values replaced by 0 (int max == float max for >= 0)."""
+    a = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.where(a < 0x7F800000, a, 0)
+
+
+@triton.jit
+def _scale_from_amax_bits(amax_bits):
+    """``amax / 448`` (IEEE division), 1.0 where that is 0 (the zero rule)."""
+    s = tl.div_rn(amax_bits.to(tl.float32, bitcast=True), tl.full(amax_bits.shape, 448.0, tl.float32))
+    return tl.where(s > 0, s, 1.0)
+
+
+@triton.jit
+def _e4m3_code(y):
+    """fp32 -> int32 e4m3fn code (0..255): saturating RNE; every NaN -> 0x7F. Integer bit ops
+    only, plus one exact fp32 multiply-add for the subnormal range."""
+    b = y.to(tl.int32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    a = b & 0x7FFFFFFF
+    nan = a > 0x7F800000
+    a = tl.minimum(a, 0x43E00000)  # 448.0 (inf saturates)
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960  # RNE on the 20 dropped mantissa bits
+    # below 2**-6 the grid is k * 2**-9: RNE(y * 512) via the 2**23 magic number (the product is
+    # exact, so a fused multiply-add rounds the same)
+    sub = (a.to(tl.float32, bitcast=True) * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    code = tl.where(a < 0x3C800000, sub, normal) | sign
+    return tl.where(nan, 0x7F, code)
+
+
+@triton.jit
+def _quant_gather_kernel(
+    ptr_tab,  # int64 [R, C]: byte address of block 0 of (requested layer j, entry c)
+    block_ids,  # int32/int64 [n]: cache block of staging slot i (outside [0, num_blocks) = padding)
+    q_ptr,  # uint8 [>= R * region_nbytes]: staging bytes (e4m3 codes written here)
+    s_ptr,  # int32 [>= R * region_nbytes / 4]: the same staging as 32-bit words (fp32 scale bits)
+    err_ptr,  # int32 [1]: += 1 per invalid id other than -1 (deferred validation)
+    n, num_blocks, num_items,  # staging slots, cache blocks, R * C * n
+    stride_b, stride_n, stride_h,  # cache strides in elements: block, token, head (int64)
+    region_nbytes, q_entry_nbytes, scale_base_nbytes, scale_entry_nbytes,  # format offsets (bytes)
+    C: tl.constexpr,  # entries per layer (2 = K, V; 1 = MLA)
+    H: tl.constexpr,  # kv heads
+    BS: tl.constexpr,  # block_size
+    D: tl.constexpr,  # head_dim
+    IN_KIND: tl.constexpr,  # 0 bf16, 1 fp16, 2 fp32
+    PER_BLOCK: tl.constexpr,  # False: scale per (token, head); True: per (block, head)
+    BLOCK_R: tl.constexpr,  # rows per tile ((token, head) rows; tokens when PER_BLOCK)
+    BLOCK_D: tl.constexpr,  # next_power_of_2(D)
+    ALIGN16: tl.constexpr,  # host checked (align16): cache and staging rows 16-byte aligned
+):
+    # grid: (min(num_items, max_ctas),); each program strides over the work items
+    ROWS: tl.constexpr = BS * H
+    EV: tl.constexpr = 16 // (4 if IN_KIND == 2 else 2)  # cache elements per 16 bytes
+    r_ar = tl.arange(0, BLOCK_R)
+    d_ar = tl.arange(0, BLOCK_D)
+    d_ok = d_ar < D
+    for w32 in tl.range(tl.program_id(0), num_items, tl.num_programs(0)):
+        w = tl.cast(w32, tl.int64)
+        j, c, i = _item_coords(w, n, C)
+        bid = tl.load(block_ids + i).to(tl.int64)
+        valid = (bid >= 0) & (bid < num_blocks)
+        row_lim = tl.where(valid, ROWS, 0)  # invalid id: no cache row is read, zeros are written
+        tok_lim = tl.where(valid, BS, 0)
+        tl.atomic_add(err_ptr, 1, mask=((bid != -1) & (bid < 0)) | (bid >= num_blocks))
+        if IN_KIND == 2:
+            cache = tl.load(ptr_tab + j * C + c).to(tl.pointer_type(tl.int32))
+        else:
+            cache = tl.load(ptr_tab + j * C + c).to(tl.pointer_type(tl.int16))
+        if ALIGN16:
+            cache = tl.multiple_of(cache, 16)
+        cache = cache + tl.where(valid, bid, 0) * stride_b
+        q_out = q_ptr + j * region_nbytes + c * q_entry_nbytes + i * (ROWS * D)
+        s_out = s_ptr + (j * region_nbytes + scale_base_nbytes + c * scale_entry_nbytes) // 4
+        if PER_BLOCK:
+            s_out = s_out + i * H
+            for h in tl.range(0, H):
+                # pass 1: amax over the block's tokens for head h
+                amax = tl.zeros([BLOCK_R], tl.int32)
+                for t0 in tl.range(0, BS, BLOCK_R):
+                    t = t0 + r_ar
+                    c_row = t.to(tl.int64) * stride_n + h * stride_h
+                    if ALIGN16:
+                        c_row = tl.multiple_of(c_row, EV)
+                    off = c_row[:, None] + d_ar[None, :]
+                    mv = (t < tok_lim)[:, None] & d_ok[None, :]
+                    amax = tl.maximum(amax, tl.max(_abs_bits(_load_f32(cache + off, mv, IN_KIND)), axis=1))
+                s = _scale_from_amax_bits(tl.max(amax, axis=0))
+                tl.store(s_out + h, tl.where(valid, s, 0.0).to(tl.int32, bitcast=True))
+                # pass 2: quantize (the re-read should hit L2; not measured)
+                for t0 in tl.range(0, BS, BLOCK_R):
+                    t = t0 + r_ar
+                    c_row = t.to(tl.int64) * stride_n + h * stride_h
+                    if ALIGN16:
+                        c_row = tl.multiple_of(c_row, EV)
+                    off = c_row[:, None] + d_ar[None, :]
+                    mv = (t < tok_lim)[:, None] & d_ok[None, :]
+                    x = _load_f32(cache + off, mv, IN_KIND)
+                    code = _e4m3_code(tl.div_rn(x, tl.zeros_like(x) + s))
+                    q_row = (t * H + h).to(tl.int64) * D
+                    if ALIGN16:
+                        q_row = tl.multiple_of(q_row, 16)
+                    q_off = q_row[:, None] + d_ar[None, :]
+                    tl.store(q_out + q_off, code.to(tl.uint8), mask=(t < BS)[:, None] & d_ok[None, :])
+        else:
+            s_out = s_out + i * ROWS
+            for r0 in tl.range(0, ROWS, BLOCK_R):
+                rows = r0 + r_ar
+                t = rows // H
+                hh = rows - t * H
+                c_row = t.to(tl.int64) * stride_n + hh.to(tl.int64) * stride_h
+                if ALIGN16:
+                    c_row = tl.multiple_of(c_row, EV)
+                off = c_row[:, None] + d_ar[None, :]
+                mv = (rows < row_lim)[:, None] & d_ok[None, :]
+                x = _load_f32(cache + off, mv, IN_KIND)
+                s = _scale_from_amax_bits(tl.max(_abs_bits(x), axis=1))
+                code = _e4m3_code(tl.div_rn(x, s[:, None] + tl.zeros_like(x)))
+                q_row = rows.to(tl.int64) * D
+                if ALIGN16:
+                    q_row = tl.multiple_of(q_row, 16)
+                q_off = q_row[:, None] + d_ar[None, :]
+                tl.store(q_out + q_off, code.to(tl.uint8), mask=(rows < ROWS)[:, None] & d_ok[None, :])
+                s_st = tl.where(rows < row_lim, s, 0.0).to(tl.int32, bitcast=True)
+                tl.store(s_out + rows, s_st, mask=rows < ROWS)
+
+
+def tile_rows(rows: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_D): rows of a power-of-two padded head dim, ~TILE_ELEMS elements."""
+    block_d = triton.next_power_of_2(head_dim)
+    return max(1, min(triton.next_power_of_2(rows), TILE_ELEMS // block_d)), block_d
+
+
+def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor, err: torch.Tensor, max_ctas: int = 0) -> torch.Tensor:
+    """Quantize ``fmt.layers`` of ``layout`` into ``out`` (uint8, 16-byte aligned, validated by the
+    caller) in the :class:`~kvkernels.quant.QuantStagingFormat` ``fmt``; one launch.
+
+    ``block_ids`` int32/int64 ``[n]`` and ``err`` int32 ``[1]`` on the cache device; ``max_ctas``
+    caps the grid (0 = one program per work item). Section gaps and region padding are zeroed.
+    """
+    n = fmt.num_blocks
+    if n == 0 or fmt.num_regions == 0:
+        return out
+    kind, _ = _KINDS[layout.dtype]
+    tab = layout.pointer_table_for(fmt.layers)
+    e = layout.element_size
+    sb, sn, sh = (s // e for s in layout.byte_strides)
+    stage = out[: fmt.nbytes]
+    per_block = fmt.granularity == "block"
+    block_r, block_d = tile_rows(layout.block_size if per_block else layout.block_size * layout.num_heads, layout.head_dim)
+    num_items = fmt.num_regions * fmt.num_kv * n
+    grid = (num_items if max_ctas <= 0 else min(num_items, max_ctas),)
+    _quant_gather_kernel[grid](
+        tab, block_ids, stage, stage.view(torch.int32), err,
+        n, layout.num_blocks, num_items, sb, sn, sh,
+        fmt.region_nbytes, fmt.q_entry_nbytes, fmt.num_kv * fmt.q_entry_nbytes, fmt.scale_entry_nbytes,
+        C=fmt.num_kv, H=layout.num_heads, BS=layout.block_size, D=layout.head_dim, IN_KIND=kind,
+        PER_BLOCK=per_block, BLOCK_R=block_r, BLOCK_D=block_d, ALIGN16=align16(layout, stage), num_warps=NUM_WARPS,
+    )
+    regions = stage.view(fmt.num_regions, fmt.region_nbytes)
+    for a, b in fmt.gaps():
+        regions[:, a:b].zero_()
+    return out
