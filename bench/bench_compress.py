@@ -1,0 +1,145 @@
+"""Benchmark: compression ratio and GB/s per codec on a real model's KV.
+
+Input: the real-KV sample written by ``bench/real_kv.py`` (SmolLM2-135M-Instruct, bf16, staging
+format; created on first use when missing and the model is installed), or ``--synthetic`` bf16
+with per-channel scales. Variants: ``raw`` (bf16 as gathered), ``shuffled`` (hi-byte plane then
+lo-byte plane per region), ``fp8`` (e4m3 per token-head + fp32 scales, from ``kvkernels.quant``
+when it exists, else the plain-PyTorch reference). Codecs: zstd everywhere; ANS / GDeflate / LZ4
+/ nvCOMP-zstd on a CUDA GPU with nvCOMP. GB/s counts uncompressed payload bytes.
+
+    python bench/bench_compress.py --out bench_results/<device>
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+try:
+    from . import common
+except ImportError:  # pragma: no cover
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench import common  # type: ignore
+
+import kvkernels
+from kvkernels.compress import available_codecs, compress_regions, decompress_regions
+
+DEFAULT_SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench_results",
+                              "real_kv_smollm2.pt")
+
+
+def synthetic(num_blocks: int = 8, layers: int = 4, heads: int = 3, head_dim: int = 64, seed: int = 0):
+    """bf16 staging with per-channel scales (a few outlier channels), for tiny runs."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.rand(head_dim, generator=g) * 2 + 0.1
+    scale[:2] *= 20  # outlier channels, as real K has
+    caches = [(torch.randn(2, num_blocks, 16, heads, head_dim, generator=g) * scale).to(torch.bfloat16)
+              for _ in range(layers)]
+    layout = kvkernels.PagedLayout.from_vllm(caches)
+    ids = list(range(num_blocks))
+    return kvkernels.gather(layout, ids), kvkernels.StagingFormat.for_layout(layout, num_blocks), torch.bfloat16
+
+
+def load_input(sample: str | None, tiny: bool):
+    if tiny:
+        return synthetic(), "synthetic-tiny"
+    path = sample or DEFAULT_SAMPLE
+    from bench import real_kv
+
+    if not os.path.exists(path):
+        real_kv.dump_sample(path)
+    return real_kv.load_sample(path), os.path.basename(path)
+
+
+def fp8_variant(staging: torch.Tensor, fmt, dtype):
+    """FP8 staging (per region: K e4m3 | V e4m3 | K scales | V scales) and its format-like record.
+
+    Uses ``kvkernels.quant.gather_quant`` layout when available; otherwise the same bytes made with
+    plain PyTorch (one fp32 scale per token and head, amax / 448, zero rows -> scale 1)."""
+    n_el = fmt.payload_nbytes // fmt.element_size
+    rows = n_el // fmt.head_dim
+    regions = []
+    for _, off, nb in fmt.regions():
+        x = staging[off: off + nb].view(dtype).float().view(rows, fmt.head_dim)
+        amax = x.abs().amax(-1, keepdim=True)
+        s = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        q = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1)
+        regions.append(torch.cat([q, s.reshape(-1).view(torch.uint8)]))
+    nb = regions[0].numel()
+    fmt8 = kvkernels.StagingFormat(fmt.layers, 1, 1, 1, nb, 1, 1)  # one opaque byte payload per region
+    out = torch.zeros(fmt8.nbytes, dtype=torch.uint8)
+    for j, r in enumerate(regions):
+        out[j * fmt8.region_nbytes: j * fmt8.region_nbytes + nb] = r
+    return out, fmt8
+
+
+def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool = False, reps: int = 5,
+        codecs=None, plot: bool = True) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    (staging, fmt, dtype), name = load_input(sample, tiny)
+    staging = staging.to(device)
+    have = [c for c in available_codecs(device) if c != "none"]
+    codecs = [c for c in (codecs or ["ans", "zstd", "gdeflate", "lz4"]) if c in have]
+    variants = [("raw", staging, fmt, False), ("shuffled", staging, fmt, True)]
+    f8, fmt8 = fp8_variant(staging.cpu(), fmt, dtype)
+    variants.append(("fp8", f8.to(device), fmt8, False))
+    raw_total = fmt.num_regions * fmt.payload_nbytes
+    rows = []
+    for vname, buf, vf, shuf in variants:
+        payload = vf.num_regions * vf.payload_nbytes
+        rows.append({"input": vname, "codec": "none", "method": f"{vname}", "ratio": 1.0,
+                     "vs_raw_bf16": raw_total / payload, "enc_gbps": None, "dec_gbps": None, "bytes": payload})
+        for c in codecs:
+            if shuf and c in ("ans", "lz4"):
+                pass  # still measured: the field notes compare shuffled input on every codec
+            packed = compress_regions(buf, vf, c, byteshuffle=shuf)
+            out = decompress_regions(packed)
+            ok = torch.equal(out[: vf.nbytes], buf[: vf.nbytes])
+            if not ok:
+                raise RuntimeError(f"{c} on {vname}: round trip mismatch")
+            enc = common.time_ms(lambda: compress_regions(buf, vf, c, byteshuffle=shuf), device=device, reps=reps)
+            dst = torch.empty_like(out)
+            dec = common.time_ms(lambda: decompress_regions(packed, out=dst), device=device, reps=reps)
+            rows.append({"input": vname, "codec": c, "method": f"{vname}+{c}", "ratio": packed.ratio,
+                         "vs_raw_bf16": raw_total / packed.nbytes, "enc_gbps": common.gbps(payload, enc),
+                         "dec_gbps": common.gbps(payload, dec), "bytes": packed.nbytes})
+    meta = common.env_record()
+    meta.update({"sample": name, "regions": fmt.num_regions, "payload_nbytes_per_region": fmt.payload_nbytes,
+                 "dtype": str(dtype), "codecs": codecs, "zstandard": _ver("zstandard"),
+                 "nvcomp": _ver("nvidia-nvcomp-cu13"), "fp8_source": "torch reference"})
+    cols = ["input", "codec", "ratio", "vs_raw_bf16", "enc_gbps", "dec_gbps", "bytes"]
+    print(f"# {name}: {fmt.num_regions} regions x {fmt.payload_nbytes} B, {meta['device']}")
+    print(common.format_table(rows, cols))
+    paths = common.write_results(rows, meta, out_dir, "compress")
+    return common.finish(rows, meta, paths, out_dir=out_dir, stem="compress", plot=plot,
+                         case=lambda r: r["input"], value="vs_raw_bf16", ylabel="size reduction vs raw bf16 (x)",
+                         title="KV compression")
+
+
+def _ver(dist: str):
+    import importlib.metadata as md
+
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sample", default=None, help=f"real-KV sample (default {DEFAULT_SAMPLE}; made if missing)")
+    p.add_argument("--out", default="bench_results", help="directory for CSV/JSON/PNG")
+    p.add_argument("--codecs", nargs="*", choices=["ans", "zstd", "gdeflate", "lz4"])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--tiny", action="store_true", help="tiny synthetic input (CI smoke)")
+    p.add_argument("--no-plot", action="store_true")
+    a = p.parse_args(argv)
+    run(sample=a.sample, out_dir=a.out, tiny=a.tiny, reps=a.reps, codecs=a.codecs, plot=not a.no_plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
