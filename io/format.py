@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvkernels._validate import check, check_int, fail
-from kvkernels.staging import REGION_ALIGN, StagingFormat, normalize_layers
+from kvkernels.staging import REGION_ALIGN, StagingFormat
 
 __all__ = ["MAGIC", "VERSION", "EntryMeta", "RegionInfo", "Header", "key_digest", "CorruptEntryError", "checksum"]
 
@@ -104,19 +104,10 @@ class EntryMeta:
     def for_layout(cls, layout, num_blocks: int, layers=None, *, scheme: str = "raw", codec: str = "none") -> "EntryMeta":
         """Meta of the buffer ``kvkernels.gather(layout, <num_blocks ids>, layers=layers)`` writes."""
         check_int(num_blocks, "num_blocks", lo=1)
-        return cls(
-            layers=normalize_layers(layers, layout.num_layers),
-            num_blocks=num_blocks,
-            block_size=layout.block_size,
-            num_heads=layout.num_heads,
-            head_dim=layout.head_dim,
-            element_size=layout.element_size,
-            num_kv=layout.num_kv,
-            num_layers=layout.num_layers,
-            dtype=str(layout.dtype).replace("torch.", ""),
-            scheme=scheme,
-            codec=codec,
-        )
+        f = StagingFormat.for_layout(layout, num_blocks, layers)
+        return cls(f.layers, f.num_blocks, f.block_size, f.num_heads, f.head_dim, f.element_size, f.num_kv,
+                   num_layers=layout.num_layers, dtype=str(layout.dtype).replace("torch.", ""), scheme=scheme,
+                   codec=codec)
 
     @property
     def fmt(self) -> StagingFormat:
