@@ -146,7 +146,8 @@ def main(argv=None) -> int:
     pd.add_argument("--store", default=None, metavar="DIR",
                     help="SSD store directory for the round trip (default: a temporary directory, removed after)")
     pd.add_argument("--no-store", action="store_true", help="skip the SSD store step")
-    pb = sub.add_parser("bench", help="run a benchmark (arguments after NAME go to it)")
+    pb = sub.add_parser("bench", add_help=False,
+                        help="run a benchmark: kvkernels bench NAME [its arguments, --help for them]")
     pb.add_argument("name", choices=BENCHES)
     args, rest = p.parse_known_args(argv)
     if args.cmd == "bench":
