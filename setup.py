@@ -13,7 +13,11 @@ docs/ and csrc/README.md); otherwise this is a pure-Python install that works wi
 torch backends.
 """
 
+import importlib.util
+import os
+
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 PACKAGE_DIR = {
     "kvkernels": "kvkernels",
@@ -23,6 +27,27 @@ PACKAGE_DIR = {
     "kvkernels.integrations.lmcache": "integrations/lmcache",
     "kvkernels.integrations.vllm": "integrations/vllm",
     "kvkernels.bench": "bench",
+    "kvkernels.csrc": "csrc",  # sources shipped so the backend can be built just in time
 }
 
-setup(packages=list(PACKAGE_DIR), package_dir=PACKAGE_DIR, package_data={"kvkernels.bench": ["*.cpp"]})
+
+class BuildPyWithCuda(build_py):
+    """With KVKERNELS_BUILD_CUDA=1 (and nvcc), compile csrc into kvkernels/_lib/ at install."""
+
+    def run(self):
+        super().run()
+        if os.environ.get("KVKERNELS_BUILD_CUDA", "0") != "1":
+            return
+        spec = importlib.util.spec_from_file_location("kvk_csrc_build", os.path.join("csrc", "build.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        if mod.nvcc() is None:
+            raise RuntimeError("KVKERNELS_BUILD_CUDA=1 but nvcc was not found")
+        mod.build(os.path.join(self.build_lib, "kvkernels", "_lib"), verbose=True)
+
+setup(
+    packages=list(PACKAGE_DIR),
+    package_dir=PACKAGE_DIR,
+    package_data={"kvkernels.bench": ["*.cpp"], "kvkernels.csrc": ["kernels/*.cuh", "bindings/*.cu", "*.md"]},
+    cmdclass={"build_py": BuildPyWithCuda},
+)

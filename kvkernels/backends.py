@@ -2,7 +2,9 @@
 
 * ``"triton"`` — kernels in ``triton_ops/``; on CUDA tensors, or on CPU tensors when
   ``TRITON_INTERPRET=1`` was set before anything imported triton (the CI path).
-* ``"cuda"`` — the compiled C++ kernels in ``csrc/`` (not built yet: requesting it raises).
+* ``"cuda"`` — the compiled C++ kernels in ``csrc/`` (C ABI via ctypes; built at install with
+  ``KVKERNELS_BUILD_CUDA=1`` or just in time on first use). ``auto`` does not pick it yet: the
+  choice between Triton and CUDA waits for GPU measurements (docs/csrc.md).
 * ``"torch"`` — :mod:`kvkernels.reference`, any device; the CPU fallback.
 
 ``auto`` (or ``KVKERNELS_BACKEND``): CUDA tensors -> triton if importable, else torch; CPU tensors
@@ -50,8 +52,10 @@ def triton_available(device: torch.device | None = None) -> bool:
 
 
 def cuda_ext_available() -> bool:
-    """The compiled csrc backend is not part of this release (issue: CUDA C++ backend)."""
-    return False
+    """True when the compiled csrc backend loads (built at install, cached, or JIT-built)."""
+    from . import _cuda
+
+    return _cuda.available()
 
 
 def resolve(backend: str, device: torch.device) -> str:
@@ -73,5 +77,7 @@ def resolve(backend: str, device: torch.device) -> str:
         )
         raise RuntimeError(f"`backend`: 'triton' is not available on {device}: {why}")
     if b == "cuda" and not cuda_ext_available():
-        raise RuntimeError("`backend`: 'cuda' is not available: the csrc extension is not built in this release")
+        from . import _cuda
+
+        raise RuntimeError(f"`backend`: 'cuda' is not available: {_cuda.reason()}")
     return b

@@ -204,6 +204,10 @@ def gather(
         from kvkernels.triton_ops import gather_triton
 
         return gather_triton(layout, ids, fmt, out, _err_counter(layout.device), cap)
+    if b == "cuda":
+        from ._cuda import gather_cuda
+
+        return gather_cuda(layout, ids, fmt, out, _err_counter(layout.device), cap)
     from . import reference
 
     err = _err_counter(layout.device)
@@ -262,6 +266,11 @@ def scatter(
         from kvkernels.triton_ops import scatter_triton
 
         scatter_triton(staging, layout, ids, fmt, _err_counter(layout.device), cap)
+        return None
+    if b == "cuda":
+        from ._cuda import scatter_cuda
+
+        scatter_cuda(staging, layout, ids, fmt, _err_counter(layout.device), cap)
         return None
     from . import reference
 

@@ -16,8 +16,14 @@ if not HAS_CUDA:
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
-# Backends that run on DEVICE here; one test body runs for each.
+# Backends that run on DEVICE here; one test body runs for each. The CUDA C++ backend joins on a GPU
+# (built just in time from csrc/ when needed).
 BACKENDS = ["torch", "triton"]
+if HAS_CUDA:
+    from kvkernels import _cuda
+
+    if _cuda.available():
+        BACKENDS.append("cuda")
 
 
 def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

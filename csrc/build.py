@@ -1,0 +1,53 @@
+"""Build the CUDA backend (``libkvkernels_cuda.so``) with nvcc; no torch headers involved.
+
+    python csrc/build.py OUT_DIR            # sm_80, sm_90, sm_90a
+    KVKERNELS_BUILD_CUDA=1 pip install .    # setup.py calls build() and ships the .so
+
+Warnings are errors (host and device). Returns the path of the library.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = [os.path.join(HERE, "bindings", "capi.cu")]
+LIB = "libkvkernels_cuda.so"
+ARCHS = ("80", "90", "90a")
+
+
+def nvcc() -> str | None:
+    return shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
+                                    if os.environ.get("CUDA_HOME") else None)
+
+
+def command(out: str, archs=ARCHS, extra=()) -> list[str]:
+    exe = nvcc()
+    if exe is None:
+        raise RuntimeError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    gen = []
+    for a in archs:
+        gen.append(f"-gencode=arch=compute_{a},code=sm_{a}")
+    return [exe, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-Wall,-Wextra,-Werror",
+            "-Werror", "all-warnings", "-cudart", "shared", *gen, *extra, *SOURCES, "-o", out]
+
+
+def build(out_dir: str, archs=ARCHS, verbose: bool = False, extra=()) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    out = os.path.join(out_dir, LIB)
+    tmp = out + f".tmp.{os.getpid()}"
+    cmd = command(tmp, archs, extra)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if verbose or r.returncode:
+        sys.stderr.write(" ".join(cmd) + "\n" + r.stdout + r.stderr)
+    if r.returncode:
+        raise RuntimeError(f"nvcc failed ({r.returncode}):\n{r.stderr[-4000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+if __name__ == "__main__":
+    print(build(sys.argv[1] if len(sys.argv) > 1 else ".", verbose=True))

@@ -1,0 +1,124 @@
+"""Loader and launchers of the CUDA C++ backend (csrc/, a C ABI loaded with ctypes).
+
+The library is found, in order: ``KVKERNELS_CUDA_LIB`` (a path), the copy shipped in the package
+(``KVKERNELS_BUILD_CUDA=1 pip install .``), the cache directory (``KVKERNELS_CACHE_DIR``). When
+none exists and CUDA plus nvcc are present, it is built just in time into the cache directory
+(a message says so; ~3 s). Everything is lazy and cached; :func:`available` never raises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+
+import torch
+
+from . import config
+
+log = logging.getLogger("kvkernels")
+LIB = "libkvkernels_cuda.so"
+_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+
+def _candidates() -> list[str]:
+    out = []
+    if os.environ.get("KVKERNELS_CUDA_LIB"):
+        out.append(os.environ["KVKERNELS_CUDA_LIB"])
+    out.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib", LIB))
+    out.append(os.path.join(config.cache_dir(), LIB))
+    return out
+
+
+def _csrc_dir() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    for d in (os.path.join(here, "..", "csrc"), os.path.join(here, "csrc")):  # source tree / wheel
+        if os.path.isfile(os.path.join(d, "build.py")):
+            return os.path.abspath(d)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> tuple[object | None, str]:
+    if not torch.cuda.is_available():
+        return None, "no CUDA device"
+    path = next((p for p in _candidates() if os.path.isfile(p)), None)
+    if path is None:
+        src = _csrc_dir()
+        if src is None:
+            return None, "the library is not built and csrc/ is not available to build it"
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("kvk_csrc_build", os.path.join(src, "build.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        if mod.nvcc() is None:
+            return None, "the library is not built and nvcc is not available"
+        log.warning("kvkernels: building the CUDA backend into %s (first use)", config.cache_dir())
+        try:
+            path = mod.build(config.cache_dir())
+        except Exception as exc:
+            return None, f"build failed: {exc}"
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as exc:
+        return None, f"cannot load {path}: {exc}"
+    if lib.kvk_abi_version() != 1:
+        return None, f"{path}: ABI version {lib.kvk_abi_version()}, expected 1"
+    lib.kvk_last_error.restype = ctypes.c_char_p
+    lib.kvk_paged_copy.restype = _int
+    lib.kvk_paged_copy.argtypes = [_int, _ptr, _ptr, _int, _ptr, _ptr] + [_i64] * 14 + [_int, ctypes.c_size_t]
+    return lib, path
+
+
+def available() -> bool:
+    return _load()[0] is not None
+
+
+def reason() -> str:
+    """Why the backend is unavailable (or the library path when it is)."""
+    return _load()[1]
+
+
+def _word(layout, staging_ptr: int) -> int:
+    sb, sn, sh = layout.byte_strides
+    vals = (layout.row_nbytes, sb, sn, sh, staging_ptr, *layout.base_addresses_flat())
+    for w in (16, 8, 4, 2):
+        if all(v % w == 0 for v in vals):
+            return w
+    return 1
+
+
+def _paged_copy(to_staging: bool, layout, block_ids: torch.Tensor, fmt, staging: torch.Tensor, err: torch.Tensor,
+                max_ctas: int) -> None:
+    lib, _ = _load()
+    if lib is None:
+        raise RuntimeError(f"`backend`: 'cuda' is not available: {reason()}")
+    if fmt.num_blocks == 0 or fmt.num_regions == 0:
+        return
+    tab = layout.pointer_table_for(fmt.layers)
+    sb, sn, sh = layout.byte_strides
+    dev = layout.device.index if layout.device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(layout.device).cuda_stream
+    rc = lib.kvk_paged_copy(
+        int(to_staging), tab.data_ptr(), block_ids.data_ptr(), int(block_ids.dtype == torch.int64), staging.data_ptr(),
+        err.data_ptr(), fmt.num_blocks, layout.num_blocks, fmt.num_kv, fmt.num_regions, layout.num_heads,
+        layout.block_size * layout.num_heads, layout.row_nbytes, sb, sn, sh, fmt.region_nbytes, fmt.entry_nbytes,
+        _word(layout, staging.data_ptr()), max_ctas, dev, stream,
+    )
+    if rc != 0:
+        raise RuntimeError(f"kvkernels CUDA backend: {lib.kvk_last_error().decode(errors='replace')}")
+
+
+def gather_cuda(layout, block_ids, fmt, out, err, max_ctas: int = 0):
+    """Same contract as ``triton_ops.gather_triton``."""
+    _paged_copy(True, layout, block_ids, fmt, out, err, max_ctas)
+    if fmt.num_blocks and fmt.payload_nbytes < fmt.region_nbytes:
+        out[: fmt.nbytes].view(fmt.num_regions, fmt.region_nbytes)[:, fmt.payload_nbytes :].zero_()
+    return out
+
+
+def scatter_cuda(staging, layout, block_ids, fmt, err, max_ctas: int = 0) -> None:
+    """Same contract as ``triton_ops.scatter_triton``."""
+    _paged_copy(False, layout, block_ids, fmt, staging, err, max_ctas)
