@@ -5,7 +5,8 @@ deepseek-v3-mla), with a pool of ``--pool`` blocks and ``--blocks`` random disti
 layers, in one run:
 
 * peaks: one-shot device copy (read + write counted) and one-shot pinned D2H / H2D;
-* ``kvk-gather`` / ``kvk-scatter``: kvkernels Triton, device staging (GB/s = read + write bytes);
+* ``kvk-gather`` / ``kvk-scatter``: kvkernels Triton (and the CUDA C++ backend when it loads),
+  device staging (GB/s = read + write bytes);
 * ``torch-index_select``: one ``index_select(out=...)`` per layer and K/V into the same staging;
 * ``memcpy-per-chunk-d2d``: one ``cudaMemcpyAsync`` per (block, layer, K/V) chunk, C++ loop;
 * ``memcpy-per-chunk-d2h``: the same into pinned host (what vLLM's ``swap_blocks`` does);
@@ -112,6 +113,18 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
     add(f"kvk-scatter[{backend}]",
         common.time_ms(lambda: kvkernels.scatter(out, lay, dst_ids, backend=backend, validate=False), device=device),
         2 * payload, "d2d_gbps")
+    if cuda:
+        from kvkernels import _cuda
+
+        if _cuda.available():  # the compiled backend beside Triton (issue: CUDA C++ backend)
+            add("kvk-gather[cuda]", common.time_ms(
+                lambda: kvkernels.gather(lay, ids, out=out, backend="cuda", validate=False), device=device),
+                2 * payload, "d2d_gbps")
+            add("kvk-scatter[cuda]", common.time_ms(
+                lambda: kvkernels.scatter(out, lay, dst_ids, backend="cuda", validate=False), device=device),
+                2 * payload, "d2d_gbps")
+        else:
+            print(f"[bench] CUDA backend unavailable: {_cuda.reason()}", file=sys.stderr)
     if not baselines:
         return rows
 
