@@ -1,0 +1,212 @@
+"""Benchmark: the kvkernels LMCache plugin against LMCache's built-in LocalDiskBackend, same disk.
+
+Both backends are created by LMCache's own ``CreateStorageBackends`` from a config, in the same
+process, on sibling directories of ``--dir``; chunks are real ``MemoryObj`` (``KV_2LTD``) from
+LMCache's ``LocalCPUBackend`` allocator, llama3-8b-shaped by default: 32 layers, 8 kv heads,
+head_dim 128, bf16, 256-token chunks (32 MiB each).
+
+Measured per backend (medians of ``--reps``):
+
+* ``store``: ``batched_submit_put_task`` of ``--chunks`` chunks until every one is visible
+  (``contains``) — throughput GB/s; ``put_ms``: one chunk, submit -> visible, latency;
+* ``retrieve``: ``batched_get_blocking`` of all chunks with the page cache dropped for the files
+  (``posix_fadvise(DONTNEED)``) — GB/s; ``get_ms``: one cold ``get_blocking``, latency.
+
+Durability differs by default: the plugin fsyncs every entry (crash safe), LocalDiskBackend never
+fsyncs and writes into the page cache, so its ``store`` number is memory speed, not disk speed.
+The ``kvkernels-nofsync`` row (``kvkernels.fsync: false``) and the ``LocalDiskBackend-odirect``
+row (its ``extra_config.use_odirect: true``: writes and reads bypass the page cache) are the
+like-for-like comparisons. LMCache's GDS backend needs CUDA + cuFile and is reported as skipped on CPU hosts.
+
+    python bench/bench_lmcache.py --dir /mnt/nvme0/kvk-bench --out bench_results/<device>
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata as md
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+try:
+    from . import common
+except ImportError:  # pragma: no cover
+    import common  # type: ignore
+
+STEM = "bench_lmcache"
+BACKENDS = ("kvkernels", "kvkernels-nofsync", "LocalDiskBackend", "LocalDiskBackend-odirect")
+
+
+def _drop_tree(root: str) -> None:
+    for dp, _, fs in os.walk(root):
+        for f in fs:
+            fd = os.open(os.path.join(dp, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _make(kind: str, root: str, shape, pool_gb: float, loop, disk_gb: float):
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend import CreateStorageBackends
+
+    from kvkernels.integrations.lmcache import lmcache_extra_config
+
+    L, T, H, D, dtype = shape
+    kw = dict(chunk_size=T, local_cpu=True, max_local_cpu_size=pool_gb)
+    if kind.startswith("kvkernels"):
+        extra = lmcache_extra_config(os.path.join(root, kind), fsync=kind == "kvkernels")
+        cfg = LMCacheEngineConfig.from_defaults(storage_plugins=["kvkernels"], extra_config=extra, **kw)
+        name = "kvkernels"
+    else:
+        # room for every rep: LocalDiskBackend.remove() (0.5.6) does not give back the bytes it
+        # counted in current_cache_size, so removed chunks still use its budget
+        cfg = LMCacheEngineConfig.from_defaults(local_disk=os.path.join(root, kind) + "/",
+                                                max_local_disk_size=disk_gb,
+                                                extra_config={"use_odirect": kind.endswith("-odirect")}, **kw)
+        name = "LocalDiskBackend"
+    meta = LMCacheMetadata(model_name="bench/llama3-8b", world_size=1, local_world_size=1, worker_id=0,
+                           local_worker_id=0, kv_dtype=dtype, kv_shape=(L, 2, T, H, D), chunk_size=T)
+    backends = CreateStorageBackends(cfg, meta, loop)
+    if name not in backends:
+        raise RuntimeError(f"{name} was not created (see LMCache's log)")
+    return backends, backends[name], backends["LocalCPUBackend"], os.path.join(root, kind)
+
+
+def _wait_visible(be, keys, timeout=120.0) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(keys)
+    while pending:
+        pending = [k for k in pending if not be.contains(k)]
+        if pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(pending)} chunks never became visible")
+            time.sleep(0.0005)
+
+
+def _bench_one(kind, root, shape, n_chunks, reps, loop) -> dict:
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.memory_management import MemoryFormat
+
+    L, T, H, D, dtype = shape
+    chunk_bytes = 2 * L * T * H * D * torch.empty((), dtype=dtype).element_size()
+    pool_gb = (n_chunks * 2 + 4) * chunk_bytes / 2**30
+    disk_gb = 2 * (reps + 1) * (n_chunks + 1) * chunk_bytes / 2**30
+    backends, be, cpu, path = _make(kind, root, shape, pool_gb, loop, disk_gb)
+    try:
+        g = torch.Generator().manual_seed(0)
+        src = torch.randn(2, L, T, H * D, generator=g).to(dtype)
+        store_s, retr_s, put_ms, get_ms = [], [], [], []
+        for rep in range(reps):
+            keys = [CacheEngineKey("bench/llama3-8b", 1, 0, rep * 1_000_000 + i, dtype) for i in range(n_chunks)]
+            objs = [cpu.allocate(torch.Size([2, L, T, H * D]), dtype, MemoryFormat.KV_2LTD) for _ in keys]
+            for i, o in enumerate(objs):
+                o.tensor.copy_(src)
+                o.tensor.view(-1)[0] = i  # distinct chunks
+            t0 = time.perf_counter()
+            be.batched_submit_put_task(keys, objs)
+            for o in objs:
+                o.ref_count_down()  # what LMCache's StorageManager does right after submitting
+            _wait_visible(be, keys)
+            store_s.append(time.perf_counter() - t0)
+            # one chunk, submit -> visible
+            k1 = CacheEngineKey("bench/llama3-8b", 1, 0, rep * 1_000_000 + 999_999, dtype)
+            o1 = cpu.allocate(torch.Size([2, L, T, H * D]), dtype, MemoryFormat.KV_2LTD)
+            o1.tensor.copy_(src)
+            t0 = time.perf_counter()
+            be.batched_submit_put_task([k1], [o1])
+            o1.ref_count_down()
+            _wait_visible(be, [k1])
+            put_ms.append(1e3 * (time.perf_counter() - t0))
+            time.sleep(0.05)  # let the backend finish its bookkeeping after the file is visible
+            _drop_tree(path)
+            t0 = time.perf_counter()
+            got = be.batched_get_blocking(keys)
+            retr_s.append(time.perf_counter() - t0)
+            bad = sum(1 for i, o in enumerate(got) if o is None or float(o.tensor.view(-1)[0]) != i)
+            for o in got:
+                if o is not None:
+                    o.ref_count_down()
+            if bad:
+                raise RuntimeError(f"{kind}: {bad} chunks came back wrong or missing")
+            _drop_tree(path)
+            t0 = time.perf_counter()
+            o = be.get_blocking(keys[0])
+            get_ms.append(1e3 * (time.perf_counter() - t0))
+            o.ref_count_down()
+            for k in keys + [k1]:
+                be.remove(k)
+        total = n_chunks * chunk_bytes
+        return {"backend": kind, "chunks": n_chunks, "chunk_mb": round(chunk_bytes / 2**20, 2),
+                "store_gbps": total / statistics.median(store_s) / 1e9,
+                "retrieve_gbps": total / statistics.median(retr_s) / 1e9,
+                "put_ms": statistics.median(put_ms), "get_ms": statistics.median(get_ms),
+                "tokens_per_s_retrieve": n_chunks * T / statistics.median(retr_s)}
+    finally:
+        for b in reversed(list(backends.values())):
+            b.close()
+
+
+def run(*, directory=None, chunks=32, reps=3, out_dir="bench_results", tiny=False, layers=32, tokens=256, heads=8,
+        head_dim=128) -> list[dict]:
+    if tiny:
+        chunks, reps, layers, tokens, heads, head_dim = 4, 1, 4, 32, 2, 64
+    shape = (layers, tokens, heads, head_dim, torch.bfloat16)
+    own = directory is None
+    directory = directory or tempfile.mkdtemp(prefix="kvk-bench-lmcache-", dir=os.environ.get("KVKERNELS_BENCH_DIR"))
+    os.makedirs(directory, exist_ok=True)
+    logging.getLogger("lmcache").setLevel(logging.WARNING)
+    meta = common.env_record()
+    try:
+        meta["lmcache"] = md.version("lmcache")
+    except md.PackageNotFoundError:  # pragma: no cover
+        meta["lmcache"] = None
+    meta.update(directory=directory, shape={"layers": layers, "tokens": tokens, "kv_heads": heads,
+                                            "head_dim": head_dim, "dtype": "bfloat16"}, reps=reps)
+    meta["gds"] = "skipped: LMCache's GdsBackend needs CUDA and cuFile" if not torch.cuda.is_available() else \
+        "not measured by this script yet"
+    loop = asyncio.new_event_loop()
+    th = threading.Thread(target=loop.run_forever, daemon=True)
+    th.start()
+    rows = []
+    try:
+        for kind in BACKENDS:
+            rows.append(_bench_one(kind, directory, shape, chunks, reps, loop))
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(5)
+        if own:
+            shutil.rmtree(directory, ignore_errors=True)
+    print(common.format_table(rows, ["backend", "chunks", "chunk_mb", "store_gbps", "retrieve_gbps", "put_ms",
+                                     "get_ms", "tokens_per_s_retrieve"]))
+    paths = common.write_results(rows, meta, out_dir, STEM)
+    print("# wrote " + ", ".join(paths.values()))
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
+    p.add_argument("--chunks", type=int, default=32, help="256-token chunks per batch (32 = 8192 tokens, 1 GiB)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", default="bench_results")
+    p.add_argument("--tiny", action="store_true", help="a few small chunks (CI)")
+    a = p.parse_args(argv)
+    return run(directory=a.dir, chunks=a.chunks, reps=a.reps, out_dir=a.out, tiny=a.tiny)
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

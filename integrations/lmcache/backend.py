@@ -1,0 +1,559 @@
+"""``KVKernelsBackend``: an LMCache storage plugin writing through :class:`kvkernels.io.KVStore`.
+
+Imports lmcache at module import: reach it through ``kvkernels.integrations.lmcache`` (which
+imports this module lazily), or name this module directly in LMCache's config.
+
+Contract with LMCache 0.5.6 (``StoragePluginInterface``, read from its storage manager):
+
+* ``batched_submit_put_task`` returns at once. For every key that is neither stored nor being
+  stored it takes one reference on the ``MemoryObj`` (``ref_count_up``; the storage manager drops
+  its own right after the call), converts the chunk to the staging format on a plugin thread,
+  drops the reference as soon as the copy is made (LMCache's CPU pool gets the memory back before
+  the disk write), writes through the store, then calls ``on_complete_callback(key)`` once for
+  that key (only when the entry is durable; exceptions from the callback are logged).
+* ``get_blocking`` / ``batched_get_blocking`` / ``batched_get_non_blocking`` allocate the result
+  from ``local_cpu_backend`` (the caller owns one reference) and return ``None`` (or a shorter
+  prefix) on a miss, a corrupted entry (checksum mismatch: the store drops it) or a failed
+  allocation: never wrong bytes.
+* ``contains(key, pin=True)`` / ``batched_async_contains(..., pin=True)`` pin hits;
+  ``batched_get_non_blocking`` unpins the keys it was asked for (as LocalDiskBackend does); the
+  sync path unpins through ``StorageManager.batched_unpin``. Pinned entries are protected from
+  the store's LRU eviction when the store offers ``pin``/``unpin``; otherwise pins are counted
+  only and an entry evicted between lookup and retrieval is a miss (LMCache's prefix accounting
+  handles that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+
+from .config import PluginConfigError, PluginSettings, parse_extra_config
+from .convert import ChunkShape, chunk_to_staging, staging_to_chunk
+
+__all__ = ["KVKernelsBackend", "key_string"]
+
+log = logging.getLogger("kvkernels.integrations.lmcache")
+
+_FORMATS = {2: MemoryFormat.KV_2LTD, 1: MemoryFormat.KV_MLA_FMT}
+# reads kept in flight per batched get: store queue depth x 2 (bounded staging memory)
+_READ_WINDOW_PER_THREAD = 2
+
+
+def key_string(key) -> str:
+    """Store key of an LMCache key: ``lmcache:<model>@<world>@<worker>@<hash>@<dtype>[@layer][@tags]``.
+
+    ``CacheEngineKey.to_string`` carries every field of LMCache's key equality (model name,
+    world size, worker id, chunk hash, dtype, tags; the layer id for ``LayerCacheEngineKey``),
+    so two keys map to the same entry exactly when LMCache considers them equal. The store hashes
+    this string into the file name: a key never names a path.
+    """
+    return "lmcache:" + key.to_string()
+
+
+class _BufferPool:
+    """Reusable 4 KiB-aligned staging buffers (fresh 32 MiB buffers page-fault on first touch)."""
+
+    def __init__(self, keep: int):
+        from kvkernels.io import aligned_empty
+
+        self._new = aligned_empty
+        self._keep = keep
+        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            lst = self._free.get(nbytes)
+            if lst:
+                return lst.pop()
+        return self._new(nbytes)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            lst = self._free[buf.numel()]
+            if len(lst) < self._keep:
+                lst.append(buf)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+class KVKernelsBackend(StoragePluginInterface):
+    """LMCache storage plugin: chunks stored as layer-addressable, checksummed kvkernels entries.
+
+    Enabled by LMCache configuration alone (docs/lmcache.md)::
+
+        storage_plugins: [kvkernels]
+        extra_config:
+          storage_plugin.kvkernels.module_path: kvkernels.integrations.lmcache
+          storage_plugin.kvkernels.class_name: KVKernelsBackend
+          kvkernels.paths: [/mnt/nvme0/kv, /mnt/nvme1/kv]
+          kvkernels.capacity_bytes: 500000000000
+
+    Parameters are LMCache's plugin constructor arguments. A bad ``kvkernels.*`` setting raises
+    :class:`~kvkernels.integrations.lmcache.config.PluginConfigError` naming the key (and logs it
+    at error level: LMCache itself only logs plugin failures).
+    """
+
+    def __init__(self, dst_device: str = "cpu", config=None, metadata=None, local_cpu_backend=None,
+                 loop: Optional[asyncio.AbstractEventLoop] = None):
+        super().__init__(dst_device=dst_device, config=config, metadata=metadata,
+                         local_cpu_backend=local_cpu_backend, loop=loop)
+        try:
+            extra = getattr(config, "extra_config", None) if config is not None else None
+            self.settings: PluginSettings = parse_extra_config(extra)
+            from kvkernels.io import KVStore  # the store issue's front door
+
+            s = self.settings
+            worker = getattr(metadata, "worker_id", None)
+            world = getattr(metadata, "world_size", None)
+            self.store = KVStore(s.store_paths(worker, world), capacity_bytes=s.capacity_bytes, engine=s.engine,
+                                 io_threads=s.io_threads, max_inflight_bytes=s.max_inflight_bytes,
+                                 read_priority=s.read_priority, verify=s.verify, fsync=s.fsync)
+        except PluginConfigError as exc:
+            log.error("kvkernels LMCache plugin NOT created: %s", exc)
+            raise
+        except Exception as exc:
+            log.error("kvkernels LMCache plugin NOT created: %s: %s", type(exc).__name__, exc)
+            raise PluginConfigError(f"kvkernels LMCache plugin: cannot open the store at "
+                                    f"`kvkernels.paths`={list(self.settings.paths) if hasattr(self, 'settings') else '?'}: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+        self._num_heads = self._heads_from_metadata(metadata)
+        self._lock = threading.Lock()
+        self._put_tasks: dict[str, int] = {}
+        self._pins: dict[str, int] = defaultdict(int)
+        self._store_pins = hasattr(self.store, "pin") and hasattr(self.store, "unpin")
+        n_io = self.store.io_threads
+        self._put_pool = ThreadPoolExecutor(self.settings.put_threads, thread_name_prefix="kvk-lmc-put")
+        self._read_pool = ThreadPoolExecutor(max(2, n_io), thread_name_prefix="kvk-lmc-get")
+        self._read_window = max(1, n_io * _READ_WINDOW_PER_THREAD)
+        self._bufs = _BufferPool(keep=self.settings.put_threads + self._read_window + 2)
+        self._warned: set[str] = set()
+        self._closed = False
+        self.counters = {k: 0 for k in ("puts", "put_skipped", "put_errors", "gets", "hits", "misses", "corrupt",
+                                        "alloc_failures")}
+        log.info("kvkernels LMCache plugin: store %s, engine %s, capacity %s, %d entries recovered",
+                 self.store.paths, self.store.engine.name, self.settings.capacity_bytes, len(self.store))
+
+    def __str__(self) -> str:
+        return "KVKernelsBackend"
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _heads_from_metadata(metadata) -> int | None:
+        shape = getattr(metadata, "kv_shape", None)
+        try:
+            return int(shape[3]) if shape is not None and len(shape) == 5 else None
+        except (TypeError, ValueError, IndexError):
+            return None
+
+    def _warn_once(self, what: str, msg: str, *args) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(msg, *args)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def _meta_for(self, shape: ChunkShape):
+        from kvkernels.io import EntryMeta
+
+        s = self.settings
+        return EntryMeta(layers=tuple(range(shape.num_layers)), num_blocks=1, block_size=shape.num_tokens,
+                         num_heads=shape.num_heads, head_dim=shape.head_dim, element_size=shape.element_size,
+                         num_kv=shape.num_kv, num_layers=shape.num_layers,
+                         dtype=str(shape.dtype).replace("torch.", ""),
+                         scheme="shuffle" if s.byteshuffle else "raw",
+                         codec=s.compression)
+
+    @staticmethod
+    def _shape_of_header(header) -> tuple[ChunkShape, MemoryFormat]:
+        m = header.meta
+        dtype = getattr(torch, m.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"stored dtype {m.dtype!r} is not a torch dtype")
+        if m.num_blocks != 1 or m.num_kv not in _FORMATS or tuple(m.layers) != tuple(range(m.num_layers)):
+            raise ValueError("entry was not written by the LMCache plugin")
+        return ChunkShape(m.num_kv, m.num_layers, m.block_size, m.num_heads, m.head_dim, dtype), _FORMATS[m.num_kv]
+
+    def _chunk_shape(self, obj: MemoryObj) -> Optional[ChunkShape]:
+        fmt = obj.get_memory_format()
+        shapes = getattr(obj.metadata, "shapes", None)
+        if fmt not in (MemoryFormat.KV_2LTD, MemoryFormat.KV_MLA_FMT) or (shapes is not None and len(shapes) > 1):
+            self._warn_once(f"fmt-{fmt}", "kvkernels LMCache plugin: MemoryFormat %s (or a multi-group object) is "
+                            "not supported; such chunks are not stored (lookups miss)", fmt)
+            return None
+        t = obj.tensor
+        if t is None or t.dim() != 4 or t.shape[0] != (2 if fmt == MemoryFormat.KV_2LTD else 1):
+            self._warn_once(f"shape-{fmt}", "kvkernels LMCache plugin: unexpected %s tensor %s; not stored", fmt,
+                            None if t is None else tuple(t.shape))
+            return None
+        return ChunkShape.of(t, self._num_heads)
+
+    # ------------------------------------------------------------------ lookups
+    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        ks = key_string(key)
+        hit = self.store.contains(ks)
+        if hit and pin:
+            self._pin(ks)
+        return hit
+
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        with self._lock:
+            return key_string(key) in self._put_tasks
+
+    async def batched_async_contains(self, lookup_id: str, keys: List[CacheEngineKey], pin: bool = False) -> int:
+        """Number of leading keys stored (prefix semantics); pins them when ``pin``."""
+        n = 0
+        for key in keys:
+            if not self.contains(key, pin=pin):
+                break
+            n += 1
+        return n
+
+    def batched_contains(self, keys: List[CacheEngineKey], pin: bool = False) -> int:
+        n = 0
+        for key in keys:
+            if not self.contains(key, pin=pin):
+                break
+            n += 1
+        return n
+
+    def _pin(self, ks: str) -> None:
+        with self._lock:
+            self._pins[ks] += 1
+        if self._store_pins:
+            self.store.pin(ks)
+
+    def pin(self, key: CacheEngineKey) -> bool:
+        ks = key_string(key)
+        if not self.store.contains(ks):
+            return False
+        self._pin(ks)
+        return True
+
+    def unpin(self, key: CacheEngineKey) -> bool:
+        ks = key_string(key)
+        with self._lock:
+            had = self._pins.get(ks, 0) > 0
+            if had:
+                self._pins[ks] -= 1
+                if self._pins[ks] == 0:
+                    del self._pins[ks]
+        if had and self._store_pins:
+            self.store.unpin(ks)
+        return had or self.store.contains(ks)
+
+    def pin_count(self, key: CacheEngineKey) -> int:
+        with self._lock:
+            return self._pins.get(key_string(key), 0)
+
+    def touch_cache(self) -> None:
+        """No-op: the store's LRU is updated by every read."""
+
+    # ------------------------------------------------------------------ puts
+    def batched_submit_put_task(self, keys: Sequence[CacheEngineKey], objs: List[MemoryObj], transfer_spec: Any = None,
+                                on_complete_callback: Optional[Callable[[CacheEngineKey], None]] = None
+                                ) -> Optional[List[Future]]:
+        """Store chunks asynchronously; returns one Future (of the written header) per accepted key.
+
+        Keys already stored or being stored are skipped (no reference taken, no callback).
+        """
+        if self._closed:
+            raise RuntimeError("KVKernelsBackend is closed")
+        futures: List[Future] = []
+        for key, obj in zip(keys, objs):
+            ks = key_string(key)
+            if self.store.contains(ks):
+                self._count("put_skipped")
+                continue
+            shape = self._chunk_shape(obj)
+            if shape is None:
+                self._count("put_skipped")
+                continue
+            with self._lock:
+                if ks in self._put_tasks:
+                    self.counters["put_skipped"] += 1
+                    continue
+                self._put_tasks[ks] = 1
+            obj.ref_count_up()
+            try:
+                futures.append(self._put_pool.submit(self._put_one, key, ks, obj, shape, on_complete_callback))
+            except BaseException:
+                obj.ref_count_down()
+                with self._lock:
+                    self._put_tasks.pop(ks, None)
+                raise
+        return futures
+
+    def _put_one(self, key, ks: str, obj: MemoryObj, shape: ChunkShape, callback):
+        meta = self._meta_for(shape)
+        fmt = meta.fmt
+        buf = None
+        released = False
+        try:
+            buf = self._bufs.take(fmt.nbytes)
+            chunk_to_staging(obj.tensor, shape, buf, fmt)
+            obj.ref_count_down()  # the bytes are in our buffer: give LMCache its memory back now
+            released = True
+            if meta.codec != "none":
+                from kvkernels.compress import compress_regions
+
+                cs = compress_regions(buf, fmt, codec=meta.codec, byteshuffle=self.settings.byteshuffle)
+                header = self.store.put(ks, [r.contiguous() for r in cs.regions], meta).result()
+            else:
+                header = self.store.put(ks, buf, meta).result()
+            self._count("puts")
+        except BaseException as exc:
+            self._count("put_errors")
+            log.warning("kvkernels LMCache plugin: put of %s failed: %s: %s", ks, type(exc).__name__, exc)
+            raise
+        finally:
+            if not released:
+                obj.ref_count_down()
+            if buf is not None:
+                self._bufs.give(buf)
+            with self._lock:
+                self._put_tasks.pop(ks, None)
+        if callback is not None:
+            try:
+                callback(key)
+            except Exception as exc:  # LMCache's contract: callback errors are logged, not raised
+                log.warning("kvkernels LMCache plugin: on_complete_callback failed for %s: %s", ks, exc)
+        return header
+
+    # ------------------------------------------------------------------ gets
+    def _allocate(self, shape: ChunkShape, mfmt: MemoryFormat, busy_loop: bool = True) -> Optional[MemoryObj]:
+        if self.local_cpu_backend is None:
+            self._warn_once("no-alloc", "kvkernels LMCache plugin: no LocalCPUBackend to allocate from "
+                            "(max_local_cpu_size must be > 0); gets return None")
+            return None
+        obj = self.local_cpu_backend.allocate(shape.torch_shape, shape.dtype, mfmt, busy_loop=busy_loop)
+        if obj is None:
+            self._count("alloc_failures")
+        return obj
+
+    def _start_read(self, ks: str, layers=None):
+        """Header and read future of ``ks`` (None when absent); the buffer comes from the pool."""
+        header = self.store.header(ks)
+        if header is None:
+            return None
+        shape, mfmt = self._shape_of_header(header)
+        fmt = header.meta.fmt if layers is None else header.meta.fmt.with_layers(layers)
+        buf = self._bufs.take(fmt.nbytes)
+        try:
+            fut = self.store.get(ks, out=buf, layers=layers)
+        except BaseException:
+            self._bufs.give(buf)
+            raise
+        return header, shape, mfmt, fmt, buf, fut
+
+    def _finish_read(self, ks: str, started, out: torch.Tensor, layers=None) -> bool:
+        """Wait for a read and convert it into ``out``; False (and no bytes trusted) on any failure."""
+        from kvkernels.io import CorruptEntryError
+
+        header, shape, mfmt, fmt, buf, fut = started
+        extra = None
+        try:
+            fut.result()
+            staging = buf
+            m = header.meta
+            if m.codec != "none":
+                from kvkernels.compress import CompressedStaging, decompress_regions
+
+                sel = [r for r in header.regions if layers is None or r.layer in fmt.layers]
+                cs = CompressedStaging.from_buffer(buf, fmt, [r.stored for r in sel], m.codec,
+                                                   byteshuffle=m.scheme == "shuffle")
+                extra = self._bufs.take(fmt.nbytes)
+                staging = decompress_regions(cs, out=extra)
+            staging_to_chunk(staging, shape, out, fmt, layers=fmt.layers)
+            self._count("hits")
+            return True
+        except KeyError:
+            self._count("misses")
+            return False
+        except CorruptEntryError as exc:
+            self._count("corrupt")
+            log.warning("kvkernels LMCache plugin: %s is corrupted, treated as a miss: %s", ks, exc)
+            return False
+        except Exception as exc:  # I/O errors, bad sizes, codec errors: a miss, the bytes are not used
+            self._count("misses")
+            log.warning("kvkernels LMCache plugin: read of %s failed, treated as a miss: %s: %s", ks,
+                        type(exc).__name__, exc)
+            return False
+        finally:
+            self._bufs.give(buf)
+            if extra is not None:
+                self._bufs.give(extra)
+
+    def _read_many(self, kss: List[str], objs: List[Optional[MemoryObj]]) -> List[bool]:
+        """Read several entries with up to ``_read_window`` reads in flight; results in order."""
+        ok = [False] * len(kss)
+        pending: list = []  # (index, started)
+        i = 0
+        while i < len(kss) or pending:
+            while i < len(kss) and len(pending) < self._read_window:
+                if objs[i] is not None:
+                    try:
+                        st = self._start_read(kss[i])
+                    except Exception as exc:  # a bad header, a closed store: a miss, never a leak
+                        log.warning("kvkernels LMCache plugin: %s unreadable: %s: %s", kss[i], type(exc).__name__, exc)
+                        st = None
+                    if st is not None:
+                        pending.append((i, st))
+                i += 1
+            if pending:
+                j, st = pending.pop(0)
+                ok[j] = self._finish_read(kss[j], st, objs[j].tensor)
+        return ok
+
+    def get_blocking(self, key: CacheEngineKey) -> Optional[MemoryObj]:
+        return self.batched_get_blocking([key])[0]
+
+    def batched_get_blocking(self, keys: List[CacheEngineKey]) -> List[Optional[MemoryObj]]:
+        """Read chunks concurrently (the store's queue depth); ``None`` for misses and bad entries."""
+        self._count("gets", len(keys))
+        kss = [key_string(k) for k in keys]
+        objs: List[Optional[MemoryObj]] = []
+        for ks in kss:
+            header = self.store.header(ks)
+            obj = None
+            if header is not None:
+                try:
+                    shape, mfmt = self._shape_of_header(header)
+                    obj = self._allocate(shape, mfmt)
+                except ValueError as exc:
+                    log.warning("kvkernels LMCache plugin: %s unreadable: %s", ks, exc)
+            else:
+                self._count("misses")
+            objs.append(obj)
+        ok = self._read_many(kss, objs)
+        out: List[Optional[MemoryObj]] = []
+        for obj, good in zip(objs, ok):
+            if obj is not None and not good:
+                obj.ref_count_down()
+                obj = None
+            out.append(obj)
+        return out
+
+    def get_non_blocking(self, key: CacheEngineKey, location: Optional[str] = None) -> Optional[Future]:
+        if not self.store.contains(key_string(key)):
+            return None
+        return self._read_pool.submit(self.get_blocking, key)
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey],
+                                       transfer_spec: Any = None) -> list[MemoryObj]:
+        """Prefetch ``keys``; returns the leading chunks read successfully (prefix semantics).
+
+        Unpins every key it was given (they were pinned by ``batched_async_contains``).
+        """
+        try:
+            self._count("gets", len(keys))
+            kss = [key_string(k) for k in keys]
+            objs: list = []
+            for ks in kss:
+                header = self.store.header(ks)
+                if header is None:
+                    break
+                try:
+                    shape, mfmt = self._shape_of_header(header)
+                except ValueError:
+                    break
+                obj = self._allocate(shape, mfmt, busy_loop=False)  # never spin on the event loop
+                if obj is None:
+                    log.error("kvkernels LMCache plugin: CPU staging pool exhausted during prefetch of %s; "
+                              "returning %d of %d chunks", lookup_id, len(objs), len(keys))
+                    break
+                objs.append(obj)
+            loop = asyncio.get_running_loop()
+            ok = await loop.run_in_executor(self._read_pool, self._read_many, kss[: len(objs)], objs)
+            result: list[MemoryObj] = []
+            broken = False
+            for obj, good in zip(objs, ok):
+                broken = broken or not good
+                if broken:  # after the first miss nothing counts (prefix): free the rest
+                    obj.ref_count_down()
+                else:
+                    result.append(obj)
+            return result
+        finally:
+            for k in keys:
+                self.unpin(k)
+
+    def get_layers(self, key: CacheEngineKey, layers) -> Optional[torch.Tensor]:
+        """Read only ``layers`` of a stored chunk: ``[num_kv, len(layers), T, H*D]`` CPU tensor, or None.
+
+        One aligned region read per layer (contiguous layers coalesce): what a layer-wise
+        restore needs, without reading the whole chunk.
+        """
+        from kvkernels.staging import normalize_layers
+
+        ks = key_string(key)
+        header = self.store.header(ks)
+        if header is None:
+            return None
+        shape, _ = self._shape_of_header(header)
+        layers = normalize_layers(layers, shape.num_layers)
+        full = torch.empty(shape.torch_shape, dtype=shape.dtype)
+        st = self._start_read(ks, layers=layers)
+        if st is None or not self._finish_read(ks, st, full, layers=layers):
+            return None
+        return full[:, list(layers)]
+
+    # ------------------------------------------------------------------ removal / lifecycle
+    def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
+        ks = key_string(key)
+        with self._lock:
+            pins = self._pins.pop(ks, 0)
+        if pins and self._store_pins:
+            for _ in range(pins):
+                self.store.unpin(ks)
+        return self.store.remove(ks)
+
+    def get_allocator_backend(self):
+        return self.local_cpu_backend
+
+    def stats(self) -> dict:
+        """Plugin counters plus the store's ``stats()``."""
+        with self._lock:
+            d = dict(self.counters)
+            d["put_tasks"] = len(self._put_tasks)
+            d["pinned_keys"] = len(self._pins)
+        d["store"] = self.store.stats()
+        return d
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every submitted put has finished (tests, benchmarks, shutdown)."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if not self._put_tasks:
+                    return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self._put_tasks)} puts still pending")
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        """Finish pending puts, then close the store. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._put_pool.shutdown(wait=True)
+        self._read_pool.shutdown(wait=True)
+        self.store.close()
+        self._bufs.clear()

@@ -1,0 +1,504 @@
+"""LMCache storage plugin (kvkernels.integrations.lmcache) through the real lmcache package.
+
+The plugin is created by LMCache's own machinery (``StorageManager`` -> ``CreateStorageBackends``
+-> ``storage_plugin_launcher``) from an ``LMCacheEngineConfig``; chunks are real ``MemoryObj``
+from LMCache's ``LocalCPUBackend`` allocator and keys are real ``CacheEngineKey``.
+
+Without lmcache installed the module is skipped (set ``KVKERNELS_REQUIRE_LMCACHE=1`` in CI to make
+that an error instead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import logging
+import os
+import threading
+
+import pytest
+import torch
+
+if os.environ.get("KVKERNELS_REQUIRE_LMCACHE") == "1":
+    import lmcache  # noqa: F401
+else:
+    pytest.importorskip("lmcache", reason="lmcache==0.5.6 not installed (pip install 'kvkernels[lmcache]')")
+
+from lmcache.utils import CacheEngineKey  # noqa: E402
+from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
+from lmcache.v1.event_manager import EventManager  # noqa: E402
+from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
+from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+from lmcache.v1.storage_backend import CreateStorageBackends  # noqa: E402
+from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E402
+
+import kvkernels  # noqa: E402
+from kvkernels.integrations.lmcache import (  # noqa: E402
+    KVKernelsBackend,
+    PluginConfigError,
+    key_string,
+    chunk_to_staging,
+    lmcache_extra_config,
+    parse_extra_config,
+    staging_to_chunk,
+)
+from kvkernels.integrations.lmcache.convert import ChunkShape, chunk_layout  # noqa: E402
+from kvtest import bytes_equal  # noqa: E402
+
+
+# small llama-like chunk: L layers, T tokens, H kv heads, D head dim
+L, T, H, D = 4, 16, 2, 8
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+MODEL = "test/llama-tiny"
+
+
+def _metadata(dtype=torch.bfloat16, worker_id=0, world_size=1, use_mla=False):
+    return LMCacheMetadata(model_name=MODEL, world_size=world_size, local_world_size=world_size, worker_id=worker_id,
+                           local_worker_id=worker_id, kv_dtype=dtype, kv_shape=(L, 2, T, H, D), use_mla=use_mla,
+                           chunk_size=T)
+
+
+def _config(path, **kv):
+    return LMCacheEngineConfig.from_defaults(chunk_size=T, local_cpu=True, max_local_cpu_size=0.05,
+                                             storage_plugins=["kvkernels"],
+                                             extra_config=lmcache_extra_config(str(path), **kv))
+
+
+def _key(h: int, dtype=torch.bfloat16, worker_id=0) -> CacheEngineKey:
+    return CacheEngineKey(MODEL, 1, worker_id, h, dtype)
+
+
+class Manager:
+    """A StorageManager built from config (LMCache creates the plugin), torn down on close()."""
+
+    def __init__(self, path, dtype=torch.bfloat16, **kv):
+        self.sm = StorageManager(_config(path, **kv), _metadata(dtype), EventManager())
+        self.plugin = self.sm.storage_backends.get("kvkernels")
+        assert isinstance(self.plugin, KVKernelsBackend), list(self.sm.storage_backends)
+        self.cpu = self.sm.storage_backends["LocalCPUBackend"]
+
+    def chunk(self, seed: int, dtype=torch.bfloat16, tokens: int = T):
+        """A MemoryObj from LMCache's allocator filled with seeded data, and a copy of its bytes."""
+        obj = self.sm.allocate(torch.Size([2, L, tokens, H * D]), dtype, MemoryFormat.KV_2LTD)
+        g = torch.Generator().manual_seed(seed)
+        obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=g).to(dtype))
+        return obj, obj.tensor.clone()
+
+    def put(self, keys, objs, **kw):
+        """Store through the plugin only (the manager's batched_put also fills LocalCPUBackend)."""
+        futs = self.plugin.batched_submit_put_task(keys, objs, **kw)
+        for o in objs:  # what StorageManager.batched_put does after submitting
+            o.ref_count_down()
+        self.plugin.flush(timeout=30)
+        return futs
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.sm.loop).result(30)
+
+    def close(self):
+        self.sm.close()
+
+
+@pytest.fixture
+def mgr(tmp_path):
+    m = Manager(tmp_path / "kv")
+    yield m
+    m.close()
+
+
+def _entry_files(root) -> list[str]:
+    return sorted(glob.glob(os.path.join(str(root), "**", "*.kvk"), recursive=True))
+
+
+# ----------------------------------------------------------------------------- creation / config
+def test_created_by_lmcache_launcher_from_config(tmp_path):
+    loop = asyncio.new_event_loop()
+    backends = CreateStorageBackends(_config(tmp_path / "kv"), _metadata(), loop)
+    try:
+        plugin = backends["kvkernels"]
+        assert isinstance(plugin, KVKernelsBackend)
+        assert plugin.get_allocator_backend() is backends["LocalCPUBackend"]
+        # one store per worker process: <path>/worker<id>of<world>
+        assert plugin.store.paths == [str(tmp_path / "kv" / "worker0of1")]
+    finally:
+        for b in reversed(list(backends.values())):
+            b.close()
+        loop.close()
+
+
+@pytest.mark.parametrize("extra, key", [
+    ({}, "kvkernels.paths"),
+    ({"kvkernels.paths": 7}, "kvkernels.paths"),
+    ({"kvkernels.paths": "/tmp/x", "kvkernels.engine": "spdk"}, "kvkernels.engine"),
+    ({"kvkernels.paths": "/tmp/x", "kvkernels.capacity_bytes": "lots"}, "kvkernels.capacity_bytes"),
+    ({"kvkernels.paths": "/tmp/x", "kvkernels.capcity_bytes": 10}, "kvkernels.capcity_bytes"),
+    ({"kvkernels.paths": "/tmp/x", "kvkernels.compression": "brotli"}, "kvkernels.compression"),
+    ({"kvkernels.paths": "/tmp/x", "kvkernels.fsync": "maybe"}, "kvkernels.fsync"),
+])
+def test_bad_config_names_the_key(extra, key):
+    with pytest.raises(PluginConfigError, match=key.replace(".", r"\.")):
+        parse_extra_config(extra)
+
+
+def test_broken_config_is_loud(tmp_path, caplog):
+    """Direct construction raises naming the key; through LMCache's launcher (which only logs
+    plugin failures) our logger reports it at error level and no plugin is registered."""
+    extra = {"storage_plugin.kvkernels.module_path": "kvkernels.integrations.lmcache",
+             "storage_plugin.kvkernels.class_name": "KVKernelsBackend",
+             "kvkernels.paths": str(tmp_path / "kv"), "kvkernels.engine": "spdk"}
+    cfg = LMCacheEngineConfig.from_defaults(chunk_size=T, local_cpu=True, max_local_cpu_size=0.05,
+                                            storage_plugins=["kvkernels"], extra_config=extra)
+    with pytest.raises(PluginConfigError, match=r"kvkernels\.engine"):
+        KVKernelsBackend(dst_device="cpu", config=cfg, metadata=_metadata())
+    loop = asyncio.new_event_loop()
+    with caplog.at_level(logging.ERROR, logger="kvkernels.integrations.lmcache"):
+        backends = CreateStorageBackends(cfg, _metadata(), loop)
+    try:
+        assert "kvkernels" not in backends
+        errors = [r for r in caplog.records if r.name == "kvkernels.integrations.lmcache" and r.levelno == logging.ERROR]
+        assert errors and "kvkernels.engine" in errors[0].getMessage()
+    finally:
+        for b in backends.values():
+            b.close()
+        loop.close()
+
+
+def test_unwritable_path_is_a_config_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"x")
+    cfg = _config(blocker / "sub")
+    with pytest.raises(PluginConfigError, match=r"kvkernels\.paths"):
+        KVKernelsBackend(dst_device="cpu", config=cfg, metadata=_metadata())
+
+
+# ----------------------------------------------------------------------------- conversion
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7, T])
+def test_chunk_staging_matches_kvkernels_gather(dtype, tokens):
+    t = torch.randn(2, L, tokens, H * D).to(dtype)
+    shape = ChunkShape.of(t, H)
+    lay = chunk_layout(t, shape)
+    fmt = kvkernels.StagingFormat.for_layout(lay, 1)
+    ours = chunk_to_staging(t, shape, torch.full((fmt.nbytes,), 0xAB, dtype=torch.uint8), fmt)
+    assert torch.equal(ours, kvkernels.gather(lay, [0], backend="torch"))
+    back = staging_to_chunk(ours, shape, torch.empty_like(t), fmt)
+    assert bytes_equal(back, t)
+    # one layer alone: region 0 of a single-layer staging
+    one = kvkernels.gather(lay, [0], layers=[2], backend="torch")
+    part = torch.zeros_like(t)
+    staging_to_chunk(one, shape, part, fmt.with_layers([2]), layers=[2])
+    assert bytes_equal(part[:, 2], t[:, 2]) and not part[:, 0].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_chunk_conversion_matches_cpu(dtype):
+    """CUDA chunks go through kvkernels.gather/scatter (Triton); same bytes as the CPU copy path."""
+    t = torch.randn(2, L, T, H * D).to(dtype)
+    shape = ChunkShape.of(t, H)
+    fmt = kvkernels.StagingFormat.for_layout(chunk_layout(t, shape), 1)
+    cpu = chunk_to_staging(t, shape, torch.empty(fmt.nbytes, dtype=torch.uint8), fmt)
+    gpu = chunk_to_staging(t.cuda(), shape, torch.empty(fmt.nbytes, dtype=torch.uint8, device="cuda"), fmt)
+    assert torch.equal(cpu, gpu.cpu())
+    back = staging_to_chunk(gpu, shape, torch.empty_like(t, device="cuda"), fmt)
+    assert bytes_equal(back.cpu(), t)
+
+
+def test_mla_chunk_round_trip():
+    t = torch.randn(1, L, T, 24).to(torch.bfloat16)
+    shape = ChunkShape.of(t, H)
+    assert (shape.num_kv, shape.num_heads, shape.head_dim) == (1, 1, 24)
+    lay = chunk_layout(t, shape)
+    fmt = kvkernels.StagingFormat.for_layout(lay, 1)
+    st = chunk_to_staging(t, shape, torch.empty(fmt.nbytes, dtype=torch.uint8), fmt)
+    assert torch.equal(st, kvkernels.gather(lay, [0], backend="torch"))
+    assert bytes_equal(staging_to_chunk(st, shape, torch.empty_like(t), fmt), t)
+
+
+# ----------------------------------------------------------------------------- store / lookup / retrieve
+def test_put_contains_get_through_storage_manager(mgr):
+    keys = [_key(1000 + i) for i in range(4)]
+    pairs = [mgr.chunk(i) for i in range(4)]
+    objs = [p[0] for p in pairs]
+    for o in objs:
+        o.ref_count_up()  # keep them alive to check the plugin's reference handling
+    mgr.sm.batched_put(keys, objs)  # LMCache fans out to LocalCPUBackend and the plugin
+    mgr.plugin.flush(timeout=30)
+    for k, (o, ref) in zip(keys, pairs):
+        assert mgr.plugin.contains(k)
+        assert not mgr.plugin.exists_in_put_tasks(k)
+        assert o.get_ref_count() == 2  # ours (1) + LocalCPUBackend's copy; the plugin released its own
+        got = mgr.sm.get(k, location="kvkernels")
+        assert got is not None and got is not o
+        assert bytes_equal(got.tensor, ref)
+        assert got.get_memory_format() == MemoryFormat.KV_2LTD
+        got.ref_count_down()
+        o.ref_count_down()
+    assert mgr.sm.contains(_key(1), search_range=["kvkernels"]) is None
+    assert mgr.plugin.get_blocking(_key(1)) is None
+
+
+def test_ref_count_and_callback_contract(mgr):
+    keys = [_key(i) for i in range(3)]
+    pairs = [mgr.chunk(10 + i) for i in range(3)]
+    objs = [p[0] for p in pairs]
+    done = []
+    for o in objs:
+        o.ref_count_up()  # the test's own reference
+    futs = mgr.plugin.batched_submit_put_task(keys, objs, on_complete_callback=done.append)
+    assert len(futs) == 3
+    for f in futs:
+        f.result(30)
+    mgr.plugin.flush(timeout=30)
+    assert sorted(k.chunk_hash for k in done) == [0, 1, 2]  # once per key
+    assert [o.get_ref_count() for o in objs] == [2, 2, 2]  # the plugin took one and gave it back
+    # already stored: skipped, no reference taken, no callback
+    assert mgr.plugin.batched_submit_put_task(keys[:1], objs[:1], on_complete_callback=done.append) == []
+    assert objs[0].get_ref_count() == 2 and len(done) == 3
+    # a raising callback is logged, the entry still stored
+    def boom(k):
+        raise RuntimeError("callback failed")
+    o, ref = mgr.chunk(99)
+    mgr.put([_key(99)], [o], on_complete_callback=boom)
+    assert mgr.plugin.contains(_key(99))
+    for o in objs:
+        o.ref_count_down()
+        o.ref_count_down()
+
+
+def test_batched_get_blocking_and_layer_read(mgr):
+    keys = [_key(i) for i in range(6)]
+    pairs = [mgr.chunk(20 + i) for i in range(6)]
+    refs = [p[1] for p in pairs]
+    mgr.put(keys, [p[0] for p in pairs])
+    got = mgr.plugin.batched_get_blocking(keys[:3] + [_key(12345)] + keys[3:])
+    assert got[3] is None
+    for g, ref in zip(got[:3] + got[4:], refs):
+        assert bytes_equal(g.tensor, ref)
+        g.ref_count_down()
+    part = mgr.plugin.get_layers(keys[1], [1, 3])
+    assert bytes_equal(part, refs[1][:, [1, 3]])
+    assert mgr.plugin.get_layers(_key(4242), [0]) is None
+
+
+def test_short_last_chunk_and_dtypes(tmp_path):
+    for dtype in DTYPES:
+        m = Manager(tmp_path / str(dtype), dtype=dtype)
+        try:
+            o, ref = m.chunk(5, dtype=dtype, tokens=5)  # last chunk of a prompt: fewer tokens
+            m.put([_key(5, dtype)], [o])
+            got = m.plugin.get_blocking(_key(5, dtype))
+            assert got.tensor.shape == (2, L, 5, H * D) and bytes_equal(got.tensor, ref)
+            got.ref_count_down()
+            # dtype is part of the key
+            assert not m.plugin.contains(_key(5, torch.float64 if dtype != torch.float64 else torch.float32))
+        finally:
+            m.close()
+
+
+def test_async_prefix_lookup_and_prefetch(mgr):
+    keys = [_key(i) for i in range(6)]
+    pairs = {i: mgr.chunk(30 + i) for i in (0, 1, 2, 4, 5)}  # 3 is missing
+    mgr.put([keys[i] for i in pairs], [p[0] for p in pairs.values()])
+    n = mgr.run(mgr.plugin.batched_async_contains("req-1", keys, pin=True))
+    assert n == 3
+    assert [mgr.plugin.pin_count(k) for k in keys] == [1, 1, 1, 0, 0, 0]
+    objs = mgr.run(mgr.plugin.batched_get_non_blocking("req-1", keys[:n]))
+    assert len(objs) == 3
+    for i, o in enumerate(objs):
+        assert bytes_equal(o.tensor, pairs[i][1])
+        o.ref_count_down()
+    assert [mgr.plugin.pin_count(k) for k in keys] == [0] * 6  # unpinned by the prefetch
+    # an entry removed between lookup and load: the prefix stops there, nothing leaks
+    assert mgr.run(mgr.plugin.batched_async_contains("req-2", keys[:3], pin=True)) == 3
+    assert mgr.plugin.remove(keys[1])
+    before = _active(mgr)
+    objs = mgr.run(mgr.plugin.batched_get_non_blocking("req-2", keys[:3]))
+    assert len(objs) == 1 and bytes_equal(objs[0].tensor, pairs[0][1])
+    assert _active(mgr) == before + 1  # only the returned chunk is live
+    objs[0].ref_count_down()
+    assert _active(mgr) == before
+
+
+def test_pin_unpin_remove(mgr):
+    o, _ = mgr.chunk(7)
+    mgr.put([_key(7)], [o])
+    assert not mgr.plugin.pin(_key(8))
+    assert mgr.plugin.pin(_key(7)) and mgr.plugin.contains(_key(7), pin=True)
+    assert mgr.plugin.pin_count(_key(7)) == 2
+    mgr.sm.batched_unpin([_key(7)], locations=["kvkernels"])
+    assert mgr.plugin.pin_count(_key(7)) == 1
+    assert mgr.plugin.unpin(_key(7)) and mgr.plugin.pin_count(_key(7)) == 0
+    assert mgr.plugin.remove(_key(7)) and not mgr.plugin.contains(_key(7))
+    assert not mgr.plugin.remove(_key(7))
+
+
+# ----------------------------------------------------------------------------- durability
+def test_restart_sees_old_entries(tmp_path):
+    m = Manager(tmp_path / "kv")
+    o, ref = m.chunk(40)
+    m.put([_key(40)], [o])
+    m.close()
+    m2 = Manager(tmp_path / "kv")  # a new plugin instance over the same directory
+    try:
+        assert m2.plugin.contains(_key(40))
+        got = m2.plugin.get_blocking(_key(40))
+        assert bytes_equal(got.tensor, ref)
+        got.ref_count_down()
+    finally:
+        m2.close()
+
+
+@pytest.mark.parametrize("where", ["region", "header"])
+def test_corrupted_file_is_a_miss_never_garbage(tmp_path, where):
+    m = Manager(tmp_path / "kv")
+    o, ref = m.chunk(50)
+    m.put([_key(50)], [o])
+    (path,) = _entry_files(tmp_path / "kv")
+    if where == "header":
+        m.close()
+    with open(path, "r+b") as f:
+        f.seek(4096 + 100 if where == "region" else 200)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    if where == "header":
+        m = Manager(tmp_path / "kv")  # recovery skips the bad file
+    try:
+        before = _active(m)
+        assert m.plugin.get_blocking(_key(50)) is None
+        assert _active(m) == before  # the MemoryObj allocated for the failed read went back
+        assert not m.plugin.contains(_key(50))
+        if where == "region":
+            assert m.plugin.stats()["corrupt"] == 1  # detected by the checksum, not a plain miss
+        else:
+            assert len(m.plugin.store.recovery["bad_files"]) == 1
+    finally:
+        m.close()
+
+
+def _active(m: Manager) -> int:
+    """Live allocations in LMCache's CPU pool (leak check)."""
+    return m.cpu.memory_allocator.pin_allocator.num_active_allocations
+
+
+def test_eviction_keeps_newest(tmp_path):
+    probe = Manager(tmp_path / "probe")
+    o, _ = probe.chunk(0)
+    probe.put([_key(0)], [o])
+    entry = probe.plugin.stats()["store"]["bytes_used"]
+    probe.close()
+    m = Manager(tmp_path / "kv", capacity_bytes=3 * entry)
+    try:
+        pairs = [m.chunk(60 + i) for i in range(5)]
+        for i, (o, _) in enumerate(pairs):
+            m.put([_key(60 + i)], [o])
+        assert [m.plugin.contains(_key(60 + i)) for i in range(5)] == [False, False, True, True, True]
+        assert m.plugin.stats()["store"]["evictions"] == 2
+        got = m.plugin.get_blocking(_key(64))
+        assert bytes_equal(got.tensor, pairs[4][1])
+        got.ref_count_down()
+    finally:
+        m.close()
+
+
+def test_concurrent_puts_and_gets(mgr):
+    n_threads, per = 4, 6
+    errors = []
+
+    def work(tid):
+        try:
+            for i in range(per):
+                h = 10_000 * (tid + 1) + i
+                o, ref = mgr.chunk(h)
+                mgr.plugin.batched_submit_put_task([_key(h)], [o])
+                o.ref_count_down()
+                while not mgr.plugin.contains(_key(h)):
+                    assert mgr.plugin.exists_in_put_tasks(_key(h)) or mgr.plugin.contains(_key(h))
+                got = mgr.plugin.get_blocking(_key(h))
+                if got is None or not bytes_equal(got.tensor, ref):
+                    errors.append(h)
+                if got is not None:
+                    got.ref_count_down()
+        except Exception as exc:  # surfaced below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert mgr.plugin.stats()["puts"] == n_threads * per
+
+
+def test_zstd_compression_round_trip(tmp_path):
+    pytest.importorskip("zstandard")
+    m = Manager(tmp_path / "kv", compression="zstd", byteshuffle=True)
+    try:
+        o, ref = m.chunk(70)
+        m.put([_key(70)], [o])
+        header = m.plugin.store.header(key_string(_key(70)))
+        assert (header.meta.codec, header.meta.scheme) == ("zstd", "shuffle")
+        assert sum(r.stored for r in header.regions) < ref.numel() * ref.element_size()
+        got = m.plugin.get_blocking(_key(70))
+        assert bytes_equal(got.tensor, ref)
+        got.ref_count_down()
+        assert bytes_equal(m.plugin.get_layers(_key(70), [3]), ref[:, [3]])
+    finally:
+        m.close()
+
+
+def test_bench_tiny(tmp_path):
+    from kvkernels.bench import bench_lmcache
+
+    rows = bench_lmcache.main(["--tiny", "--dir", str(tmp_path / "bench"), "--out", str(tmp_path / "out")])
+    assert {r["backend"] for r in rows} == {"kvkernels", "kvkernels-nofsync", "LocalDiskBackend",
+                                            "LocalDiskBackend-odirect"}
+    assert all(r["store_gbps"] > 0 and r["retrieve_gbps"] > 0 for r in rows)
+    assert os.path.exists(tmp_path / "out" / "bench_lmcache.csv")
+
+
+def test_foreign_entry_under_a_key_is_a_miss(mgr):
+    """A store entry that is not an LMCache chunk (e.g. two blocks) is never handed to LMCache."""
+    from kvkernels.io import EntryMeta
+
+    lay = kvkernels.PagedLayout.from_vllm([torch.randn(2, 4, T, H, D).to(torch.bfloat16) for _ in range(L)])
+    mgr.plugin.store.put(key_string(_key(77)), kvkernels.gather(lay, [0, 1]), EntryMeta.for_layout(lay, 2)).result()
+    assert mgr.plugin.contains(_key(77))
+    assert mgr.plugin.get_blocking(_key(77)) is None
+    assert mgr.plugin.batched_get_blocking([_key(77)]) == [None]
+
+
+def test_import_without_lmcache():
+    """``import kvkernels.integrations.lmcache`` and config parsing work when lmcache is absent."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['lmcache'] = None\n"
+            "import kvkernels.integrations.lmcache as m\n"
+            "assert m.parse_extra_config({'kvkernels.paths': '/tmp/a,/tmp/b'}).paths == ('/tmp/a', '/tmp/b')\n"
+            "try:\n    m.KVKernelsBackend\nexcept ImportError:\n    print('lazy-ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "lazy-ok" in out.stdout
+
+
+def test_docs_yaml_config_creates_the_plugin(tmp_path):
+    """docs/lmcache-kvkernels.yaml loads with LMCache's own config reader and creates the plugin."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    cfg = LMCacheEngineConfig.from_file(os.path.join(here, os.pardir, "docs", "lmcache-kvkernels.yaml"))
+    assert cfg.storage_plugins == ["kvkernels"]
+    settings = parse_extra_config(cfg.extra_config)
+    assert settings.capacity_bytes == 500_000_000_000 and len(settings.paths) == 2
+    cfg.extra_config["kvkernels.paths"] = [str(tmp_path / "a"), str(tmp_path / "b")]
+    cfg.max_local_cpu_size = 0.05
+    loop = asyncio.new_event_loop()
+    backends = CreateStorageBackends(cfg, _metadata(), loop)
+    try:
+        assert isinstance(backends["kvkernels"], KVKernelsBackend)
+        assert len(backends["kvkernels"].store.paths) == 2
+    finally:
+        for b in reversed(list(backends.values())):
+            b.close()
+        loop.close()
