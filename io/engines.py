@@ -93,6 +93,21 @@ class PosixEngine:
                 raise EOFError(f"unexpected end of file at offset {offset + done}")
             done += n
 
+    def _direct(self, fd: int, mv: memoryview, off: int, addr: int, *, write: bool) -> None:
+        """O_DIRECT transfer of ``mv`` at ``off``; unaligned memory goes through the bounce buffer."""
+        if addr % ALIGN == 0:
+            (self._pwrite_all if write else self._pread_all)(fd, mv, off)
+            return
+        bounce = self._bounce()
+        for p in range(0, len(mv), BOUNCE):
+            n = min(BOUNCE, len(mv) - p)
+            if write:
+                bounce[:n] = mv[p : p + n]
+                self._pwrite_all(fd, bounce[:n], off + p)
+            else:
+                self._pread_all(fd, bounce[:n], off + p)
+                mv[p : p + n] = bounce[:n]
+
     # -- API used by the store
     def write_file(self, path: str, pieces: list[tuple[int, torch.Tensor]], *, fsync: bool = True) -> None:
         """Create ``path`` and write each ``(file_offset, uint8 tensor)``; fsync before closing."""
@@ -105,14 +120,7 @@ class PosixEngine:
                 if _aligned(off, len(mv)) and dfd is None:
                     dfd = self._open_direct(path, os.O_WRONLY)
                 if dfd is not None and _aligned(off, len(mv)):
-                    if t.data_ptr() % ALIGN == 0:
-                        self._pwrite_all(dfd, mv, off)
-                    else:  # unaligned memory: O_DIRECT through the aligned bounce buffer
-                        bounce = self._bounce()
-                        for p in range(0, len(mv), BOUNCE):
-                            n = min(BOUNCE, len(mv) - p)
-                            bounce[:n] = mv[p : p + n]
-                            self._pwrite_all(dfd, bounce[:n], off + p)
+                    self._direct(dfd, mv, off, t.data_ptr(), write=True)
                 else:
                     self._pwrite_all(fd, mv, off)
             if fsync:
@@ -137,14 +145,7 @@ class PosixEngine:
                 if _aligned(off, len(mv)) and dfd is None:
                     dfd = self._open_direct(path, os.O_RDONLY)
                 if dfd is not None and _aligned(off, len(mv)):
-                    if t.data_ptr() % ALIGN == 0:
-                        self._pread_all(dfd, mv, off)
-                    else:  # unaligned memory: O_DIRECT through the aligned bounce buffer
-                        bounce = self._bounce()
-                        for p in range(0, len(mv), BOUNCE):
-                            n = min(BOUNCE, len(mv) - p)
-                            self._pread_all(dfd, bounce[:n], off + p)
-                            mv[p : p + n] = bounce[:n]
+                    self._direct(dfd, mv, off, t.data_ptr(), write=False)
                 else:
                     self._pread_all(fd, mv, off)
         finally:
