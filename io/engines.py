@@ -1,8 +1,11 @@
 """I/O engines: the same bytes on disk from both.
 
-* :class:`PosixEngine` — ``os.pwrite`` / ``os.preadv`` from the store's worker threads. O_DIRECT
-  (bypassing the page cache) when the buffer address, file offset and size are all 4096-aligned
-  and the file system accepts it; the page cache otherwise (tmpfs, unaligned torch buffers).
+* :class:`PosixEngine` — ``os.pwritev`` / ``os.preadv`` from the store's worker threads. A piece
+  may be a list of tensors written/read back to back (vectored I/O straight from and into the
+  caller's memory: the LMCache plugin moves chunks this way without a conversion copy). O_DIRECT
+  (bypassing the page cache) when the file offset and size are 4096-aligned and the file system
+  accepts it: in place when every buffer is aligned, through an aligned bounce buffer otherwise;
+  the page cache when the offset or size is unaligned (or on tmpfs).
   Works without a GPU: CI and CPU machines use it. CUDA buffers are staged through host memory.
 * :class:`KvikioEngine` — ``kvikio.CuFile`` ``pwrite``/``pread`` futures, which split each
   request into ``KVIKIO_TASK_SIZE`` pieces on kvikio's thread pool; device buffers go to the file
@@ -17,6 +20,7 @@ import errno
 import mmap
 import os
 import threading
+from typing import Sequence, Union
 
 import torch
 
@@ -26,6 +30,11 @@ ALIGN = 4096
 # O_DIRECT bounce buffer for unaligned caller memory, per worker thread. 8 MiB: large enough that
 # the disk sees big requests, small enough to stay in cache for the memcpy.
 BOUNCE = 8 << 20
+# buffers per pwritev/preadv call (Linux IOV_MAX)
+try:
+    IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
+except (ValueError, OSError, AttributeError):  # pragma: no cover - non-Linux
+    IOV_MAX = 1024
 
 
 def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
@@ -42,6 +51,24 @@ def _host_view(t: torch.Tensor) -> memoryview:
 
 def _aligned(*vals: int) -> bool:
     return all(v % ALIGN == 0 for v in vals)
+
+
+# What an engine writes at one file offset: a 1-D uint8 tensor, or a list of them back to back.
+Piece = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+def _segments(data: Piece) -> list[torch.Tensor]:
+    return [data] if isinstance(data, torch.Tensor) else list(data)
+
+
+def _flatten(pieces: list[tuple[int, Piece]]) -> list[tuple[int, torch.Tensor]]:
+    """``(offset, tensor)`` per segment: the segments of a piece follow each other in the file."""
+    out = []
+    for off, data in pieces:
+        for t in _segments(data):
+            out.append((off, t))
+            off += t.numel()
+    return out
 
 
 class PosixEngine:
@@ -76,53 +103,87 @@ class PosixEngine:
         return fd
 
     @staticmethod
-    def _pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(mv):
-            n = os.pwrite(fd, mv[done:], offset + done)
-            if n <= 0:
-                raise OSError(errno.EIO, "short write")
-            done += n
+    def _rw_all(fd: int, mvs: list[memoryview], offset: int, *, write: bool) -> None:
+        """``pwritev``/``preadv`` all of ``mvs`` (consecutive in the file) at ``offset``.
 
-    @staticmethod
-    def _pread_all(fd: int, mv: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(mv):
-            n = os.preadv(fd, [mv[done:]], offset + done)
+        Partial transfers resume where they stopped; at most ``IOV_MAX`` buffers per call.
+        """
+        mvs = [m for m in mvs if len(m)]
+        while mvs:
+            batch = mvs[:IOV_MAX]
+            n = (os.pwritev if write else os.preadv)(fd, batch, offset)
             if n <= 0:
-                raise EOFError(f"unexpected end of file at offset {offset + done}")
-            done += n
+                if write:
+                    raise OSError(errno.EIO, "short write")
+                raise EOFError(f"unexpected end of file at offset {offset}")
+            offset += n
+            while n and mvs:  # drop what was transferred; cut into the first partial buffer
+                if n >= len(mvs[0]):
+                    n -= len(mvs.pop(0))
+                else:
+                    mvs[0] = mvs[0][n:]
+                    n = 0
 
-    def _direct(self, fd: int, mv: memoryview, off: int, addr: int, *, write: bool) -> None:
-        """O_DIRECT transfer of ``mv`` at ``off``; unaligned memory goes through the bounce buffer."""
-        if addr % ALIGN == 0:
-            (self._pwrite_all if write else self._pread_all)(fd, mv, off)
+    @classmethod
+    def _pwrite_all(cls, fd: int, mv: memoryview, offset: int) -> None:
+        cls._rw_all(fd, [mv], offset, write=True)
+
+    @classmethod
+    def _pread_all(cls, fd: int, mv: memoryview, offset: int) -> None:
+        cls._rw_all(fd, [mv], offset, write=False)
+
+    def _direct(self, fd: int, segs: list[tuple[memoryview, int]], off: int, *, write: bool) -> None:
+        """O_DIRECT transfer of the segments ``(view, address)`` (consecutive in the file) at ``off``.
+
+        When every segment's address and length are 4096-aligned, one vectored call moves them
+        in place (no copy); otherwise their bytes go through the aligned bounce buffer in
+        ``BOUNCE``-sized pieces (the total and ``off`` must be aligned).
+        """
+        if all(a % ALIGN == 0 and len(m) % ALIGN == 0 for m, a in segs):
+            self._rw_all(fd, [m for m, _ in segs], off, write=write)
             return
         bounce = self._bounce()
-        for p in range(0, len(mv), BOUNCE):
-            n = min(BOUNCE, len(mv) - p)
-            if write:
-                bounce[:n] = mv[p : p + n]
-                self._pwrite_all(fd, bounce[:n], off + p)
-            else:
+        total = sum(len(m) for m, _ in segs)
+        k, pos = 0, 0  # current segment and the position inside it
+        for p in range(0, total, BOUNCE):
+            n = min(BOUNCE, total - p)
+            if not write:
                 self._pread_all(fd, bounce[:n], off + p)
-                mv[p : p + n] = bounce[:n]
+            filled = 0
+            while filled < n:
+                m = segs[k][0]
+                take = min(len(m) - pos, n - filled)
+                if write:
+                    bounce[filled : filled + take] = m[pos : pos + take]
+                else:
+                    m[pos : pos + take] = bounce[filled : filled + take]
+                filled += take
+                pos += take
+                if pos == len(m):
+                    k, pos = k + 1, 0
+            if write:
+                self._pwrite_all(fd, bounce[:n], off + p)
 
     # -- API used by the store
-    def write_file(self, path: str, pieces: list[tuple[int, torch.Tensor]], *, fsync: bool = True) -> None:
-        """Create ``path`` and write each ``(file_offset, uint8 tensor)``; fsync before closing."""
-        host = [(off, t if t.device.type == "cpu" else t.cpu()) for off, t in pieces]
+    def write_file(self, path: str, pieces: list[tuple[int, Piece]], *, fsync: bool = True) -> None:
+        """Create ``path`` and write each ``(file_offset, data)``; fsync before closing.
+
+        ``data``: a 1-D uint8 tensor, or a list of them written back to back (a vectored write:
+        ``pwritev`` straight from the tensors, no gathering copy when they are aligned).
+        """
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         dfd = None
         try:
-            for off, t in host:
-                mv = _host_view(t)
-                if _aligned(off, len(mv)) and dfd is None:
+            for off, data in pieces:
+                segs = [t if t.device.type == "cpu" else t.cpu() for t in _segments(data)]
+                mvs = [(_host_view(t), t.data_ptr()) for t in segs]
+                total = sum(len(m) for m, _ in mvs)
+                if _aligned(off, total) and dfd is None:
                     dfd = self._open_direct(path, os.O_WRONLY)
-                if dfd is not None and _aligned(off, len(mv)):
-                    self._direct(dfd, mv, off, t.data_ptr(), write=True)
+                if dfd is not None and _aligned(off, total):
+                    self._direct(dfd, mvs, off, write=True)
                 else:
-                    self._pwrite_all(fd, mv, off)
+                    self._rw_all(fd, [m for m, _ in mvs], off, write=True)
             if fsync:
                 os.fsync(fd)
         finally:
@@ -130,29 +191,61 @@ class PosixEngine:
                 os.close(dfd)
             os.close(fd)
 
-    def read_into(self, path: str, pieces: list[tuple[int, torch.Tensor]]) -> None:
-        """Read ``len(t)`` bytes at each ``file_offset`` into each uint8 tensor."""
+    def read_into(self, path: str, pieces: list[tuple[int, Piece]]) -> None:
+        """Read each ``(file_offset, data)``: ``len(data)`` bytes at the offset into ``data``.
+
+        ``data``: a 1-D uint8 tensor or a list of them filled back to back (a vectored read:
+        ``preadv`` straight into the tensors, no scattering copy when they are aligned).
+        """
         fd = os.open(path, os.O_RDONLY)
         dfd = None
         try:
-            for off, t in pieces:
-                if t.device.type != "cpu":  # CUDA memory: read into aligned pinned memory, then copy
-                    host = aligned_empty(t.numel(), pin=torch.cuda.is_available())
+            for off, data in pieces:
+                segs = _segments(data)
+                if any(t.device.type != "cpu" for t in segs):  # CUDA memory: through aligned host memory
+                    host = aligned_empty(sum(t.numel() for t in segs), pin=torch.cuda.is_available())
                     self.read_into(path, [(off, host)])
-                    t.copy_(host)
+                    p = 0
+                    for t in segs:
+                        t.copy_(host[p : p + t.numel()])
+                        p += t.numel()
                     continue
-                mv = _host_view(t)
-                if _aligned(off, len(mv)) and dfd is None:
+                mvs = [(_host_view(t), t.data_ptr()) for t in segs]
+                total = sum(len(m) for m, _ in mvs)
+                if _aligned(off, total) and dfd is None:
                     dfd = self._open_direct(path, os.O_RDONLY)
-                if dfd is not None and _aligned(off, len(mv)):
-                    self._direct(dfd, mv, off, t.data_ptr(), write=False)
+                if dfd is not None and _aligned(off, total):
+                    self._direct(dfd, mvs, off, write=False)
                 else:
-                    self._pread_all(fd, mv, off)
+                    self._rw_all(fd, [m for m, _ in mvs], off, write=False)
         finally:
             if dfd is not None:
                 os.close(dfd)
             os.close(fd)
 
+    def write_header(self, path: str, data: bytes, *, fsync: bool = True) -> None:
+        """Write ``data`` (a multiple of 4096 bytes) at offset 0 of the existing ``path``, then
+        ``fdatasync`` it (data and the size/allocation metadata needed to read it back).
+
+        O_DIRECT from an aligned copy when the file system allows it: the entry never has a
+        dirty page-cache page beside its O_DIRECT body, so the sync has no extra page to flush.
+        """
+        fd = self._open_direct(path, os.O_WRONLY) if len(data) % ALIGN == 0 else None
+        if fd is None:
+            fd = os.open(path, os.O_WRONLY)
+            mv = memoryview(data)
+        else:
+            b = getattr(self._tls, "hdr", None)
+            if b is None or len(b) < len(data):
+                b = self._tls.hdr = mmap.mmap(-1, max(len(data), ALIGN))  # page aligned
+            mv = memoryview(b)[: len(data)]
+            mv[:] = data
+        try:
+            self._pwrite_all(fd, mv, 0)
+            if fsync:
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
 
 def kvikio_status() -> dict:
     """kvikio importability, compat mode and whether GPUDirect Storage is active (no I/O done)."""
@@ -187,6 +280,11 @@ class KvikioEngine:
         import kvikio  # noqa: F401  (fails here if kvikio is missing)
 
         self._kvikio = kvikio
+        self._posix = PosixEngine()
+
+    def write_header(self, path: str, data: bytes, *, fsync: bool = True) -> None:
+        """The header is small host memory: written by the POSIX engine's O_DIRECT path."""
+        self._posix.write_header(path, data, fsync=fsync)
 
     @staticmethod
     def _buf(t: torch.Tensor):
@@ -194,10 +292,10 @@ class KvikioEngine:
             return t  # __cuda_array_interface__ (uint8 has one)
         return t.numpy()
 
-    def write_file(self, path: str, pieces: list[tuple[int, torch.Tensor]], *, fsync: bool = True) -> None:
+    def write_file(self, path: str, pieces: list[tuple[int, Piece]], *, fsync: bool = True) -> None:
         f = self._kvikio.CuFile(path, "w")
         try:
-            futs = [f.pwrite(self._buf(t), t.numel(), off) for off, t in pieces]
+            futs = [f.pwrite(self._buf(t), t.numel(), o) for o, t in _flatten(pieces)]
             for fu in futs:
                 fu.get()
         finally:
@@ -209,10 +307,10 @@ class KvikioEngine:
             finally:
                 os.close(fd)
 
-    def read_into(self, path: str, pieces: list[tuple[int, torch.Tensor]]) -> None:
+    def read_into(self, path: str, pieces: list[tuple[int, Piece]]) -> None:
         f = self._kvikio.CuFile(path, "r")
         try:
-            futs = [(f.pread(self._buf(t), t.numel(), off), t.numel()) for off, t in pieces]
+            futs = [(f.pread(self._buf(t), t.numel(), o), t.numel()) for o, t in _flatten(pieces)]
             for fu, n in futs:
                 got = fu.get()
                 if got != n:

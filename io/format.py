@@ -63,6 +63,19 @@ def checksum(buf) -> int:
     return xxhash.xxh3_64_intdigest(buf)
 
 
+def checksum_segments(bufs) -> int:
+    """xxh3_64 of the concatenation of several bytes-like objects (equal to :func:`checksum` of it)."""
+    bufs = list(bufs)
+    if len(bufs) == 1:
+        return checksum(bufs[0])
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    for b in bufs:
+        h.update(b)
+    return h.intdigest()
+
+
 def key_digest(key) -> bytes:
     """16-byte digest naming a key: a key never names a path (it is only ever hashed)."""
     if isinstance(key, str):

@@ -21,6 +21,7 @@ See docs/store.md for the protocol. In short:
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import queue
@@ -36,7 +37,7 @@ from kvkernels import config
 from kvkernels._validate import check, check_int, check_tensor, describe, fail
 
 from .engines import aligned_empty, make_engine
-from .format import CorruptEntryError, EntryMeta, Header, checksum, key_digest
+from .format import CorruptEntryError, EntryMeta, Header, checksum, checksum_segments, key_digest
 
 __all__ = ["KVStore"]
 
@@ -128,6 +129,7 @@ class KVStore:
         self._lock = threading.RLock()
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU: oldest first
         self._used = 0
+        self._pins: dict[bytes, int] = {}  # digest -> pin count: pinned entries are never evicted
         self._inflight = 0
         self._inflight_cv = threading.Condition()
         self._seq = itertools.count()
@@ -218,10 +220,13 @@ class KVStore:
 
         ``staging``: a 1-D uint8 tensor of at least ``meta.fmt.nbytes`` bytes in the staging
         format (CPU, pinned, or CUDA: CUDA buffers go straight to the file with kvikio and
-        through host memory with POSIX), or a list of one 1-D uint8 tensor per region holding
-        that region's *stored* bytes (compressed / quantized schemes; each at most the region
-        size). The buffer must stay unchanged until the future completes. Blocks while more than
-        ``max_inflight_bytes`` of puts are pending (back pressure).
+        through host memory with POSIX), or a list with one item per region holding that
+        region's *stored* bytes (compressed / quantized schemes; at most the region size each).
+        An item is a 1-D uint8 tensor or a list of them whose concatenation is the region
+        (vectored write: e.g. an LMCache chunk's K and V of one layer, written in place with no
+        conversion copy; O_DIRECT in place when each piece is 4 KiB aligned in address and
+        size). The buffers must stay unchanged until the future completes. Blocks while more
+        than ``max_inflight_bytes`` of puts are pending (back pressure).
         """
         digest = key_digest(key)
         if not isinstance(meta, EntryMeta):
@@ -231,12 +236,11 @@ class KVStore:
         if isinstance(staging, (list, tuple)):
             check(len(staging) == fmt.num_regions, "staging", f"{fmt.num_regions} region buffers", len(staging))
             pieces = []
-            for j, t in enumerate(staging):
-                check_tensor(t, f"staging[{j}]")
-                check(t.dtype == torch.uint8 and t.dim() == 1 and t.is_contiguous(), f"staging[{j}]",
-                      "a contiguous 1-D uint8 tensor", describe(t), TypeError if t.dtype != torch.uint8 else ValueError)
-                check(0 < t.numel() <= fmt.region_nbytes, f"staging[{j}]", f"1..{fmt.region_nbytes} bytes", t.numel())
-                pieces.append(t)
+            for j, item in enumerate(staging):
+                segs = _check_segments(item, f"staging[{j}]")
+                size = sum(t.numel() for t in segs)
+                check(0 < size <= fmt.region_nbytes, f"staging[{j}]", f"1..{fmt.region_nbytes} bytes", size)
+                pieces.append(segs)
         else:
             check_tensor(staging, "staging")
             check(staging.dtype == torch.uint8, "staging", "dtype torch.uint8", staging.dtype, TypeError)
@@ -244,8 +248,8 @@ class KVStore:
             check(staging.numel() >= fmt.nbytes, "staging", f"at least {fmt.nbytes} bytes", staging.numel())
             check(meta.codec == "none", "meta.codec", "'none' for a single staging buffer (pass per-region buffers)",
                   meta.codec)
-            pieces = [staging[: fmt.nbytes]]
-        nbytes = sum(t.numel() for t in pieces)
+            pieces = [[staging[: fmt.nbytes]]]
+        nbytes = sum(t.numel() for segs in pieces for t in segs)
         self._acquire_inflight(nbytes)
         try:
             return self._submit(1, lambda: self._do_put(digest, pieces, meta, nbytes))
@@ -269,13 +273,14 @@ class KVStore:
         tmp = None
         try:
             fmt = meta.fmt
-            if len(pieces) == 1 and meta.codec == "none" and pieces[0].numel() == fmt.nbytes:
-                buf = pieces[0]
+            single = len(pieces) == 1 and len(pieces[0]) == 1 and pieces[0][0].numel() == fmt.nbytes
+            if single:
+                buf = pieces[0][0]
                 host = buf if buf.device.type == "cpu" else buf.cpu()
-                regions = [host[j * fmt.region_nbytes : (j + 1) * fmt.region_nbytes] for j in range(fmt.num_regions)]
+                regions = [[host[j * fmt.region_nbytes : (j + 1) * fmt.region_nbytes]] for j in range(fmt.num_regions)]
             else:
-                regions = [t if t.device.type == "cpu" else t.cpu() for t in pieces]
-            sizes = [r.numel() for r in regions]
+                regions = [[t if t.device.type == "cpu" else t.cpu() for t in segs] for segs in pieces]
+            sizes = [sum(t.numel() for t in segs) for segs in regions]
             # the body's place in the file depends only on the sizes: write it while a helper
             # thread hashes the regions (pwrite and xxh3 both run outside the GIL), then the header
             plan = Header.layout_regions(meta, sizes, [0] * len(sizes))
@@ -284,26 +289,22 @@ class KVStore:
             os.makedirs(d, exist_ok=True)
             self._make_room(plan[-1].offset + plan[-1].stored, exclude=digest)
             tmp = f"{final}.tmp.{os.getpid()}.{next(self._tmp_seq)}"
-            sums_f = self._hasher.submit(lambda: [checksum(memoryview(r.numpy())) for r in regions])
-            if len(pieces) == 1 and sizes[0] * len(regions) == pieces[0].numel():
+            sums_f = self._hasher.submit(lambda: [checksum_segments(_views(segs)) for segs in regions])
+            if single:
                 # raw staging: the regions are contiguous in memory and in the file: one write
                 # (kvikio takes the device buffer itself; POSIX the host copy made for checksums)
-                src = pieces[0] if self.engine.name == "kvikio" else host
+                src = pieces[0][0] if self.engine.name == "kvikio" else host
                 body = [(plan[0].offset, src)]
+            elif self.engine.name == "kvikio":
+                body = [(r.offset, _pad_segments(p, _zero_pad())) for r, p in zip(plan, pieces)]
             else:
-                body = [(r.offset, _pad(t)) for r, t in zip(plan, regions)]
+                body = _coalesce([(r.offset, _pad_segments(segs, _zero_pad())) for r, segs in zip(plan, regions)])
             try:
                 self.engine.write_file(tmp, body, fsync=False)
             finally:
                 sums = sums_f.result()
             header = Header(digest, meta, Header.layout_regions(meta, sizes, sums), time.time_ns())
-            fd = os.open(tmp, os.O_WRONLY)
-            try:
-                os.pwrite(fd, header.pack(), 0)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            self.engine.write_header(tmp, header.pack(), fsync=self.fsync)
             os.replace(tmp, final)
             tmp = None
             if self.fsync:
@@ -340,18 +341,20 @@ class KVStore:
                 cur = self._index.get(exclude)
                 if self._used - (cur.nbytes if cur else 0) + need <= self.capacity_bytes:
                     return
-                if digest == exclude:
+                if digest == exclude or digest in self._pins:
                     continue
                 self._drop(digest)
                 self._stats["evictions"] += 1
             cur = self._index.get(exclude)
             if self._used - (cur.nbytes if cur else 0) + need > self.capacity_bytes:
-                raise OSError(f"store full: {self._used} of {self.capacity_bytes} bytes used by entries being read")
+                raise OSError(errno.ENOSPC, f"store full: {self._used} of {self.capacity_bytes} bytes held by "
+                              f"pinned entries ({len(self._pins)} pinned) or the entry being replaced")
 
     def _drop(self, digest: bytes, rename_to: str | None = None) -> bool:
         """Remove an entry from the index and its file from disk (deferred while it is read)."""
         with self._lock:
             ent = self._index.pop(digest, None)
+            self._pins.pop(digest, None)
             if ent is None:
                 return False
             self._used -= ent.nbytes
@@ -378,16 +381,23 @@ class KVStore:
             ent = self._index.get(key_digest(key))
             return ent.header if ent else None
 
-    def get(self, key, out: torch.Tensor | None = None, layers=None) -> Future:
+    def get(self, key, out=None, layers=None) -> Future:
         """Read ``key``'s regions for ``layers`` (default: all stored) into ``out``.
 
-        Region ``j`` (the ``j``-th requested layer) lands at ``out[j * region_nbytes:]`` — the
-        staging format restricted to ``layers``, ready for ``kvkernels.scatter(..., layers=)``.
-        For compressed schemes region ``j`` holds its stored bytes (``header(key)`` gives their
-        sizes). ``out``: 1-D uint8, contiguous, CPU / pinned (any engine) or CUDA (kvikio reads
-        straight into it; POSIX stages through host); allocated on the CPU when ``None``.
-        The future raises ``KeyError`` on a miss and ``CorruptEntryError`` when a checksum fails
-        (the entry is then dropped).
+        ``out`` is either one buffer or one destination per region:
+
+        * a 1-D uint8 tensor (CPU / pinned with any engine; CUDA: kvikio reads straight into
+          it, POSIX stages through host memory), allocated on the CPU when ``None``: region
+          ``j`` (the ``j``-th requested layer) lands at ``out[j * region_nbytes:]`` — the
+          staging format restricted to ``layers``, ready for ``kvkernels.scatter(..., layers=)``;
+        * a list with one item per requested layer, each a 1-D uint8 tensor or a list of them
+          filled back to back (vectored read straight into the caller's memory, e.g. an LMCache
+          chunk's K and V of that layer); an item must hold at least the region's stored bytes.
+
+        For compressed schemes a region holds its stored bytes (``header(key)`` gives their
+        sizes). The future gives ``out`` back; it raises ``KeyError`` on a miss and
+        ``CorruptEntryError`` when a checksum fails (the entry is then dropped, and the bytes
+        already in ``out`` must not be used).
         """
         digest = key_digest(key)
         with self._lock:
@@ -410,39 +420,48 @@ class KVStore:
                 check(not missing, "layers", f"layers stored for this key {tuple(have)}", missing)
                 sel = [have[l] for l in want]
             region = h.meta.fmt.region_nbytes
-            total = len(sel) * region
-            if out is None:
-                out = aligned_empty(total)
+            if isinstance(out, (list, tuple)):
+                check(len(out) == len(sel), "out", f"{len(sel)} region destinations (one per layer read)", len(out))
+                dests = []
+                for j, (r, item) in enumerate(zip(sel, out)):
+                    segs = _check_segments(item, f"out[{j}]")
+                    have_n = sum(t.numel() for t in segs)
+                    check(have_n >= r.stored, f"out[{j}]", f"at least {r.stored} bytes (layer {r.layer})", have_n)
+                    dests.append(_take(segs, r.stored))
             else:
-                check_tensor(out, "out")
-                check(out.dtype == torch.uint8, "out", "dtype torch.uint8", out.dtype, TypeError)
-                check(out.dim() == 1 and out.is_contiguous(), "out", "a contiguous 1-D buffer", describe(out))
-                check(out.numel() >= total, "out", f"at least {total} bytes", out.numel())
+                total = len(sel) * region
+                if out is None:
+                    out = aligned_empty(total)
+                else:
+                    check_tensor(out, "out")
+                    check(out.dtype == torch.uint8, "out", "dtype torch.uint8", out.dtype, TypeError)
+                    check(out.dim() == 1 and out.is_contiguous(), "out", "a contiguous 1-D buffer", describe(out))
+                    check(out.numel() >= total, "out", f"at least {total} bytes", out.numel())
+                dests = [[out[j * region : j * region + r.stored]] for j, r in enumerate(sel)]
             ent.readers += 1
             self._index.move_to_end(digest)
-        return self._submit(0, lambda: self._do_get(digest, ent, sel, out, region))
+        return self._submit(0, lambda: self._do_get(digest, ent, sel, dests, out))
 
-    def _do_get(self, digest: bytes, ent: _Entry, sel, out: torch.Tensor, region: int) -> torch.Tensor:
+    def _do_get(self, digest: bytes, ent: _Entry, sel, dests: list[list[torch.Tensor]], out) -> object:
         t0 = time.perf_counter()
         try:
-            pieces = [(r.offset, out[j * region : j * region + r.stored]) for j, r in enumerate(sel)]
-            if all(r.stored == region for r in sel) and all(b.offset == a.offset + region for a, b in zip(sel, sel[1:])):
-                # contiguous in the file: read in large groups of regions straight into the
-                # staging layout; the hasher verifies group k while group k + 1 is read
-                per = max(1, READ_GROUP_BYTES // region)
-                pieces = [(sel[g].offset, out[g * region : min(len(sel), g + per) * region])
-                          for g in range(0, len(sel), per)]
-            host = out if out.device.type == "cpu" else None
+            # regions that follow each other in the file are read in groups (one vectored read
+            # of up to READ_GROUP_BYTES); the hasher verifies group k while group k + 1 is read
+            groups: list[tuple[int, list[torch.Tensor], list[int]]] = []
+            end = None
+            for j, (r, segs) in enumerate(zip(sel, dests)):
+                if (groups and r.offset == end and sum(t.numel() for t in groups[-1][1]) + r.stored <= READ_GROUP_BYTES
+                        and len(groups[-1][1]) + len(segs) <= 512):
+                    groups[-1][1].extend(segs)
+                    groups[-1][2].append(j)
+                else:
+                    groups.append((r.offset, list(segs), [j]))
+                end = r.offset + r.stored if r.stored % 4096 == 0 else None
             checks = []
-            for k, (off, dst) in enumerate(pieces):
-                self.engine.read_into(ent.path, [(off, dst)])
-                if self.verify and host is not None:
-                    lo = dst.data_ptr() - out.data_ptr()
-                    js = [j for j in range(len(sel)) if lo <= j * region < lo + dst.numel()]
-                    checks.append(self._hasher.submit(self._verify, host, sel, js, region))
-            if self.verify and host is None:  # device buffer: verify a host copy
-                checks.append(self._hasher.submit(self._verify, out[: len(sel) * region].cpu(), sel,
-                                                  list(range(len(sel))), region))
+            for off, segs, js in groups:
+                self.engine.read_into(ent.path, [(off, segs)])
+                if self.verify:
+                    checks.append(self._hasher.submit(self._verify, sel, dests, js))
             bad = [b for f in checks for b in f.result()]
             if bad:
                 with self._lock:
@@ -469,10 +488,11 @@ class KVStore:
                 self._unlink(ent.path, doomed or None)
 
     @staticmethod
-    def _verify(host: torch.Tensor, sel, js, region: int) -> list[int]:
-        """Layers among regions ``js`` whose checksum does not match."""
+    def _verify(sel, dests, js) -> list[int]:
+        """Layers among regions ``js`` whose checksum does not match (device bytes hashed from a host copy)."""
         return [sel[j].layer for j in js
-                if checksum(memoryview(host[j * region : j * region + sel[j].stored].numpy())) != sel[j].checksum]
+                if checksum_segments(_views([t if t.device.type == "cpu" else t.cpu() for t in dests[j]]))
+                != sel[j].checksum]
 
     # ------------------------------------------------------------------ misc
     def contains(self, key) -> bool:
@@ -481,13 +501,44 @@ class KVStore:
             return key_digest(key) in self._index
 
     def remove(self, key) -> bool:
-        """Delete ``key``'s entry; False if absent."""
+        """Delete ``key``'s entry (pinned or not: an explicit remove wins); False if absent."""
         return self._drop(key_digest(key))
+
+    def pin(self, key) -> bool:
+        """Protect ``key``'s entry from LRU eviction until a matching :meth:`unpin`; False if absent.
+
+        Pins count (two pins need two unpins). A pinned entry can still be removed explicitly,
+        and a checksum failure still drops it. When pinned entries leave no room for a put,
+        that put fails with ``OSError(ENOSPC)`` and the store keeps working.
+        """
+        digest = key_digest(key)
+        with self._lock:
+            if digest not in self._index:
+                return False
+            self._pins[digest] = self._pins.get(digest, 0) + 1
+            return True
+
+    def unpin(self, key) -> bool:
+        """Undo one :meth:`pin`; False if ``key`` was not pinned."""
+        digest = key_digest(key)
+        with self._lock:
+            n = self._pins.get(digest, 0)
+            if n == 0:
+                return False
+            if n == 1:
+                del self._pins[digest]
+            else:
+                self._pins[digest] = n - 1
+            return True
+
+    def pin_count(self, key) -> int:
+        with self._lock:
+            return self._pins.get(key_digest(key), 0)
 
     def stats(self) -> dict:
         with self._lock:
             d = dict(self._stats)
-            d.update(entries=len(self._index), bytes_used=self._used, capacity_bytes=self.capacity_bytes,
+            d.update(entries=len(self._index), pinned=len(self._pins), bytes_used=self._used, capacity_bytes=self.capacity_bytes,
                      inflight_bytes=self._inflight, engine=self.engine.name, paths=list(self.paths),
                      io_threads=self.io_threads, read_priority=self.read_priority, recovery=self.recovery)
         return d
@@ -513,12 +564,65 @@ class KVStore:
         self.close()
 
 
-def _pad(t: torch.Tensor) -> torch.Tensor:
-    """Pad a stored region to a multiple of 4096 bytes (so O_DIRECT can write it)."""
-    n = t.numel()
-    full = (n + 4095) // 4096 * 4096
-    if full == n:
-        return t
-    out = torch.zeros(full, dtype=torch.uint8)
-    out[:n] = t
+def _check_segments(item, name: str) -> list[torch.Tensor]:
+    """One region given as a tensor or a list of tensors: each 1-D, uint8, contiguous, one device."""
+    segs = [item] if isinstance(item, torch.Tensor) else list(item) if isinstance(item, (list, tuple)) else None
+    if not segs:
+        fail(name, "a 1-D uint8 tensor or a non-empty list of them", type(item).__name__, TypeError)
+    for k, t in enumerate(segs):
+        nm = name if len(segs) == 1 and isinstance(item, torch.Tensor) else f"{name}[{k}]"
+        check_tensor(t, nm)
+        check(t.dtype == torch.uint8, nm, "dtype torch.uint8", t.dtype, TypeError)
+        check(t.dim() == 1 and t.is_contiguous(), nm, "a contiguous 1-D uint8 tensor", describe(t))
+        check(t.device == segs[0].device, nm, f"device {segs[0].device} (as the region's first piece)", t.device)
+    return segs
+
+
+def _take(segs: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+    """The leading ``n`` bytes of the back-to-back ``segs``."""
+    out = []
+    for t in segs:
+        if n <= 0:
+            break
+        out.append(t[:n])
+        n -= out[-1].numel()
+    return out
+
+
+def _views(segs) -> list[memoryview]:
+    return [memoryview(t.numpy()) for t in segs if t.numel()]
+
+
+_ZERO = None
+
+
+def _zero_pad() -> torch.Tensor:
+    """4096 zero bytes, 4 KiB aligned (the tail that pads a region to its 4 KiB boundary)."""
+    global _ZERO
+    if _ZERO is None:
+        _ZERO = aligned_empty(4096).zero_()
+    return _ZERO
+
+
+def _pad_segments(segs: list[torch.Tensor], zero: torch.Tensor) -> list[torch.Tensor]:
+    """The region's pieces followed by zeros up to the next multiple of 4096 bytes."""
+    n = sum(t.numel() for t in segs)
+    tail = (-n) % 4096
+    return list(segs) + ([zero[:tail]] if tail else [])
+
+
+def _coalesce(pieces, max_segments: int = 512, max_bytes: int = READ_GROUP_BYTES):
+    """Merge pieces that follow each other in the file into one vectored transfer (fewer syscalls)."""
+    out: list[tuple[int, list[torch.Tensor]]] = []
+    end = None
+    size = 0
+    for off, segs in pieces:
+        n = sum(t.numel() for t in segs)
+        if out and off == end and len(out[-1][1]) + len(segs) <= max_segments and size + n <= max_bytes:
+            out[-1][1].extend(segs)
+            size += n
+        else:
+            out.append((off, list(segs)))
+            size = n
+        end = off + n
     return out

@@ -3,6 +3,7 @@ writes (SIGKILL), disk full (RLIMIT_FSIZE), eviction, concurrency, hostile keys,
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -275,6 +276,114 @@ def test_bad_arguments(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="kvikio"):
             KVStore(tmp_path, engine="kvikio")
+
+
+# ------------------------------------------------------------------- vectored (in-place) I/O, pins
+def _split_regions(buf, fmt, cuts):
+    """Each region of ``buf`` as a list of pieces cut at ``cuts`` (views: no copy)."""
+    out = []
+    for j in range(fmt.num_regions):
+        r = buf[j * fmt.region_nbytes : (j + 1) * fmt.region_nbytes]
+        edges = [0, *[c for c in cuts if 0 < c < r.numel()], r.numel()]
+        out.append([r[a:b] for a, b in zip(edges, edges[1:])])
+    return out
+
+
+@pytest.mark.parametrize("cuts", [(), (4096,), (1000, 5000, 5001)], ids=["whole", "aligned-cut", "unaligned-cuts"])
+def test_vectored_put_writes_the_same_file_as_one_staging_buffer(tmp_path, cuts):
+    """Regions given as lists of pieces (aligned or not) give a byte-identical entry file."""
+    from kvkernels.io import aligned_empty
+
+    _, buf, meta = staged(ids=(3, 9, 1, 4, 7, 0, 2, 5))
+    fmt = meta.fmt
+    al = aligned_empty(buf.numel()).copy_(buf)  # aligned pieces take the in-place O_DIRECT path
+    with KVStore(tmp_path / "a") as one, KVStore(tmp_path / "b") as vec:
+        h1 = one.put("k", al, meta).result()
+        h2 = vec.put("k", _split_regions(al, fmt, cuts), meta).result()
+        assert [(r.offset, r.stored, r.checksum) for r in h1.regions] == [(r.offset, r.stored, r.checksum) for r in h2.regions]
+        f1, f2 = files(tmp_path / "a"), files(tmp_path / "b")
+        with open(f1[0], "rb") as a, open(f2[0], "rb") as b:
+            assert a.read()[4096:] == b.read()[4096:]  # the header differs only in its timestamp
+        # and reads back into pieces of another cut
+        dst = torch.full_like(al, 0x5A)
+        vec.get("k", out=_split_regions(dst, fmt, (3000,))).result()
+        assert torch.equal(dst, al)
+
+
+def test_vectored_regions_shorter_than_the_region_are_zero_padded_on_disk(tmp_path):
+    """Regions of odd sizes (no 4 KiB multiple): stored bytes round-trip, the file pads with zeros."""
+    _, buf, meta = staged()
+    fmt = meta.fmt
+    parts = [[buf[j * fmt.region_nbytes : j * fmt.region_nbytes + 100], buf[7 : 7 + 33 + j]] for j in range(fmt.num_regions)]
+    with KVStore(tmp_path) as store:
+        h = store.put("odd", parts, meta).result()
+        assert [r.stored for r in h.regions] == [133 + j for j in range(fmt.num_regions)]
+        assert all(r.offset % 4096 == 0 for r in h.regions)
+        outs = [[torch.zeros(50, dtype=torch.uint8), torch.zeros(200, dtype=torch.uint8)] for _ in h.regions]
+        store.get("odd", out=outs).result()
+        for j, (o, p) in enumerate(zip(outs, parts)):
+            assert bytes(torch.cat(o)[: 133 + j].numpy()) == bytes(torch.cat(p).numpy())
+            assert bool((o[1][83 + j :] == 0).all())  # beyond the stored bytes nothing is written
+        with open(files(tmp_path)[0], "rb") as f:
+            raw = f.read()
+        r0 = h.regions[0]
+        assert raw[r0.offset + r0.stored : h.regions[1].offset] == b"\0" * (h.regions[1].offset - r0.offset - r0.stored)
+        # one layer into a list destination; a corrupt byte in that region is caught the same way
+        one = [torch.zeros(133 + 2, dtype=torch.uint8)]
+        store.get("odd", out=one, layers=[2]).result()
+        assert bytes(one[0].numpy()) == bytes(torch.cat(parts[2]).numpy())
+    path = files(tmp_path)[0]
+    with open(path, "r+b") as f:
+        f.seek(h.regions[1].offset + 5)
+        b = f.read(1)
+        f.seek(h.regions[1].offset + 5)
+        f.write(bytes([b[0] ^ 0x10]))
+    with KVStore(tmp_path) as store:
+        with pytest.raises(CorruptEntryError, match="layer 1"):
+            store.get("odd", out=[[torch.zeros(200, dtype=torch.uint8)] for _ in h.regions]).result()
+        assert not store.contains("odd")
+
+
+def test_vectored_arguments_are_checked(tmp_path):
+    _, buf, meta = staged()
+    fmt = meta.fmt
+    regions = _split_regions(buf, fmt, (4096,))
+    with KVStore(tmp_path) as store:
+        with pytest.raises(ValueError, match="staging"):
+            store.put("k", regions[:-1], meta)
+        with pytest.raises(TypeError, match=r"staging\[0\]\[1\]"):
+            store.put("k", [[regions[0][0], regions[0][1].view(torch.int8)], *regions[1:]], meta)
+        with pytest.raises(ValueError, match=r"staging\[1\]"):
+            store.put("k", [regions[0], [buf, buf], *regions[2:]], meta)  # more than a region
+        with pytest.raises(TypeError, match=r"staging\[0\]"):
+            store.put("k", [[], *regions[1:]], meta)
+        store.put("k", regions, meta).result()
+        with pytest.raises(ValueError, match="out"):
+            store.get("k", out=[torch.empty(fmt.region_nbytes, dtype=torch.uint8)])  # 1 of 3 regions
+        with pytest.raises(ValueError, match=r"out\[2\]"):
+            store.get("k", out=[torch.empty(fmt.region_nbytes, dtype=torch.uint8)] * 2
+                      + [torch.empty(fmt.region_nbytes - 1, dtype=torch.uint8)])
+        with pytest.raises(ValueError, match=r"out\[0\]"):
+            store.get("k", out=[buf[::2]] * 3)
+
+
+def test_pinned_entries_are_not_evicted(tmp_path):
+    _, buf, meta = staged()
+    size = 4096 + buf.numel()
+    with KVStore(tmp_path, capacity_bytes=2 * size) as store:
+        store.put("a", buf, meta).result()
+        store.put("b", buf, meta).result()
+        assert store.pin("a") and store.pin("a") and not store.pin("zz")
+        store.put("c", buf, meta).result()  # "a" is the oldest but pinned: "b" goes
+        assert [store.contains(k) for k in "abc"] == [True, False, True]
+        assert store.pin("c") and store.stats()["pinned"] == 2
+        with pytest.raises(OSError, match="pinned") as ei:  # everything pinned: the put fails cleanly
+            store.put("d", buf, meta).result()
+        assert ei.value.errno == errno.ENOSPC and not store.contains("d") and len(files(tmp_path)) == 2
+        assert store.unpin("a") and store.pin_count("a") == 1 and store.unpin("a") and not store.unpin("a")
+        store.put("d", buf, meta).result()  # "a" is evictable again
+        assert [store.contains(k) for k in "acd"] == [False, True, True]
+        assert store.remove("c") and store.pin_count("c") == 0  # an explicit remove wins over a pin
 
 
 # ------------------------------------------------------------------- crash safety, disk full
