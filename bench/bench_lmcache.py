@@ -43,7 +43,9 @@ except ImportError:  # pragma: no cover
     import common  # type: ignore
 
 STEM = "bench_lmcache"
-BACKENDS = ("kvkernels", "kvkernels-nofsync", "LocalDiskBackend", "LocalDiskBackend-odirect")
+# kvkernels-staged: the plugin with inplace_io off (chunks converted through a staging buffer:
+# the previous version), kept to show what the in-place vectored I/O buys
+BACKENDS = ("kvkernels", "kvkernels-nofsync", "kvkernels-staged", "LocalDiskBackend", "LocalDiskBackend-odirect")
 
 
 def _drop_tree(root: str) -> None:
@@ -67,7 +69,8 @@ def _make(kind: str, root: str, shape, pool_gb: float, loop, disk_gb: float):
     L, T, H, D, dtype = shape
     kw = dict(chunk_size=T, local_cpu=True, max_local_cpu_size=pool_gb)
     if kind.startswith("kvkernels"):
-        extra = lmcache_extra_config(os.path.join(root, kind), fsync=kind == "kvkernels")
+        extra = lmcache_extra_config(os.path.join(root, kind), fsync=kind != "kvkernels-nofsync",
+                                     inplace_io=kind != "kvkernels-staged")
         cfg = LMCacheEngineConfig.from_defaults(storage_plugins=["kvkernels"], extra_config=extra, **kw)
         name = "kvkernels"
     else:
@@ -96,73 +99,88 @@ def _wait_visible(be, keys, timeout=120.0) -> None:
             time.sleep(0.0005)
 
 
-def _bench_one(kind, root, shape, n_chunks, reps, loop) -> dict:
-    from lmcache.utils import CacheEngineKey
-    from lmcache.v1.memory_management import MemoryFormat
+class _Bench:
+    """One backend, built once; ``rep()`` measures one repetition (reps of all backends interleave)."""
 
-    L, T, H, D, dtype = shape
-    chunk_bytes = 2 * L * T * H * D * torch.empty((), dtype=dtype).element_size()
-    pool_gb = (n_chunks * 2 + 4) * chunk_bytes / 2**30
-    disk_gb = 2 * (reps + 1) * (n_chunks + 1) * chunk_bytes / 2**30
-    backends, be, cpu, path = _make(kind, root, shape, pool_gb, loop, disk_gb)
-    try:
+    def __init__(self, kind, root, shape, n_chunks, reps, loop):
+        L, T, H, D, dtype = shape
+        self.kind, self.shape, self.n = kind, shape, n_chunks
+        self.chunk_bytes = 2 * L * T * H * D * torch.empty((), dtype=dtype).element_size()
+        pool_gb = (n_chunks * 2 + 4) * self.chunk_bytes / 2**30
+        disk_gb = 2 * (reps + 1) * (n_chunks + 1) * self.chunk_bytes / 2**30
+        self.backends, self.be, self.cpu, self.path = _make(kind, root, shape, pool_gb, loop, disk_gb)
         g = torch.Generator().manual_seed(0)
-        src = torch.randn(2, L, T, H * D, generator=g).to(dtype)
-        store_s, retr_s, put_ms, get_ms = [], [], [], []
-        for rep in range(reps):
-            keys = [CacheEngineKey("bench/llama3-8b", 1, 0, rep * 1_000_000 + i, dtype) for i in range(n_chunks)]
-            objs = [cpu.allocate(torch.Size([2, L, T, H * D]), dtype, MemoryFormat.KV_2LTD) for _ in keys]
-            for i, o in enumerate(objs):
-                o.tensor.copy_(src)
-                o.tensor.view(-1)[0] = i  # distinct chunks
-            t0 = time.perf_counter()
-            be.batched_submit_put_task(keys, objs)
-            for o in objs:
-                o.ref_count_down()  # what LMCache's StorageManager does right after submitting
-            _wait_visible(be, keys)
-            store_s.append(time.perf_counter() - t0)
-            # one chunk, submit -> visible
-            k1 = CacheEngineKey("bench/llama3-8b", 1, 0, rep * 1_000_000 + 999_999, dtype)
-            o1 = cpu.allocate(torch.Size([2, L, T, H * D]), dtype, MemoryFormat.KV_2LTD)
-            o1.tensor.copy_(src)
-            t0 = time.perf_counter()
-            be.batched_submit_put_task([k1], [o1])
-            o1.ref_count_down()
-            _wait_visible(be, [k1])
-            put_ms.append(1e3 * (time.perf_counter() - t0))
-            time.sleep(0.05)  # let the backend finish its bookkeeping after the file is visible
-            _drop_tree(path)
-            t0 = time.perf_counter()
-            got = be.batched_get_blocking(keys)
-            retr_s.append(time.perf_counter() - t0)
-            bad = sum(1 for i, o in enumerate(got) if o is None or float(o.tensor.view(-1)[0]) != i)
-            for o in got:
-                if o is not None:
-                    o.ref_count_down()
-            if bad:
-                raise RuntimeError(f"{kind}: {bad} chunks came back wrong or missing")
-            _drop_tree(path)
-            t0 = time.perf_counter()
-            o = be.get_blocking(keys[0])
-            get_ms.append(1e3 * (time.perf_counter() - t0))
-            o.ref_count_down()
-            for k in keys + [k1]:
-                be.remove(k)
-        total = n_chunks * chunk_bytes
-        return {"backend": kind, "chunks": n_chunks, "chunk_mb": round(chunk_bytes / 2**20, 2),
-                "store_gbps": total / statistics.median(store_s) / 1e9,
-                "retrieve_gbps": total / statistics.median(retr_s) / 1e9,
-                "put_ms": statistics.median(put_ms), "get_ms": statistics.median(get_ms),
-                "tokens_per_s_retrieve": n_chunks * T / statistics.median(retr_s)}
-    finally:
-        for b in reversed(list(backends.values())):
+        self.src = torch.randn(2, L, T, H * D, generator=g).to(dtype)
+        self.store_s, self.retr_s, self.put_ms, self.get_ms = [], [], [], []
+
+    def rep(self, rep: int) -> None:
+        from lmcache.utils import CacheEngineKey
+        from lmcache.v1.memory_management import MemoryFormat
+
+        L, T, H, D, dtype = self.shape
+        be, cpu, kind = self.be, self.cpu, self.kind
+        keys = [CacheEngineKey("bench/llama3-8b", 1, 0, rep * 1_000_000 + i, dtype) for i in range(self.n)]
+        objs = [cpu.allocate(torch.Size([2, L, T, H * D]), dtype, MemoryFormat.KV_2LTD) for _ in keys]
+        for i, o in enumerate(objs):
+            o.tensor.copy_(self.src)
+            o.tensor.view(-1)[0] = i  # distinct chunks
+        t0 = time.perf_counter()
+        be.batched_submit_put_task(keys, objs)
+        for o in objs:
+            o.ref_count_down()  # what LMCache's StorageManager does right after submitting
+        _wait_visible(be, keys)
+        self.store_s.append(time.perf_counter() - t0)
+        # one chunk, submit -> visible
+        k1 = CacheEngineKey("bench/llama3-8b", 1, 0, rep * 1_000_000 + 999_999, dtype)
+        o1 = cpu.allocate(torch.Size([2, L, T, H * D]), dtype, MemoryFormat.KV_2LTD)
+        o1.tensor.copy_(self.src)
+        t0 = time.perf_counter()
+        be.batched_submit_put_task([k1], [o1])
+        o1.ref_count_down()
+        _wait_visible(be, [k1])
+        self.put_ms.append(1e3 * (time.perf_counter() - t0))
+        time.sleep(0.05)  # let the backend finish its bookkeeping after the file is visible
+        _drop_tree(self.path)
+        t0 = time.perf_counter()
+        got = be.batched_get_blocking(keys)
+        self.retr_s.append(time.perf_counter() - t0)
+        bad = sum(1 for i, o in enumerate(got) if o is None or float(o.tensor.view(-1)[0]) != i)
+        for o in got:
+            if o is not None:
+                o.ref_count_down()
+        if bad:
+            raise RuntimeError(f"{kind}: {bad} chunks came back wrong or missing")
+        _drop_tree(self.path)
+        t0 = time.perf_counter()
+        o = be.get_blocking(keys[0])
+        self.get_ms.append(1e3 * (time.perf_counter() - t0))
+        o.ref_count_down()
+        for k in keys + [k1]:
+            be.remove(k)
+
+    def row(self, dd: dict) -> dict:
+        L, T = self.shape[0], self.shape[1]
+        total = self.n * self.chunk_bytes
+        store = total / statistics.median(self.store_s) / 1e9
+        retr = total / statistics.median(self.retr_s) / 1e9
+        return {"backend": self.kind, "chunks": self.n, "chunk_mb": round(self.chunk_bytes / 2**20, 2),
+                "store_gbps": store, "retrieve_gbps": retr,
+                "store_pct_dd": 100 * store / dd["dd_write_gbps"] if dd else None,
+                "retrieve_pct_dd": 100 * retr / dd["dd_read_gbps"] if dd else None,
+                "put_ms": statistics.median(self.put_ms), "get_ms": statistics.median(self.get_ms),
+                "tokens_per_s_retrieve": self.n * T / statistics.median(self.retr_s),
+                "store_gbps_reps": [round(total / x / 1e9, 3) for x in self.store_s],
+                "retrieve_gbps_reps": [round(total / x / 1e9, 3) for x in self.retr_s]}
+
+    def close(self) -> None:
+        for b in reversed(list(self.backends.values())):
             b.close()
 
 
 def run(*, directory=None, chunks=32, reps=3, out_dir="bench_results", tiny=False, layers=32, tokens=256, heads=8,
-        head_dim=128) -> list[dict]:
+        head_dim=128, dd: bool = True, plot: bool = True) -> list[dict]:
     if tiny:
-        chunks, reps, layers, tokens, heads, head_dim = 4, 1, 4, 32, 2, 64
+        chunks, reps, layers, tokens, heads, head_dim, dd = 4, 1, 4, 32, 2, 64, False
     shape = (layers, tokens, heads, head_dim, torch.bfloat16)
     own = directory is None
     directory = directory or tempfile.mkdtemp(prefix="kvk-bench-lmcache-", dir=os.environ.get("KVKERNELS_BENCH_DIR"))
@@ -174,24 +192,51 @@ def run(*, directory=None, chunks=32, reps=3, out_dir="bench_results", tiny=Fals
     except md.PackageNotFoundError:  # pragma: no cover
         meta["lmcache"] = None
     meta.update(directory=directory, shape={"layers": layers, "tokens": tokens, "kv_heads": heads,
-                                            "head_dim": head_dim, "dtype": "bfloat16"}, reps=reps)
+                                            "head_dim": head_dim, "dtype": "bfloat16"}, reps=reps,
+                order="repetitions interleave the backends (rotated each rep); medians per backend")
     meta["gds"] = "skipped: LMCache's GdsBackend needs CUDA and cuFile" if not torch.cuda.is_available() else \
         "not measured by this script yet"
     loop = asyncio.new_event_loop()
     th = threading.Thread(target=loop.run_forever, daemon=True)
     th.start()
-    rows = []
+    benches: list[_Bench] = []
     try:
+        ceiling = None
+        if dd:  # the disk's own sequential ceiling, same directory, same run
+            try:
+                from .bench_store import dd_ceiling
+            except ImportError:  # pragma: no cover - run as a script
+                from bench_store import dd_ceiling  # type: ignore
+
+            ceiling = dd_ceiling(directory, 2 * chunks * 32 << 20 if not tiny else 64 << 20)
+            meta["dd"] = ceiling
         for kind in BACKENDS:
-            rows.append(_bench_one(kind, directory, shape, chunks, reps, loop))
+            benches.append(_Bench(kind, directory, shape, chunks, reps, loop))
+        for rep in range(reps):
+            k = rep % len(benches)
+            for b in benches[k:] + benches[:k]:
+                b.rep(rep)
+        rows = [b.row(ceiling) for b in benches]
     finally:
+        for b in benches:
+            b.close()
         loop.call_soon_threadsafe(loop.stop)
         th.join(5)
         if own:
             shutil.rmtree(directory, ignore_errors=True)
-    print(common.format_table(rows, ["backend", "chunks", "chunk_mb", "store_gbps", "retrieve_gbps", "put_ms",
-                                     "get_ms", "tokens_per_s_retrieve"]))
+    if ceiling:
+        print(f"# disk ceiling (dd, O_DIRECT, same dir, same run): write {ceiling['dd_write_gbps']:.2f} GB/s, "
+              f"read {ceiling['dd_read_gbps']:.2f} GB/s")
+    print(common.format_table(rows, ["backend", "chunks", "chunk_mb", "store_gbps", "store_pct_dd", "retrieve_gbps",
+                                     "retrieve_pct_dd", "put_ms", "get_ms", "tokens_per_s_retrieve"]))
     paths = common.write_results(rows, meta, out_dir, STEM)
+    if plot:
+        flat = [{"case": r["backend"], "method": m, "gbps": r[f"{m}_gbps"]} for r in rows for m in ("store", "retrieve")]
+        png = common.plot_bars(flat, group="case", series="method", value="gbps", ylabel="GB/s",
+                               title=f"LMCache backends, llama3-8b 256-token chunks - {meta['device']}",
+                               path=os.path.join(out_dir, f"{STEM}.png"))
+        if png:
+            paths["png"] = png
     print("# wrote " + ", ".join(paths.values()))
     return rows
 
@@ -203,8 +248,11 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default="bench_results")
     p.add_argument("--tiny", action="store_true", help="a few small chunks (CI)")
+    p.add_argument("--no-dd", action="store_true", help="skip the dd ceiling")
+    p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
-    return run(directory=a.dir, chunks=a.chunks, reps=a.reps, out_dir=a.out, tiny=a.tiny)
+    return run(directory=a.dir, chunks=a.chunks, reps=a.reps, out_dir=a.out, tiny=a.tiny, dd=not a.no_dd,
+               plot=not a.no_plot)
 
 
 if __name__ == "__main__":

@@ -134,6 +134,11 @@ def test_created_by_lmcache_launcher_from_config(tmp_path):
     ({"kvkernels.paths": "/tmp/x", "kvkernels.capcity_bytes": 10}, "kvkernels.capcity_bytes"),
     ({"kvkernels.paths": "/tmp/x", "kvkernels.compression": "brotli"}, "kvkernels.compression"),
     ({"kvkernels.paths": "/tmp/x", "kvkernels.fsync": "maybe"}, "kvkernels.fsync"),
+    ({"kvkernels.paths": "/tmp/x", "kvkernels.quant": "int4"}, "kvkernels.quant"),
+    ({"kvkernels.paths": "/tmp/x", "kvkernels.quant_granularity": "layer"}, "kvkernels.quant_granularity"),
+    ({"kvkernels.paths": "/tmp/x", "kvkernels.quant": "fp8", "kvkernels.compression": "zstd",
+      "kvkernels.byteshuffle": True}, "kvkernels.byteshuffle"),
+    ({"kvkernels.paths": "/tmp/x", "kvkernels.inplace_io": "sometimes"}, "kvkernels.inplace_io"),
 ])
 def test_bad_config_names_the_key(extra, key):
     with pytest.raises(PluginConfigError, match=key.replace(".", r"\.")):
@@ -402,6 +407,148 @@ def test_eviction_keeps_newest(tmp_path):
         m.close()
 
 
+def test_pinned_chunks_survive_eviction(tmp_path):
+    """A chunk pinned by a lookup (``contains(pin=True)``) is not evicted before it is loaded."""
+    probe = Manager(tmp_path / "probe")
+    o, _ = probe.chunk(0)
+    probe.put([_key(0)], [o])
+    entry = probe.plugin.stats()["store"]["bytes_used"]
+    probe.close()
+    m = Manager(tmp_path / "kv", capacity_bytes=2 * entry)
+    try:
+        pairs = [m.chunk(80 + i) for i in range(4)]
+        m.put([_key(80)], [pairs[0][0]])
+        assert m.plugin.contains(_key(80), pin=True)  # the lookup pins it
+        assert m.plugin.store.pin_count(key_string(_key(80))) == 1
+        for i in (1, 2):
+            m.put([_key(80 + i)], [pairs[i][0]])
+        # 80 is the oldest but pinned: 81 was evicted instead
+        assert [m.plugin.contains(_key(80 + i)) for i in range(3)] == [True, False, True]
+        got = m.plugin.get_blocking(_key(80))
+        assert bytes_equal(got.tensor, pairs[0][1])
+        got.ref_count_down()
+        m.sm.batched_unpin([_key(80)], locations=["kvkernels"])
+        assert m.plugin.store.pin_count(key_string(_key(80))) == 0
+        m.put([_key(83)], [pairs[3][0]])  # unpinned, and read after 82 was written: 82 is the LRU one
+        assert [m.plugin.contains(_key(80 + i)) for i in range(4)] == [True, False, False, True]
+        assert m.plugin.contains(_key(80), pin=False)
+        m.put([_key(82)], [m.chunk(82)[0]])  # now 80 is the least recently used and unpinned: it goes
+        assert [m.plugin.contains(_key(80 + i)) for i in range(4)] == [False, False, True, True]
+    finally:
+        m.close()
+
+
+def test_inplace_io_moves_lmcache_memory_without_a_copy(tmp_path, monkeypatch):
+    """Raw CPU chunks go to the store as views of the MemoryObj (K[l], V[l] per region) and come
+    back straight into the new MemoryObj; entries written either way read back either way."""
+    m = Manager(tmp_path / "kv")
+    try:
+        seen = {"put": [], "get": []}
+        store = m.plugin.store
+        real_put, real_get = store.put, store.get
+        monkeypatch.setattr(store, "put", lambda k, st, meta: seen["put"].append(st) or real_put(k, st, meta))
+        monkeypatch.setattr(store, "get", lambda k, out=None, layers=None: seen["get"].append(out) or real_get(k, out, layers))
+        o, ref = m.chunk(7)
+        lo, hi = o.tensor.data_ptr(), o.tensor.data_ptr() + o.tensor.numel() * o.tensor.element_size()
+        m.put([_key(7)], [o])
+        regions = seen["put"][0]
+        assert isinstance(regions, list) and len(regions) == L and all(len(r) == 2 for r in regions)
+        assert all(lo <= t.data_ptr() < hi for r in regions for t in r)  # views of LMCache's memory
+        assert regions[1][1].data_ptr() == lo + (L + 1) * T * H * D * 2  # V of layer 1 in [2, L, T, H*D]
+        got = m.plugin.get_blocking(_key(7))
+        outs = seen["get"][0]
+        g0 = got.tensor.data_ptr()
+        assert isinstance(outs, list) and outs[0][0].data_ptr() == g0  # read straight into the result
+        assert bytes_equal(got.tensor, ref)
+        got.ref_count_down()
+    finally:
+        m.close()
+    # the same store read and written by a plugin with inplace_io off (staging buffer + copy):
+    # in-place entries store K|V unpadded, staged ones the padded region; both read back exactly
+    m2 = Manager(tmp_path / "kv", inplace_io=False)
+    try:
+        got = m2.plugin.get_blocking(_key(7))
+        assert bytes_equal(got.tensor, ref)
+        got.ref_count_down()
+        o, ref8 = m2.chunk(8)
+        m2.put([_key(8)], [o])
+    finally:
+        m2.close()
+    m3 = Manager(tmp_path / "kv")
+    try:
+        got = m3.plugin.get_blocking(_key(8))
+        assert bytes_equal(got.tensor, ref8)
+        got.ref_count_down()
+        assert bytes_equal(m3.plugin.get_layers(_key(8), [2]), ref8[:, [2]])
+        assert bytes_equal(m3.plugin.get_layers(_key(7), [3, 0]), ref[:, [0, 3]])
+    finally:
+        m3.close()
+
+
+def _fp8_reference(ref: torch.Tensor, granularity: str) -> torch.Tensor:
+    """What an FP8 round trip must give: kvkernels' torch reference quantize -> dequantize."""
+    from kvkernels.quant import gather_quant, scatter_quant
+
+    shape = ChunkShape.of(ref, H)
+    src = ref.clone()
+    buf = gather_quant(chunk_layout(src, shape), [0], quant="fp8", granularity=granularity, backend="torch")
+    out = torch.zeros_like(ref)
+    scatter_quant(buf, chunk_layout(out, shape), [0], quant="fp8", granularity=granularity, backend="torch")
+    return out
+
+
+@pytest.mark.parametrize("granularity, codec", [("token", "none"), ("block", "none"), ("token", "zstd")])
+def test_fp8_storage_round_trip(tmp_path, granularity, codec):
+    """``kvkernels.quant: fp8`` stores e4m3 codes + scales (about half the bytes) and restores
+    exactly what kvkernels' FP8 reference restores; the header, not the config, says how to decode."""
+    m = Manager(tmp_path / "kv", quant="fp8", quant_granularity=granularity, compression=codec)
+    try:
+        pairs = [m.chunk(300 + i) for i in range(3)]
+        m.put([_key(300 + i) for i in range(3)], [p[0] for p in pairs])
+        h = m.plugin.store.header(key_string(_key(300)))
+        assert h.meta.scheme == f"fp8-{granularity}" and h.meta.codec == codec
+        from kvkernels.quant import QuantStagingFormat
+
+        qfmt = QuantStagingFormat.from_staging(h.meta.fmt, granularity)
+        assert qfmt.payload_nbytes < h.meta.fmt.payload_nbytes  # (D + 4) / 2D of bf16 per token-head
+        if codec == "none":  # the FP8 regions themselves (4 KiB padded) are what is stored
+            assert [r.stored for r in h.regions] == [qfmt.region_nbytes] * L
+        else:
+            assert all(r.stored <= qfmt.region_nbytes for r in h.regions)
+        got = m.plugin.batched_get_blocking([_key(300 + i) for i in range(3)])
+        for g, (_, ref) in zip(got, pairs):
+            want = _fp8_reference(ref, granularity)
+            assert bytes_equal(g.tensor, want)
+            assert (g.tensor.float() - ref.float()).abs().max() <= ref.float().abs().max() / 8  # e4m3: 3 mantissa bits
+            g.ref_count_down()
+        assert bytes_equal(m.plugin.get_layers(_key(301), [1]), _fp8_reference(pairs[1][1], granularity)[:, [1]])
+    finally:
+        m.close()
+    m2 = Manager(tmp_path / "kv")  # restarted with the default (raw) config: old FP8 entries still decode
+    try:
+        got = m2.plugin.get_blocking(_key(302))
+        assert bytes_equal(got.tensor, _fp8_reference(pairs[2][1], granularity))
+        got.ref_count_down()
+    finally:
+        m2.close()
+
+
+def test_fp8_setting_leaves_8bit_chunks_as_they_are(tmp_path):
+    m = Manager(tmp_path / "kv", dtype=torch.float8_e4m3fn, quant="fp8")
+    try:
+        obj = m.sm.allocate(torch.Size([2, L, T, H * D]), torch.float8_e4m3fn, MemoryFormat.KV_2LTD)
+        g = torch.Generator().manual_seed(5)
+        obj.tensor.view(torch.uint8).copy_(torch.randint(0, 120, obj.tensor.shape, generator=g, dtype=torch.uint8))
+        ref = obj.tensor.clone()
+        m.put([_key(5, torch.float8_e4m3fn)], [obj])
+        assert m.plugin.store.header(key_string(_key(5, torch.float8_e4m3fn))).meta.scheme == "raw"
+        got = m.plugin.get_blocking(_key(5, torch.float8_e4m3fn))
+        assert bytes_equal(got.tensor, ref)
+        got.ref_count_down()
+    finally:
+        m.close()
+
+
 def test_concurrent_puts_and_gets(mgr):
     n_threads, per = 4, 6
     errors = []
@@ -453,7 +600,7 @@ def test_bench_tiny(tmp_path):
     from kvkernels.bench import bench_lmcache
 
     rows = bench_lmcache.main(["--tiny", "--dir", str(tmp_path / "bench"), "--out", str(tmp_path / "out")])
-    assert {r["backend"] for r in rows} == {"kvkernels", "kvkernels-nofsync", "LocalDiskBackend",
+    assert {r["backend"] for r in rows} == {"kvkernels", "kvkernels-nofsync", "kvkernels-staged", "LocalDiskBackend",
                                             "LocalDiskBackend-odirect"}
     assert all(r["store_gbps"] > 0 and r["retrieve_gbps"] > 0 for r in rows)
     assert os.path.exists(tmp_path / "out" / "bench_lmcache.csv")

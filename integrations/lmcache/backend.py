@@ -39,13 +39,14 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from .config import PluginConfigError, PluginSettings, parse_extra_config
-from .convert import ChunkShape, chunk_to_staging, staging_to_chunk
+from .convert import ChunkShape, chunk_layout, chunk_to_staging, staging_to_chunk
 
 __all__ = ["KVKernelsBackend", "key_string"]
 
 log = logging.getLogger("kvkernels.integrations.lmcache")
 
 _FORMATS = {2: MemoryFormat.KV_2LTD, 1: MemoryFormat.KV_MLA_FMT}
+_FP8_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # reads kept in flight per batched get: store queue depth x 2 (bounded staging memory)
 _READ_WINDOW_PER_THREAD = 2
 
@@ -172,12 +173,22 @@ class KVKernelsBackend(StoragePluginInterface):
         from kvkernels.io import EntryMeta
 
         s = self.settings
+        scheme = "shuffle" if s.byteshuffle else "raw"
+        if s.quant == "fp8":
+            if shape.dtype in _FP8_SOURCE_DTYPES:
+                scheme = f"fp8-{s.quant_granularity}"
+            else:  # already 8-bit (an fp8 KV cache): stored as it is, never re-quantized
+                self._warn_once(f"fp8-{shape.dtype}", "kvkernels LMCache plugin: %s chunks are stored as they are "
+                                "(kvkernels.quant: fp8 applies to bf16/fp16/fp32)", shape.dtype)
         return EntryMeta(layers=tuple(range(shape.num_layers)), num_blocks=1, block_size=shape.num_tokens,
                          num_heads=shape.num_heads, head_dim=shape.head_dim, element_size=shape.element_size,
                          num_kv=shape.num_kv, num_layers=shape.num_layers,
-                         dtype=str(shape.dtype).replace("torch.", ""),
-                         scheme="shuffle" if s.byteshuffle else "raw",
-                         codec=s.compression)
+                         dtype=str(shape.dtype).replace("torch.", ""), scheme=scheme, codec=s.compression)
+
+    @staticmethod
+    def _fp8_granularity(scheme: str) -> Optional[str]:
+        """``"token"``/``"block"`` for FP8 entries, None for raw/shuffled ones."""
+        return scheme[4:] if scheme.startswith("fp8-") else None
 
     @staticmethod
     def _shape_of_header(header) -> tuple[ChunkShape, MemoryFormat]:
@@ -290,50 +301,97 @@ class KVKernelsBackend(StoragePluginInterface):
                     continue
                 self._put_tasks[ks] = 1
             obj.ref_count_up()
+            fut: Future = Future()
             try:
-                futures.append(self._put_pool.submit(self._put_one, key, ks, obj, shape, on_complete_callback))
+                self._put_pool.submit(self._put_one, key, ks, obj, shape, on_complete_callback, fut)
             except BaseException:
                 obj.ref_count_down()
                 with self._lock:
                     self._put_tasks.pop(ks, None)
                 raise
+            futures.append(fut)
         return futures
 
-    def _put_one(self, key, ks: str, obj: MemoryObj, shape: ChunkShape, callback):
+    def _inplace(self, t: torch.Tensor, meta) -> bool:
+        """Can chunk ``t`` be written/read straight from/into its own memory (no conversion copy)?
+
+        Yes for a contiguous CPU chunk stored raw (no codec, no shuffle): region ``l`` of the
+        entry is then just ``K[l]`` followed by ``V[l]`` of the chunk, two contiguous pieces
+        that one vectored ``pwritev``/``preadv`` moves (O_DIRECT in place when LMCache's
+        allocator gives 4 KiB-aligned chunks, as its ``ALIGN_BYTES = 4096`` pool does).
+        """
+        return (t.device.type == "cpu" and t.is_contiguous() and meta.codec == "none" and meta.scheme == "raw"
+                and self.settings.inplace_io)
+
+    @staticmethod
+    def _chunk_regions(t: torch.Tensor, shape: ChunkShape, layers=None) -> list[list[torch.Tensor]]:
+        """``[[K[l] bytes, V[l] bytes] for l in layers]``: views into chunk ``t``, no copy."""
+        flat = t.view(shape.num_kv, shape.num_layers, -1)
+        layers = range(shape.num_layers) if layers is None else layers
+        return [[flat[c, l].view(torch.uint8) for c in range(shape.num_kv)] for l in layers]
+
+    def _put_one(self, key, ks: str, obj: MemoryObj, shape: ChunkShape, callback, fut: Future) -> None:
+        """Submit one chunk to the store (on a plugin thread: the store's back pressure may block)."""
         meta = self._meta_for(shape)
         fmt = meta.fmt
         buf = None
-        released = False
+        held = True  # our reference on obj
         try:
-            buf = self._bufs.take(fmt.nbytes)
-            chunk_to_staging(obj.tensor, shape, buf, fmt)
-            obj.ref_count_down()  # the bytes are in our buffer: give LMCache its memory back now
-            released = True
-            if meta.codec != "none":
-                from kvkernels.compress import compress_regions
-
-                cs = compress_regions(buf, fmt, codec=meta.codec, byteshuffle=self.settings.byteshuffle)
-                header = self.store.put(ks, [r.contiguous() for r in cs.regions], meta).result()
+            if self._inplace(obj.tensor, meta):
+                # vectored write straight from LMCache's chunk; the reference is held until the
+                # bytes are on disk (the chunk is the write's source)
+                sfut = self.store.put(ks, self._chunk_regions(obj.tensor, shape), meta)
             else:
-                header = self.store.put(ks, buf, meta).result()
-            self._count("puts")
+                gran = self._fp8_granularity(meta.scheme)
+                if gran is not None:  # FP8: quantize in one pass (kvkernels.gather(quant="fp8"))
+                    import kvkernels
+                    from kvkernels.quant import QuantStagingFormat
+
+                    fmt = QuantStagingFormat.from_staging(fmt, gran)
+                    buf = self._bufs.take(fmt.nbytes)
+                    kvkernels.gather(chunk_layout(obj.tensor, shape), [0], out=buf, quant="fp8", granularity=gran)
+                else:
+                    buf = self._bufs.take(fmt.nbytes)
+                    chunk_to_staging(obj.tensor, shape, buf, fmt)
+                obj.ref_count_down()  # the bytes are in our buffer: give LMCache its memory back now
+                held = False
+                if meta.codec != "none":
+                    from kvkernels.compress import compress_regions
+
+                    cs = compress_regions(buf, fmt, codec=meta.codec, byteshuffle=self.settings.byteshuffle)
+                    sfut = self.store.put(ks, [r.contiguous() for r in cs.regions], meta)
+                elif gran is not None:
+                    q = fmt.region_nbytes
+                    sfut = self.store.put(ks, [buf[j * q : (j + 1) * q] for j in range(fmt.num_regions)], meta)
+                else:
+                    sfut = self.store.put(ks, buf, meta)
         except BaseException as exc:
+            self._put_done(key, ks, obj if held else None, buf, callback, fut, None, exc)
+            return
+        sfut.add_done_callback(lambda f: self._put_done(key, ks, obj if held else None, buf, callback, fut, f, None))
+
+    def _put_done(self, key, ks: str, obj, buf, callback, fut: Future, sfut: Optional[Future], exc) -> None:
+        """The store finished a put (or it failed before reaching the store): release, count, call back."""
+        if exc is None and sfut is not None:
+            exc = sfut.exception()
+        if obj is not None:
+            obj.ref_count_down()
+        if buf is not None:
+            self._bufs.give(buf)
+        with self._lock:
+            self._put_tasks.pop(ks, None)
+        if exc is not None:
             self._count("put_errors")
             log.warning("kvkernels LMCache plugin: put of %s failed: %s: %s", ks, type(exc).__name__, exc)
-            raise
-        finally:
-            if not released:
-                obj.ref_count_down()
-            if buf is not None:
-                self._bufs.give(buf)
-            with self._lock:
-                self._put_tasks.pop(ks, None)
+            fut.set_exception(exc)
+            return
+        self._count("puts")
         if callback is not None:
             try:
                 callback(key)
-            except Exception as exc:  # LMCache's contract: callback errors are logged, not raised
-                log.warning("kvkernels LMCache plugin: on_complete_callback failed for %s: %s", ks, exc)
-        return header
+            except Exception as cexc:  # LMCache's contract: callback errors are logged, not raised
+                log.warning("kvkernels LMCache plugin: on_complete_callback failed for %s: %s", ks, cexc)
+        fut.set_result(sfut.result())
 
     # ------------------------------------------------------------------ gets
     def _allocate(self, shape: ChunkShape, mfmt: MemoryFormat, busy_loop: bool = True) -> Optional[MemoryObj]:
@@ -346,16 +404,33 @@ class KVKernelsBackend(StoragePluginInterface):
             self._count("alloc_failures")
         return obj
 
-    def _start_read(self, ks: str, layers=None):
-        """Header and read future of ``ks`` (None when absent); the buffer comes from the pool."""
+    def _start_read(self, ks: str, out: torch.Tensor, layers=None):
+        """Start reading ``ks`` for chunk ``out`` (None when absent).
+
+        Raw entries whose regions hold exactly ``K[l]`` + ``V[l]`` are read straight into
+        ``out`` (vectored, no staging buffer); others go through a pooled staging buffer.
+        """
         header = self.store.header(ks)
         if header is None:
             return None
         shape, mfmt = self._shape_of_header(header)
         fmt = header.meta.fmt if layers is None else header.meta.fmt.with_layers(layers)
+        payload = shape.payload_elems * shape.element_size
+        sel = [r for r in header.regions if r.layer in fmt.layers]
+        if self._inplace(out, header.meta) and all(r.stored == payload for r in sel) and out.shape == shape.torch_shape \
+                and out.dtype == shape.dtype:
+            fut = self.store.get(ks, out=self._chunk_regions(out, shape, fmt.layers), layers=layers)
+            return header, shape, mfmt, fmt, None, fut
+        gran = self._fp8_granularity(header.meta.scheme)
+        if gran is not None:
+            from kvkernels.quant import QuantStagingFormat
+
+            fmt = QuantStagingFormat.from_staging(fmt, gran)
         buf = self._bufs.take(fmt.nbytes)
+        q = fmt.region_nbytes
         try:
-            fut = self.store.get(ks, out=buf, layers=layers)
+            dest = buf if gran is None else [buf[j * q : (j + 1) * q] for j in range(fmt.num_regions)]
+            fut = self.store.get(ks, out=dest, layers=layers)
         except BaseException:
             self._bufs.give(buf)
             raise
@@ -369,17 +444,26 @@ class KVKernelsBackend(StoragePluginInterface):
         extra = None
         try:
             fut.result()
-            staging = buf
-            m = header.meta
-            if m.codec != "none":
-                from kvkernels.compress import CompressedStaging, decompress_regions
+            if buf is not None:  # staged read: convert into the chunk
+                staging = buf
+                m = header.meta
+                if m.codec != "none":
+                    from kvkernels.compress import CompressedStaging, decompress_regions
 
-                sel = [r for r in header.regions if layers is None or r.layer in fmt.layers]
-                cs = CompressedStaging.from_buffer(buf, fmt, [r.stored for r in sel], m.codec,
-                                                   byteshuffle=m.scheme == "shuffle")
-                extra = self._bufs.take(fmt.nbytes)
-                staging = decompress_regions(cs, out=extra)
-            staging_to_chunk(staging, shape, out, fmt, layers=fmt.layers)
+                    sel = [r for r in header.regions if layers is None or r.layer in fmt.layers]
+                    cs = CompressedStaging.from_buffer(buf, fmt, [r.stored for r in sel], m.codec,
+                                                       byteshuffle=m.scheme == "shuffle")
+                    extra = self._bufs.take(fmt.nbytes)
+                    staging = decompress_regions(cs, out=extra)
+                gran = self._fp8_granularity(m.scheme)
+                if gran is not None:  # dequantize in one pass into the chunk's dtype
+                    import kvkernels
+
+                    layers_arg = fmt.layers if len(fmt.layers) < shape.num_layers else None
+                    kvkernels.scatter(staging, chunk_layout(out, shape), [0], layers=layers_arg, quant="fp8",
+                                      granularity=gran)
+                else:
+                    staging_to_chunk(staging, shape, out, fmt, layers=fmt.layers)
             self._count("hits")
             return True
         except KeyError:
@@ -395,7 +479,8 @@ class KVKernelsBackend(StoragePluginInterface):
                         type(exc).__name__, exc)
             return False
         finally:
-            self._bufs.give(buf)
+            if buf is not None:
+                self._bufs.give(buf)
             if extra is not None:
                 self._bufs.give(extra)
 
@@ -408,7 +493,7 @@ class KVKernelsBackend(StoragePluginInterface):
             while i < len(kss) and len(pending) < self._read_window:
                 if objs[i] is not None:
                     try:
-                        st = self._start_read(kss[i])
+                        st = self._start_read(kss[i], objs[i].tensor)
                     except Exception as exc:  # a bad header, a closed store: a miss, never a leak
                         log.warning("kvkernels LMCache plugin: %s unreadable: %s: %s", kss[i], type(exc).__name__, exc)
                         st = None
@@ -508,7 +593,7 @@ class KVKernelsBackend(StoragePluginInterface):
         shape, _ = self._shape_of_header(header)
         layers = normalize_layers(layers, shape.num_layers)
         full = torch.empty(shape.torch_shape, dtype=shape.dtype)
-        st = self._start_read(ks, layers=layers)
+        st = self._start_read(ks, full, layers=layers)
         if st is None or not self._finish_read(ks, st, full, layers=layers):
             return None
         return full[:, list(layers)]

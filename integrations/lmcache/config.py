@@ -31,7 +31,10 @@ KEYS = {
     "fsync": ("bool", True, "fsync entry files and directories (crash safety)"),
     "compression": ("str", "none", "none | zstd: per-layer lossless codec (kvkernels.compress)"),
     "byteshuffle": ("bool", False, "split bytes into planes before the codec (helps zstd on bf16)"),
-    "put_threads": ("int", 2, "threads converting KV_2LTD chunks to staging before the write"),
+    "quant": ("str", "none", "none | fp8: store e4m3 codes + fp32 scales (lossy, ~0.52x the bytes; docs/quant.md)"),
+    "quant_granularity": ("str", "token", "fp8 scales per (token, head) or per (block, head): token | block"),
+    "put_threads": ("int", 2, "threads submitting chunks to the store (and converting them when a copy is needed)"),
+    "inplace_io": ("bool", True, "raw CPU chunks: vectored I/O straight from/into LMCache's memory (no copy)"),
     "per_worker_subdir": ("bool", True, "store under <path>/worker<id>of<world> (one store per process)"),
 }
 
@@ -87,7 +90,10 @@ class PluginSettings:
     fsync: bool = True
     compression: str = "none"
     byteshuffle: bool = False
+    quant: str = "none"
+    quant_granularity: str = "token"
     put_threads: int = 2
+    inplace_io: bool = True
     per_worker_subdir: bool = True
     unknown: tuple[str, ...] = field(default=())
 
@@ -141,7 +147,7 @@ def parse_extra_config(extra: dict | None) -> PluginSettings:
     for k in ("io_threads", "max_inflight_bytes", "put_threads"):
         if get(k) is not None:
             kw[k] = _as_int(k, get(k))
-    for k in ("read_priority", "verify", "fsync", "byteshuffle", "per_worker_subdir"):
+    for k in ("read_priority", "verify", "fsync", "byteshuffle", "per_worker_subdir", "inplace_io"):
         if get(k) is not None:
             kw[k] = _as_bool(k, get(k))
     if get("compression") is not None:
@@ -149,6 +155,14 @@ def parse_extra_config(extra: dict | None) -> PluginSettings:
         if not isinstance(c, str) or c.lower() not in _CODECS:
             raise _err("compression", f"one of {_CODECS}", c)
         kw["compression"] = c.lower()
+    for k, allowed in (("quant", ("none", "fp8")), ("quant_granularity", ("token", "block"))):
+        v = get(k)
+        if v is not None:
+            if not isinstance(v, str) or v.lower() not in allowed:
+                raise _err(k, f"one of {allowed}", v)
+            kw[k] = v.lower()
+    if kw.get("byteshuffle") and kw.get("quant", "none") != "none":
+        raise _err("byteshuffle", "false with kvkernels.quant: fp8 (one-byte codes have no byte planes)", True)
     if kw.get("byteshuffle") and kw.get("compression", "none") == "none":
         raise _err("byteshuffle", "false unless kvkernels.compression is a codec", True)
     return PluginSettings(**kw)
