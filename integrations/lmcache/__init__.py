@@ -20,7 +20,7 @@ from .convert import ChunkShape, chunk_to_staging, staging_to_chunk
 
 __all__ = ["KVKernelsBackend", "key_string", "PluginConfigError", "PluginSettings", "parse_extra_config",
            "lmcache_extra_config", "ChunkShape", "chunk_to_staging", "staging_to_chunk", "KEYS", "PLUGIN_NAME",
-           "MODULE_PATH", "CLASS_NAME", "TESTED_LMCACHE"]
+           "MODULE_PATH", "CLASS_NAME", "TESTED_LMCACHE", "KVKernelsL2Adapter", "KVKernelsL2AdapterConfig"]
 
 TESTED_LMCACHE = "0.5.6"
 
@@ -44,4 +44,8 @@ def __getattr__(name):
         from . import backend  # imports lmcache
 
         return getattr(backend, name)
+    if name in ("KVKernelsL2Adapter", "KVKernelsL2AdapterConfig"):  # MP mode (docs/lmcache-mp.md)
+        from . import l2_adapter  # imports lmcache
+
+        return getattr(l2_adapter, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,665 @@
+"""``KVKernelsL2Adapter``: an LMCache multi-process (MP) mode L2 adapter over :class:`kvkernels.io.KVStore`.
+
+In MP mode LMCache runs one cache server (``lmcache server``) for all engine workers; its storage
+manager keeps an L1 pool of pinned host buffers and moves objects to and from *L2 adapters*
+(``lmcache.v1.distributed.l2_adapters.base.L2AdapterInterface``). This module plugs kvkernels'
+SSD store in as such an adapter through LMCache's ``"type": "plugin"`` loader (docs/lmcache-mp.md)::
+
+    lmcache server ... --l2-adapter '{"type": "plugin",
+        "module_path": "kvkernels.integrations.lmcache.l2_adapter",
+        "class_name": "KVKernelsL2Adapter",
+        "adapter_params": {"paths": ["/mnt/nvme0/kv", "/mnt/nvme1/kv"], "capacity_bytes": 500000000000}}'
+
+LMCache's plugin factory finds :class:`KVKernelsL2AdapterConfig` by name (``class_name +
+"Config"``), builds it with ``from_dict(adapter_params)`` (strict validation: a bad key raises a
+``ValueError`` naming it) and calls ``KVKernelsL2Adapter(config, l1_memory_desc=...)``.
+
+Imports lmcache at module import (``kvkernels.integrations.lmcache`` imports it lazily).
+Tested with ``lmcache==0.5.6``.
+
+Contract (read from LMCache 0.5.6's ``L2AdapterInterface``, store / prefetch controllers and
+built-in adapters):
+
+* three distinct event fds (LMCache's ``create_event_notifier``: eventfd on Linux), one each for
+  store, lookup-and-lock and load completion; each is notified once per completed task, *after*
+  the result is queryable;
+* every ``submit_*`` returns at once (work runs on adapter threads and the store's I/O threads);
+* store: per task, ``L2StoreResult(success, bytes_written)``; keys already stored or being
+  stored are skipped (no bytes, not a failure); a task succeeds when every write it issued is
+  durable;
+* lookup-and-lock: a ``Bitmap`` over the keys (bit ``i`` = ``keys[i]`` has a complete entry); each
+  hit takes one lock count; ``submit_unlock`` drops one per key (lookups and unlocks run in order
+  on one thread). Locked keys are refused by :meth:`KVKernelsL2Adapter.delete`; when the store has
+  ``pin``/``unpin`` each lock also pins the entry against the store's LRU eviction (without it,
+  an entry evicted by the store between lookup and load is a failed load);
+* load: a ``Bitmap`` of the keys whose bytes were read, verified (xxh3 per layer) and written into
+  the caller's buffer. A miss, an entry whose shape/dtype differs from the buffer's layout, a
+  checksum failure (``CorruptEntryError``: the store drops the entry) or any I/O error clears the
+  bit; the caller's buffer is only written from verified bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+from lmcache.v1.platform import create_event_notifier
+
+from .backend import _BufferPool
+from .config import KEYS, PREFIX, PluginConfigError, PluginSettings, parse_extra_config
+from .convert import ChunkShape, chunk_to_staging, staging_to_chunk
+
+if TYPE_CHECKING:
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+    from lmcache.v1.memory_management import MemoryObj
+
+__all__ = ["KVKernelsL2Adapter", "KVKernelsL2AdapterConfig", "L2AdapterConfigError", "ADAPTER_KEYS",
+           "MODULE_PATH", "CLASS_NAME", "object_key_string", "parse_adapter_params"]
+
+log = logging.getLogger("kvkernels.integrations.lmcache.l2")
+
+MODULE_PATH = "kvkernels.integrations.lmcache.l2_adapter"
+CLASS_NAME = "KVKernelsL2Adapter"
+KEY_PREFIX = "lmcache-mp:"
+# The in-process plugin's keys this adapter implements (parsed by the plugin's own parser). An
+# explicit list: a key the plugin gains later is refused here until the adapter implements it,
+# never silently ignored. ``per_worker_subdir`` has no meaning in MP mode (one server process
+# stores every worker's objects; the worker's rank is part of every ObjectKey).
+_IMPLEMENTED = ("paths", "capacity_bytes", "engine", "io_threads", "max_inflight_bytes", "read_priority", "verify",
+                "fsync", "compression", "byteshuffle", "put_threads")
+ADAPTER_KEYS = {k: KEYS[k] for k in _IMPLEMENTED if k in KEYS}
+_READ_WINDOW_PER_THREAD = 2
+
+
+class L2AdapterConfigError(PluginConfigError):
+    """The ``adapter_params`` of the kvkernels L2 adapter are invalid (a ``ValueError``)."""
+
+
+def object_key_string(key: "ObjectKey") -> str:
+    """Store key of an MP-mode ``ObjectKey``.
+
+    ``lmcache-mp:<model>@<kv_rank hex>@<object_group_id hex>@<chunk_hash hex>[@<cache_salt>]``:
+    every field of ``ObjectKey`` equality (``@`` cannot occur in the model name or salt; LMCache
+    rejects it), so two keys share an entry exactly when LMCache considers them equal. The prefix
+    keeps MP entries apart from the in-process plugin's ``lmcache:`` keys in a shared folder. The
+    store hashes the string into the file name: a key never names a path.
+
+    >>> from lmcache.v1.distributed.api import ObjectKey
+    >>> object_key_string(ObjectKey(b"\\x01\\x02", "m/x", 0x01000100))
+    'lmcache-mp:m/x@0x01000100@0@0102'
+    """
+    try:
+        s = (f"{KEY_PREFIX}{key.model_name}@{key.kv_rank:#010x}@{key.object_group_id:x}@"
+             f"{bytes(key.chunk_hash).hex()}")
+        salt = key.cache_salt
+    except (AttributeError, TypeError, ValueError):
+        raise TypeError(f"`keys`: expected lmcache ObjectKey items, got {type(key).__name__}") from None
+    return f"{s}@{salt}" if salt else s
+
+
+def parse_adapter_params(params: Any) -> PluginSettings:
+    """Validate the ``adapter_params`` dict of the ``--l2-adapter`` JSON.
+
+    Keys are those of the in-process plugin without the ``kvkernels.`` prefix (see
+    :data:`ADAPTER_KEYS` and docs/lmcache-mp.md); ``paths`` is required.
+
+    Raises
+    ------
+    TypeError
+        ``params`` is not a dict.
+    L2AdapterConfigError
+        (a ``ValueError``) a missing ``paths``, an unknown key (a typo) or a bad value; the
+        message names the key.
+    """
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise TypeError(f"kvkernels L2 adapter `adapter_params`: expected a dict (JSON object), got "
+                        f"{type(params).__name__}")
+    bad = sorted(str(k) for k in params if not isinstance(k, str) or k not in ADAPTER_KEYS)
+    if bad:
+        hint = ""
+        if "per_worker_subdir" in bad:
+            hint = "; `per_worker_subdir` does not apply in MP mode (one server process stores every worker's keys)"
+        elif any(b in KEYS for b in bad):
+            hint = f"; {[b for b in bad if b in KEYS]} exist(s) for the in-process plugin only (not implemented here)"
+        elif any(b.startswith(PREFIX) for b in bad):
+            hint = f"; write the keys without the `{PREFIX}` prefix"
+        raise L2AdapterConfigError(f"kvkernels L2 adapter `adapter_params`: unknown key(s) {bad}; known keys: "
+                                   f"{sorted(ADAPTER_KEYS)}{hint} (see docs/lmcache-mp.md)")
+    try:
+        settings = parse_extra_config({PREFIX + k: v for k, v in params.items()})
+    except PluginConfigError as exc:
+        msg = str(exc).replace(f"LMCache extra_config `{PREFIX}", "kvkernels L2 adapter `adapter_params.")
+        msg = msg.replace("docs/lmcache.md", "docs/lmcache-mp.md")
+        raise L2AdapterConfigError(msg) from exc
+    return settings
+
+
+class KVKernelsL2AdapterConfig(L2AdapterConfigBase):
+    """Config of :class:`KVKernelsL2Adapter`: the parsed ``adapter_params`` of the plugin JSON.
+
+    LMCache's plugin factory discovers this class by its name (``class_name + "Config"``) and
+    builds it with :meth:`from_dict`. It is not registered as an adapter ``type`` of its own.
+
+    Parameters
+    ----------
+    settings : PluginSettings
+        Parsed settings (``parse_adapter_params``).
+    """
+
+    def __init__(self, settings: PluginSettings):
+        if not isinstance(settings, PluginSettings):
+            raise TypeError(f"KVKernelsL2AdapterConfig `settings`: expected PluginSettings, got "
+                            f"{type(settings).__name__}")
+        self.settings = settings
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVKernelsL2AdapterConfig":
+        """Parse ``adapter_params`` (strict; see :func:`parse_adapter_params`)."""
+        return cls(parse_adapter_params(d))
+
+    @classmethod
+    def help(cls) -> str:
+        lines = ["kvkernels L2 adapter (type \"plugin\") adapter_params:"]
+        for k, (typ, default, text) in ADAPTER_KEYS.items():
+            lines.append(f"- {k} ({typ}, default {default!r}): {text}")
+        lines.append('Example: {"type": "plugin", "module_path": "%s", "class_name": "%s", '
+                     '"adapter_params": {"paths": ["/mnt/nvme0/kv"]}}' % (MODULE_PATH, CLASS_NAME))
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one L1 object maps to a store entry."""
+
+    meta: Any  # kvkernels.io.EntryMeta
+    shape: Optional[ChunkShape]  # None: opaque bytes entry
+    nbytes: int  # logical bytes of the object
+
+
+def _meta_key(m) -> tuple:
+    """The fields of an EntryMeta that must match between an entry and a destination buffer."""
+    return (tuple(m.layers), m.num_blocks, m.block_size, m.num_heads, m.head_dim, m.element_size, m.num_kv,
+            m.num_layers, m.dtype)
+
+
+class KVKernelsL2Adapter(L2AdapterInterface):
+    """LMCache MP-mode L2 adapter storing objects as checksummed, layer-addressable kvkernels entries.
+
+    Parameters
+    ----------
+    config : KVKernelsL2AdapterConfig or dict
+        What LMCache's plugin factory passes: the config built from ``adapter_params``, or the
+        raw ``adapter_params`` dict (then validated here).
+    l1_memory_desc : L1MemoryDesc, optional
+        LMCache's description of the L1 arena; not needed (the adapter copies through its own
+        staging buffers) and ignored.
+
+    Raises
+    ------
+    TypeError
+        ``config`` is neither.
+    L2AdapterConfigError
+        A bad ``adapter_params`` key or value, or a store directory that cannot be opened (the
+        message names ``adapter_params.paths``).
+
+    Notes
+    -----
+    Objects with one ``[num_kv, L, T, hidden]`` (``num_kv`` 1 or 2) or ``[L, T, hidden]`` tensor
+    (LMCache's KV layouts) are stored layer by layer in kvkernels' staging format (one region and
+    checksum per layer, the format of the in-process plugin). Any other object (several kernel
+    groups in one object, a narrowed byte buffer) is stored as one opaque region of its bytes.
+    A load only succeeds into a buffer of the same layout (shape and dtype) as the stored object.
+    """
+
+    def __init__(self, config, l1_memory_desc=None):
+        if isinstance(config, KVKernelsL2AdapterConfig):
+            settings = config.settings
+        elif isinstance(config, dict):
+            settings = parse_adapter_params(config)
+        else:
+            raise TypeError(f"KVKernelsL2Adapter `config`: expected KVKernelsL2AdapterConfig or the "
+                            f"adapter_params dict, got {type(config).__name__}")
+        super().__init__(max_capacity_bytes=settings.capacity_bytes or 0)
+        self.settings = settings
+        from kvkernels.io import KVStore
+
+        try:
+            self.store = KVStore(list(settings.paths), capacity_bytes=settings.capacity_bytes, engine=settings.engine,
+                                 io_threads=settings.io_threads, max_inflight_bytes=settings.max_inflight_bytes,
+                                 read_priority=settings.read_priority, verify=settings.verify, fsync=settings.fsync)
+        except Exception as exc:
+            raise L2AdapterConfigError(f"kvkernels L2 adapter: cannot open the store at `adapter_params.paths`="
+                                       f"{list(settings.paths)}: {type(exc).__name__}: {exc}") from exc
+        self._store_efd = create_event_notifier()
+        self._lookup_efd = create_event_notifier()
+        self._load_efd = create_event_notifier()
+
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._done_store: dict[L2TaskId, L2StoreResult] = {}
+        self._done_lookup: dict[L2TaskId, Bitmap] = {}
+        self._done_load: dict[L2TaskId, Bitmap] = {}
+        self._locks: dict[str, int] = {}
+        self._storing: set[str] = set()
+        # KVStore.pin/unpin (when the store has them) keep locked entries out of its LRU eviction
+        self._store_pins = callable(getattr(self.store, "pin", None)) and callable(getattr(self.store, "unpin", None))
+        n_io = self.store.io_threads
+        self._store_pool = ThreadPoolExecutor(settings.put_threads, thread_name_prefix="kvk-l2-store")
+        # two load tasks at once, each with 2 x io_threads reads in flight: staging memory stays
+        # bounded at 4 x io_threads objects whatever the number of tasks submitted
+        self._load_pool = ThreadPoolExecutor(2, thread_name_prefix="kvk-l2-load")
+        # lookups and unlocks share one thread: an unlock never overtakes the lock it releases
+        self._lock_pool = ThreadPoolExecutor(1, thread_name_prefix="kvk-l2-lock")
+        self._read_window = max(1, n_io * _READ_WINDOW_PER_THREAD)
+        self._bufs = _BufferPool(keep=settings.put_threads + 2 * self._read_window + 2)
+        self._closed = False
+        self.counters = {k: 0 for k in ("store_tasks", "stored", "store_skipped", "store_errors", "lookup_tasks",
+                                        "lookup_hits", "load_tasks", "loaded", "load_misses", "load_mismatch",
+                                        "corrupt", "load_errors", "deleted", "delete_refused_locked")}
+        log.info("kvkernels L2 adapter: store %s, engine %s, capacity %s, %d entries recovered", self.store.paths,
+                 self.store.engine.name, settings.capacity_bytes, len(self.store))
+
+    def __repr__(self) -> str:
+        return f"KVKernelsL2Adapter(paths={list(self.settings.paths)!r})"
+
+    # ------------------------------------------------------------------ event fds
+    def get_store_event_fd(self) -> int:
+        """Event fd notified once per completed store task."""
+        return self._store_efd.fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        """Event fd notified once per completed lookup-and-lock task."""
+        return self._lookup_efd.fileno()
+
+    def get_load_event_fd(self) -> int:
+        """Event fd notified once per completed load task."""
+        return self._load_efd.fileno()
+
+    # ------------------------------------------------------------------ helpers
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def _new_task(self) -> L2TaskId:
+        if self._closed:
+            raise RuntimeError("KVKernelsL2Adapter is closed")
+        return next(self._ids)
+
+    def _plan(self, obj: "MemoryObj") -> _Plan:
+        """Entry metadata for an L1 object (same answer for the object stored and the load buffer)."""
+        from kvkernels.io import EntryMeta
+
+        s = self.settings
+        size = int(obj.get_size())
+        try:
+            shapes = list(obj.get_shapes())
+            dtypes = list(obj.get_dtypes())
+        except (AssertionError, AttributeError, TypeError):
+            shapes, dtypes = [], []
+        if len(shapes) == 1 and len(dtypes) == 1 and size == shapes[0].numel() * dtypes[0].itemsize:
+            shp = tuple(int(x) for x in shapes[0])
+            dims = shp if len(shp) == 4 and shp[0] in (1, 2) else (1, *shp) if len(shp) == 3 else None
+            if dims is not None and min(dims) > 0:
+                kv, L, T, HD = dims
+                cs = ChunkShape(kv, L, T, 1, HD, dtypes[0])
+                meta = EntryMeta(layers=tuple(range(L)), num_blocks=1, block_size=T, num_heads=1, head_dim=HD,
+                                 element_size=cs.element_size, num_kv=kv, num_layers=L,
+                                 dtype=str(dtypes[0]).replace("torch.", ""),
+                                 scheme="shuffle" if s.byteshuffle else "raw", codec=s.compression)
+                return _Plan(meta, cs, size)
+        if size <= 0:
+            raise ValueError("empty memory object")
+        meta = EntryMeta(layers=(0,), num_blocks=1, block_size=size, num_heads=1, head_dim=1, element_size=1,
+                         num_kv=1, num_layers=1, dtype="uint8", scheme="raw", codec=s.compression)
+        return _Plan(meta, None, size)
+
+    @staticmethod
+    def _obj_bytes(obj: "MemoryObj", nbytes: int) -> torch.Tensor:
+        raw = obj.raw_tensor
+        if raw is None:
+            raise ValueError("invalidated memory object")
+        return raw.view(torch.uint8).reshape(-1)[:nbytes]
+
+    def _chunk_view(self, obj: "MemoryObj", plan: _Plan) -> torch.Tensor:
+        cs = plan.shape
+        return self._obj_bytes(obj, plan.nbytes).view(cs.dtype).view(cs.torch_shape)
+
+    # ------------------------------------------------------------------ store
+    def submit_store_task(self, keys: list["ObjectKey"], objects: list["MemoryObj"]) -> L2TaskId:
+        """Store ``objects[i]`` under ``keys[i]``; returns at once (completion: store event fd).
+
+        The caller keeps the objects valid until the task completes; their bytes are copied
+        into the adapter's staging buffers before the disk write.
+        """
+        task_id = self._new_task()
+        self._store_pool.submit(self._run_store, task_id, list(keys), list(objects))
+        return task_id
+
+    def _run_store(self, task_id: L2TaskId, keys, objects) -> None:
+        ok = True
+        pending = []  # (key, ks, future, nbytes)
+        try:
+            if len(keys) != len(objects):
+                raise ValueError(f"store task: {len(keys)} keys but {len(objects)} objects")
+            for key, obj in zip(keys, objects):
+                ks = None
+                buf = None
+                try:
+                    ks = object_key_string(key)
+                    with self._lock:
+                        if ks in self._storing:
+                            self.counters["store_skipped"] += 1
+                            continue
+                        self._storing.add(ks)
+                    if self.store.contains(ks):
+                        self._count("store_skipped")
+                        with self._lock:
+                            self._storing.discard(ks)
+                        continue
+                    plan = self._plan(obj)
+                    fmt = plan.meta.fmt
+                    buf = self._bufs.take(fmt.nbytes)
+                    if plan.shape is not None:
+                        chunk_to_staging(self._chunk_view(obj, plan), plan.shape, buf, fmt)
+                    else:
+                        buf[: plan.nbytes].copy_(self._obj_bytes(obj, plan.nbytes))
+                        buf[plan.nbytes : fmt.nbytes].zero_()
+                    if plan.meta.codec != "none":
+                        from kvkernels.compress import compress_regions
+
+                        cs = compress_regions(buf, fmt, codec=plan.meta.codec,
+                                              byteshuffle=plan.meta.scheme == "shuffle")
+                        fut = self.store.put(ks, [r.contiguous() for r in cs.regions], plan.meta)
+                    else:
+                        fut = self.store.put(ks, buf, plan.meta)
+                    # the staging buffer goes back to the pool as soon as its write is done (a large
+                    # task holds at most max_inflight_bytes of staging, the store's back pressure)
+                    fut.add_done_callback(lambda _f, b=buf: self._bufs.give(b))
+                    buf = None
+                    pending.append((key, ks, fut, plan.nbytes))
+                except Exception as exc:
+                    ok = False
+                    self._count("store_errors")
+                    log.warning("kvkernels L2 adapter: store of %s failed: %s: %s", ks, type(exc).__name__, exc)
+                    if buf is not None:
+                        self._bufs.give(buf)
+                    if ks is not None:
+                        with self._lock:
+                            self._storing.discard(ks)
+        except Exception as exc:
+            ok = False
+            self._count("store_errors")
+            log.warning("kvkernels L2 adapter: store task %s failed: %s: %s", task_id, type(exc).__name__, exc)
+        stored, sizes = [], []
+        for key, ks, fut, nbytes in pending:
+            try:
+                fut.result()
+                stored.append(key)
+                sizes.append(nbytes)
+            except Exception as exc:
+                ok = False
+                self._count("store_errors")
+                log.warning("kvkernels L2 adapter: write of %s failed: %s: %s", ks, type(exc).__name__, exc)
+            finally:
+                with self._lock:
+                    self._storing.discard(ks)
+        self._count("stored", len(stored))
+        if stored:
+            try:
+                self._notify_keys_stored(stored, sizes)
+            except Exception as exc:  # a listener's failure must not lose the completion
+                log.warning("kvkernels L2 adapter: store listeners failed: %s", exc)
+        with self._lock:
+            self.counters["store_tasks"] += 1
+            self._done_store[task_id] = L2StoreResult(ok, sum(sizes))
+        self._store_efd.notify()
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        """All store tasks completed since the last call (``L2StoreResult``: success, bytes written)."""
+        with self._lock:
+            done, self._done_store = self._done_store, {}
+        return done
+
+    # ------------------------------------------------------------------ lookup and lock
+    def submit_lookup_and_lock_task(self, keys: list["ObjectKey"],
+                                    group_layout_descs: "dict[int, MemoryLayoutDesc] | None" = None) -> L2TaskId:
+        """Look up ``keys`` and lock the hits; returns at once (completion: lookup event fd).
+
+        ``group_layout_descs`` is LMCache's advisory layout hint; unused (a load checks the
+        stored layout against the load buffer instead).
+        """
+        task_id = self._new_task()
+        self._lock_pool.submit(self._run_lookup, task_id, list(keys))
+        return task_id
+
+    def _run_lookup(self, task_id: L2TaskId, keys) -> None:
+        bitmap = Bitmap(len(keys))
+        hits = 0
+        for i, key in enumerate(keys):
+            try:
+                ks = object_key_string(key)
+                with self._lock:
+                    # under the adapter lock: delete() checks the lock count under it too. With a
+                    # store pin API the check and the pin are one atomic step of the store.
+                    hit = self.store.pin(ks) if self._store_pins else self.store.contains(ks)
+                    if not hit:
+                        continue
+                    self._locks[ks] = self._locks.get(ks, 0) + 1
+                bitmap.set(i)
+                hits += 1
+            except Exception as exc:
+                log.warning("kvkernels L2 adapter: lookup of %r failed: %s: %s", key, type(exc).__name__, exc)
+        with self._lock:
+            self.counters["lookup_tasks"] += 1
+            self.counters["lookup_hits"] += hits
+            self._done_lookup[task_id] = bitmap
+        self._lookup_efd.notify()
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        """The lookup's hit bitmap once done (returned once), else None."""
+        with self._lock:
+            return self._done_lookup.pop(task_id, None)
+
+    def submit_unlock(self, keys: list["ObjectKey"]) -> None:
+        """Drop one lock count per key (keys not locked are ignored); never fails."""
+        keys = list(keys)
+        if self._closed:
+            return
+        try:
+            self._lock_pool.submit(self._run_unlock, keys)
+        except RuntimeError:  # closing: the locks go with the adapter
+            pass
+
+    def _run_unlock(self, keys) -> None:
+        with self._lock:
+            for key in keys:
+                try:
+                    ks = object_key_string(key)
+                except TypeError:
+                    continue
+                n = self._locks.get(ks, 0)
+                if n == 0:
+                    continue
+                if n == 1:
+                    del self._locks[ks]
+                else:
+                    self._locks[ks] = n - 1
+                if self._store_pins:
+                    self.store.unpin(ks)
+
+    def lock_count(self, key: "ObjectKey") -> int:
+        """Current lock count of ``key`` (tests, debugging)."""
+        with self._lock:
+            return self._locks.get(object_key_string(key), 0)
+
+    # ------------------------------------------------------------------ load
+    def submit_load_task(self, keys: list["ObjectKey"], objects: list["MemoryObj"]) -> L2TaskId:
+        """Read ``keys[i]`` into ``objects[i]``; returns at once (completion: load event fd).
+
+        A bit of the result is set only when the entry's verified bytes were written into the
+        buffer; a failed key's buffer content is unspecified but never holds unverified bytes
+        of the entry.
+        """
+        task_id = self._new_task()
+        self._load_pool.submit(self._run_load, task_id, list(keys), list(objects))
+        return task_id
+
+    def _start_read(self, key, obj):
+        ks = object_key_string(key)
+        plan = self._plan(obj)
+        header = self.store.header(ks)
+        if header is None:
+            self._count("load_misses")
+            return None
+        if _meta_key(header.meta) != _meta_key(plan.meta):
+            self._count("load_mismatch")
+            log.warning("kvkernels L2 adapter: %s holds %s, the load buffer is %s: not loaded", ks,
+                        _meta_key(header.meta), _meta_key(plan.meta))
+            return None
+        fmt = header.meta.fmt
+        buf = self._bufs.take(fmt.nbytes)
+        try:
+            fut = self.store.get(ks, out=buf)
+        except BaseException:
+            self._bufs.give(buf)
+            raise
+        return ks, plan, header, buf, fut
+
+    def _finish_read(self, started, obj) -> bool:
+        from kvkernels.io import CorruptEntryError
+
+        ks, plan, header, buf, fut = started
+        extra = None
+        try:
+            fut.result()
+            m = header.meta
+            fmt = m.fmt
+            staging = buf
+            if m.codec != "none":
+                from kvkernels.compress import CompressedStaging, decompress_regions
+
+                cs = CompressedStaging.from_buffer(buf, fmt, [r.stored for r in header.regions], m.codec,
+                                                   byteshuffle=m.scheme == "shuffle")
+                extra = self._bufs.take(fmt.nbytes)
+                staging = decompress_regions(cs, out=extra)
+            if plan.shape is not None:
+                staging_to_chunk(staging, plan.shape, self._chunk_view(obj, plan), fmt)
+            else:
+                self._obj_bytes(obj, plan.nbytes).copy_(staging[: plan.nbytes])
+            return True
+        except KeyError:  # removed between header() and the read
+            self._count("load_misses")
+            return False
+        except CorruptEntryError as exc:
+            self._count("corrupt")
+            log.warning("kvkernels L2 adapter: %s is corrupted, load failed (entry dropped): %s", ks, exc)
+            return False
+        except Exception as exc:
+            self._count("load_errors")
+            log.warning("kvkernels L2 adapter: read of %s failed: %s: %s", ks, type(exc).__name__, exc)
+            return False
+        finally:
+            self._bufs.give(buf)
+            if extra is not None:
+                self._bufs.give(extra)
+
+    def _run_load(self, task_id: L2TaskId, keys, objects) -> None:
+        n = len(keys)
+        bitmap = Bitmap(n)
+        loaded = []
+        try:
+            if len(objects) != n:
+                raise ValueError(f"load task: {n} keys but {len(objects)} objects")
+            pending: list = []
+            i = 0
+            while i < n or pending:
+                while i < n and len(pending) < self._read_window:
+                    try:
+                        st = self._start_read(keys[i], objects[i])
+                    except Exception as exc:
+                        self._count("load_errors")
+                        log.warning("kvkernels L2 adapter: load of %r failed: %s: %s", keys[i], type(exc).__name__,
+                                    exc)
+                        st = None
+                    if st is not None:
+                        pending.append((i, st))
+                    i += 1
+                if pending:
+                    j, st = pending.pop(0)
+                    if self._finish_read(st, objects[j]):
+                        bitmap.set(j)
+                        loaded.append(keys[j])
+        except Exception as exc:
+            self._count("load_errors")
+            log.warning("kvkernels L2 adapter: load task %s failed: %s: %s", task_id, type(exc).__name__, exc)
+        if loaded:
+            try:
+                self._notify_keys_accessed(loaded)
+            except Exception as exc:
+                log.warning("kvkernels L2 adapter: load listeners failed: %s", exc)
+        with self._lock:
+            self.counters["load_tasks"] += 1
+            self.counters["loaded"] += len(loaded)
+            self._done_load[task_id] = bitmap
+        self._load_efd.notify()
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        """The load's success bitmap once done (returned once), else None."""
+        with self._lock:
+            return self._done_load.pop(task_id, None)
+
+    # ------------------------------------------------------------------ eviction / status / lifecycle
+    def delete(self, keys: list["ObjectKey"]) -> None:
+        """Remove the entries of ``keys``; locked keys are kept (refused), absent ones ignored."""
+        deleted, sizes = [], []
+        for key in keys:
+            ks = object_key_string(key)
+            with self._lock:
+                if self._locks.get(ks, 0) > 0:
+                    self.counters["delete_refused_locked"] += 1
+                    continue
+                header = self.store.header(ks)
+                if header is None or not self.store.remove(ks):
+                    continue
+                self.counters["deleted"] += 1
+            m = header.meta
+            deleted.append(key)
+            sizes.append(m.num_kv * len(m.layers) * m.num_blocks * m.block_size * m.num_heads * m.head_dim
+                         * m.element_size)
+        if deleted:
+            self._notify_keys_deleted(deleted, sizes)
+
+    def report_status(self) -> dict:
+        """Health, adapter counters, lock count and the store's ``stats()``."""
+        st = self.store.stats() if not self._closed else {}
+        with self._lock:
+            return {"is_healthy": not self._closed, "type": "KVKernelsL2Adapter", "paths": list(self.settings.paths),
+                    "locked_keys": len(self._locks), "stores_in_flight": len(self._storing),
+                    "counters": dict(self.counters), "store": st}
+
+    def close(self) -> None:
+        """Finish submitted tasks (their completions are still signalled), close the store and the fds.
+
+        Idempotent. Entries persist: a new adapter on the same paths finds them.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for pool in (self._store_pool, self._load_pool, self._lock_pool):
+            pool.shutdown(wait=True)
+        self.store.close()
+        self._bufs.clear()
+        for efd in (self._store_efd, self._lookup_efd, self._load_efd):
+            efd.close()

@@ -1,0 +1,516 @@
+"""LMCache MP-mode L2 adapter (kvkernels.integrations.lmcache.l2_adapter) through the real lmcache package.
+
+The adapter is built the way ``lmcache server`` builds it: the ``--l2-adapter`` JSON is parsed by
+LMCache's ``add_l2_adapters_args`` / ``parse_args_to_l2_adapters_config`` (``"type": "plugin"``)
+and the adapter is created by LMCache's factory ``create_l2_adapter(config, l1_memory_desc)``.
+Buffers are real MP-mode L1 objects from LMCache's ``L1MemoryManager``; keys are real
+``ObjectKey``. Completion is observed through the adapter's event fds, as LMCache's store and
+prefetch controllers do. One test runs the whole ``StorageManager`` (store controller -> adapter,
+prefetch controller -> lookup-and-lock -> load -> unlock).
+
+Without lmcache installed the module is skipped (set ``KVKERNELS_REQUIRE_LMCACHE=1`` in CI to make
+that an error instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import select
+import threading
+import time
+
+import pytest
+import torch
+
+if os.environ.get("KVKERNELS_REQUIRE_LMCACHE") == "1":
+    import lmcache  # noqa: F401
+else:
+    pytest.importorskip("lmcache", reason="lmcache==0.5.6 not installed (pip install 'kvkernels[lmcache]')")
+
+from lmcache.v1.distributed.api import GroupedObjectKeys, MemoryLayoutDesc, ObjectKey, PrefetchTaskSpec  # noqa: E402
+from lmcache.v1.distributed.config import (  # noqa: E402
+    EvictionConfig,
+    L1ManagerConfig,
+    L1MemoryManagerConfig,
+    StorageManagerConfig,
+)
+from lmcache.v1.distributed.l2_adapters import create_l2_adapter  # noqa: E402
+from lmcache.v1.distributed.l2_adapters.config import (  # noqa: E402
+    L2AdaptersConfig,
+    add_l2_adapters_args,
+    parse_args_to_l2_adapters_config,
+)
+from lmcache.v1.distributed.memory_manager.l1_memory_manager import L1MemoryManager  # noqa: E402
+from lmcache.v1.distributed.storage_manager import StorageManager  # noqa: E402
+from lmcache.v1.platform.event_notifier import consume_fd  # noqa: E402
+
+from kvkernels.integrations.lmcache.l2_adapter import (  # noqa: E402
+    CLASS_NAME,
+    MODULE_PATH,
+    KVKernelsL2Adapter,
+    KVKernelsL2AdapterConfig,
+    L2AdapterConfigError,
+    object_key_string,
+)
+from kvkernels.io import KVStore  # noqa: E402
+from kvtest import bytes_equal  # noqa: E402
+
+# small llama-like object: L layers, T tokens, H kv heads x D head dim (hidden = H * D)
+L, T, H, D = 4, 32, 2, 64
+MODEL = "test/llama-tiny"
+RANK = ObjectKey.ComputeKVRank(world_size=1, global_rank=0, local_world_size=1, local_rank=0)
+KV = MemoryLayoutDesc(shapes=[torch.Size([2, L, T, H * D])], dtypes=[torch.bfloat16])
+TIMEOUT = 30.0
+
+
+def _key(i: int, group: int = 0, salt: str = "") -> ObjectKey:
+    return ObjectKey(chunk_hash=i.to_bytes(8, "big"), model_name=MODEL, kv_rank=RANK, object_group_id=group,
+                     cache_salt=salt)
+
+
+def _spec(path, **params) -> dict:
+    return {"type": "plugin", "module_path": MODULE_PATH, "class_name": CLASS_NAME,
+            "adapter_params": {"paths": [str(path)], "fsync": False, **params}}
+
+
+_PARSER = None
+
+
+def _parse(spec: dict) -> L2AdaptersConfig:
+    """What ``lmcache server --l2-adapter '<json>'`` does with the flag."""
+    global _PARSER
+    if _PARSER is None:
+        _PARSER = add_l2_adapters_args(argparse.ArgumentParser())
+    return parse_args_to_l2_adapters_config(_PARSER.parse_args(["--l2-adapter", json.dumps(spec)]))
+
+
+class L1:
+    """MP-mode L1 buffers (LMCache's L1MemoryManager), freed at teardown."""
+
+    def __init__(self):
+        self.mm = L1MemoryManager(L1MemoryManagerConfig(size_in_bytes=16 << 20, use_lazy=False, shm_name=""))
+        self.live: list = []
+
+    def alloc(self, n: int, desc: MemoryLayoutDesc = KV, seed: int | None = None, fill: int | None = None):
+        err, objs = self.mm.allocate(desc, n)
+        assert len(objs) == n, err
+        self.live.extend(objs)
+        for j, o in enumerate(objs):
+            raw = o.raw_tensor[: o.get_size()]
+            if seed is not None:
+                g = torch.Generator().manual_seed(seed + j)
+                raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8, generator=g))
+            elif fill is not None:
+                raw.fill_(fill)
+        return objs
+
+    def close(self):
+        self.mm.free(self.live)
+        self.live.clear()
+
+
+@pytest.fixture
+def l1():
+    m = L1()
+    yield m
+    m.close()
+
+
+def _make(l1: L1, path, **params) -> KVKernelsL2Adapter:
+    (cfg,) = _parse(_spec(path, **params)).adapters
+    adapter = create_l2_adapter(cfg, l1.mm.get_l1_memory_desc())
+    assert isinstance(adapter, KVKernelsL2Adapter)
+    return adapter
+
+
+@pytest.fixture
+def adapter(l1, tmp_path):
+    a = _make(l1, tmp_path / "kv")
+    yield a
+    a.close()
+
+
+def _wait(fd: int, query, timeout: float = TIMEOUT):
+    """Poll ``fd`` like LMCache's controllers: wait until readable, drain it, query the result."""
+    end = time.monotonic() + timeout
+    while True:
+        res = query()
+        if res is not None and res != {}:
+            return res
+        left = end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no completion signalled")
+        r, _, _ = select.select([fd], [], [], min(left, 0.5))
+        if r:
+            consume_fd(fd)
+
+
+def _store(a: KVKernelsL2Adapter, keys, objs):
+    tid = a.submit_store_task(keys, objs)
+    done = {}
+    while tid not in done:
+        done.update(_wait(a.get_store_event_fd(), a.pop_completed_store_tasks))
+    return done[tid]
+
+
+def _lookup(a: KVKernelsL2Adapter, keys) -> list[int]:
+    tid = a.submit_lookup_and_lock_task(keys, {0: KV})
+    return _wait(a.get_lookup_and_lock_event_fd(), lambda: a.query_lookup_and_lock_result(tid)).get_indices_list()
+
+
+def _load(a: KVKernelsL2Adapter, keys, objs) -> list[int]:
+    tid = a.submit_load_task(keys, objs)
+    return _wait(a.get_load_event_fd(), lambda: a.query_load_result(tid)).get_indices_list()
+
+
+def _unlock_and_settle(a: KVKernelsL2Adapter, keys):
+    a.submit_unlock(keys)
+    # unlocks run on the adapter's lock thread; a lookup queued behind them completes after them
+    _lookup(a, [])
+
+
+def _bytes(obj) -> torch.Tensor:
+    return obj.raw_tensor[: obj.get_size()].clone()
+
+
+def _entry_files(root) -> list[str]:
+    return sorted(glob.glob(os.path.join(str(root), "**", "*.kvk"), recursive=True))
+
+
+# ----------------------------------------------------------------------------- creation / config
+def test_created_by_lmcache_plugin_factory(l1, tmp_path):
+    (cfg,) = _parse(_spec(tmp_path / "kv", capacity_bytes=1 << 30, io_threads=2)).adapters
+    a = create_l2_adapter(cfg, l1.mm.get_l1_memory_desc())
+    try:
+        assert isinstance(a, KVKernelsL2Adapter)
+        # the factory found KVKernelsL2AdapterConfig by name and parsed adapter_params with it
+        assert a.settings.capacity_bytes == 1 << 30 and a.store.io_threads == 2
+        assert a.store.paths == [str(tmp_path / "kv")]
+        fds = {a.get_store_event_fd(), a.get_lookup_and_lock_event_fd(), a.get_load_event_fd()}
+        assert len(fds) == 3  # LMCache's controllers map fd -> adapter: they must differ
+        assert a.supports_global_eviction  # capacity declared to LMCache's eviction controller
+        assert a.report_status()["is_healthy"] is True
+        # non-blocking: the store completes later and is signalled on the store fd only
+        obj = l1.alloc(1, seed=1)
+        tid = a.submit_store_task([_key(1)], obj)
+        r, _, _ = select.select([a.get_store_event_fd()], [], [], TIMEOUT)
+        assert r == [a.get_store_event_fd()]
+        res = a.pop_completed_store_tasks()  # the result is there once the fd is readable
+        assert res[tid].is_successful() and res[tid].bytes_transferred() == obj[0].get_size()
+        assert a.pop_completed_store_tasks() == {}  # popped once
+        assert a.get_usage().total_bytes_used == obj[0].get_size()
+    finally:
+        a.close()
+    a.close()  # idempotent
+    assert a.report_status()["is_healthy"] is False
+    with pytest.raises(RuntimeError, match="closed"):
+        a.submit_store_task([_key(2)], obj)
+
+
+@pytest.mark.parametrize("params, key", [
+    ({"paths": None}, "adapter_params.paths"),
+    ({"paths": 7}, "adapter_params.paths"),
+    ({"engine": "spdk"}, "adapter_params.engine"),
+    ({"capacity_bytes": "lots"}, "adapter_params.capacity_bytes"),
+    ({"compression": "brotli"}, "adapter_params.compression"),
+    ({"fsync": "maybe"}, "adapter_params.fsync"),
+    ({"capcity_bytes": 10}, "capcity_bytes"),          # a typo is an error, not ignored
+    ({"kvkernels.paths": "/x"}, "without the `kvkernels.` prefix"),
+    ({"per_worker_subdir": True}, "does not apply in MP mode"),
+    ({"quant": "fp8"}, "quant"),                          # in-process plugin settings the adapter does not do
+    ({"inplace_io": False}, "inplace_io"),
+])
+def test_bad_config_raises_naming_the_key(l1, tmp_path, params, key):
+    spec = _spec(tmp_path / "kv")
+    spec["adapter_params"].update(params)
+    if spec["adapter_params"]["paths"] is None:
+        del spec["adapter_params"]["paths"]
+    (cfg,) = _parse(spec).adapters  # LMCache's CLI parsing only checks module_path / class_name
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")) as info:
+        create_l2_adapter(cfg, l1.mm.get_l1_memory_desc())
+    assert isinstance(info.value, L2AdapterConfigError)
+    assert not os.path.exists(tmp_path / "kv")  # nothing created for a rejected config
+
+
+def test_bad_config_types(tmp_path):
+    with pytest.raises(TypeError, match="adapter_params"):
+        KVKernelsL2AdapterConfig.from_dict(["/tmp/x"])
+    with pytest.raises(TypeError, match="config"):
+        KVKernelsL2Adapter(42)
+    with pytest.raises(ValueError, match="adapter_params must be a dict"):  # LMCache's own check
+        _parse({"type": "plugin", "module_path": MODULE_PATH, "class_name": CLASS_NAME, "adapter_params": [1]})
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"x")  # a path that cannot be a directory
+    with pytest.raises(L2AdapterConfigError, match="adapter_params.paths"):
+        KVKernelsL2Adapter({"paths": str(blocker / "kv")})
+
+
+# ----------------------------------------------------------------------------- round trips
+MLA = MemoryLayoutDesc(shapes=[torch.Size([1, L, T, D])], dtypes=[torch.float16])
+MLA3D = MemoryLayoutDesc(shapes=[torch.Size([L, T, D])], dtypes=[torch.float32])  # engine-driven MLA
+MULTI = MemoryLayoutDesc(shapes=[torch.Size([2, L, T, H * D]), torch.Size([3, 5])],
+                         dtypes=[torch.bfloat16, torch.float32])  # two kernel groups in one object
+
+
+@pytest.mark.parametrize("desc", [KV, MLA, MLA3D, MULTI], ids=["kv2ltd", "mla", "mla3d", "multigroup"])
+def test_store_lookup_load_round_trip(adapter, l1, desc):
+    keys = [_key(10 + i) for i in range(3)]
+    src = l1.alloc(3, desc, seed=10)
+    refs = [_bytes(o) for o in src]
+    res = _store(adapter, keys, src)
+    assert res.is_successful() and res.bytes_transferred() == sum(o.get_size() for o in src)
+    assert _lookup(adapter, keys) == [0, 1, 2]
+    dst = l1.alloc(3, desc, fill=0xAB)
+    assert _load(adapter, keys, dst) == [0, 1, 2]
+    for o, ref in zip(dst, refs):
+        assert bytes_equal(_bytes(o), ref)
+    _unlock_and_settle(adapter, keys)
+    assert all(adapter.lock_count(k) == 0 for k in keys)
+
+
+def test_entries_are_layer_addressable_staging(adapter, l1):
+    """A KV object is stored in kvkernels' staging format: region l = K[l] then V[l], one per layer."""
+    (src,) = l1.alloc(1, seed=20)
+    assert _store(adapter, [_key(20)], [src]).is_successful()
+    ks = object_key_string(_key(20))
+    assert ks.startswith("lmcache-mp:" + MODEL)
+    h = adapter.store.header(ks)
+    assert h.meta.layers == tuple(range(L)) and h.meta.num_kv == 2 and h.meta.dtype == "bfloat16"
+    chunk = src.tensor  # [2, L, T, H*D]
+    layer2 = adapter.store.get(ks, layers=[2]).result()  # one layer read alone
+    payload = 2 * T * H * D * 2
+    want = torch.cat([chunk[0, 2].reshape(-1), chunk[1, 2].reshape(-1)]).view(torch.uint8)
+    assert bytes_equal(layer2[:payload], want)
+
+
+def test_store_skips_existing_keys(adapter, l1):
+    src = l1.alloc(2, seed=30)
+    assert _store(adapter, [_key(30)], src[:1]).bytes_transferred() == src[0].get_size()
+    res = _store(adapter, [_key(30), _key(31)], src)  # key 30 is there: only 31 is written
+    assert res.is_successful() and res.bytes_transferred() == src[1].get_size()
+    assert adapter.store.stats()["puts"] == 2
+    dst = l1.alloc(1, fill=0)
+    assert _load(adapter, [_key(30)], dst) == [0]
+    assert bytes_equal(_bytes(dst[0]), _bytes(src[0]))  # the first write is kept
+
+
+def test_zstd_round_trip(l1, tmp_path):
+    pytest.importorskip("zstandard")
+    a = _make(l1, tmp_path / "kv", compression="zstd", byteshuffle=True)
+    try:
+        src = l1.alloc(1, seed=40)
+        src[0].tensor.view(torch.int16).bitwise_and_(0x0FFF)  # compressible high bytes
+        ref = _bytes(src[0])
+        assert _store(a, [_key(40)], src).is_successful()
+        h = a.store.header(object_key_string(_key(40)))
+        assert (h.meta.codec, h.meta.scheme) == ("zstd", "shuffle")
+        assert sum(r.stored for r in h.regions) < ref.numel()
+        dst = l1.alloc(1, fill=0)
+        assert _load(a, [_key(40)], dst) == [0]
+        assert bytes_equal(_bytes(dst[0]), ref)
+    finally:
+        a.close()
+
+
+# ----------------------------------------------------------------------------- lookups, locks, misses
+def test_partial_lookup_locks_and_unlock(adapter, l1):
+    keys = [_key(50 + i) for i in range(5)]
+    src = l1.alloc(2, seed=50)
+    assert _store(adapter, [keys[0], keys[2]], src).is_successful()
+    assert _lookup(adapter, keys) == [0, 2]  # bit i = keys[i], not a prefix count
+    assert _lookup(adapter, keys[:1]) == [0]
+    assert [adapter.lock_count(k) for k in keys] == [2, 0, 1, 0, 0]
+    # locked entries are refused by delete (LMCache's eviction controller / API)
+    adapter.delete([keys[0], keys[2]])
+    assert adapter.store.contains(object_key_string(keys[0]))
+    assert adapter.report_status()["counters"]["delete_refused_locked"] == 2
+    _unlock_and_settle(adapter, keys)  # keys that were not locked are ignored
+    assert [adapter.lock_count(k) for k in keys] == [1, 0, 0, 0, 0]
+    used = adapter.get_usage().total_bytes_used
+    adapter.delete([keys[0], keys[2]])  # keys[2] is unlocked now: deleted; keys[0] still locked
+    assert adapter.store.contains(object_key_string(keys[0]))
+    assert not adapter.store.contains(object_key_string(keys[2]))
+    assert adapter.get_usage().total_bytes_used == used - src[1].get_size()
+    assert _lookup(adapter, [keys[2]]) == []
+    _unlock_and_settle(adapter, [keys[0]])
+    assert adapter.lock_count(keys[0]) == 0 and adapter.report_status()["locked_keys"] == 0
+
+
+def test_miss_and_layout_mismatch_fail_without_touching_buffers(adapter, l1):
+    src = l1.alloc(1, seed=60)
+    assert _store(adapter, [_key(60)], src).is_successful()
+    other = MemoryLayoutDesc(shapes=[torch.Size([2, L, T, H * D])], dtypes=[torch.float16])  # same size, other dtype
+    dst = l1.alloc(2, fill=0x5A) + l1.alloc(1, other, fill=0x5A)
+    sentinel = _bytes(dst[1])
+    # key 61 was never stored; key 60 into a buffer of another layout is refused
+    assert _load(adapter, [_key(60), _key(61), _key(60)], dst) == [0]
+    assert bytes_equal(_bytes(dst[0]), _bytes(src[0]))
+    assert bytes_equal(_bytes(dst[1]), sentinel) and bytes_equal(_bytes(dst[2]), sentinel)
+    c = adapter.report_status()["counters"]
+    assert (c["load_misses"], c["load_mismatch"]) == (1, 1)
+    assert _load(adapter, [], []) == []  # an empty task completes too
+
+
+def test_corrupted_entry_is_a_failed_load_never_garbage(adapter, l1, tmp_path):
+    src = l1.alloc(2, seed=70)
+    assert _store(adapter, [_key(70)], src[:1]).is_successful()
+    (bad,) = _entry_files(tmp_path / "kv")
+    assert _store(adapter, [_key(71)], src[1:]).is_successful()
+    with open(bad, "r+b") as f:  # flip one byte inside layer 1's region
+        h = adapter.store.header(object_key_string(_key(70)))
+        f.seek(h.regions[1].offset + 123)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    dst = l1.alloc(2, fill=0x11)
+    sentinel = _bytes(dst[0])
+    assert _lookup(adapter, [_key(70), _key(71)]) == [0, 1]
+    assert _load(adapter, [_key(70), _key(71)], dst) == [1]  # the good entry still loads
+    assert bytes_equal(_bytes(dst[0]), sentinel)  # no byte of the bad entry reached the buffer
+    assert bytes_equal(_bytes(dst[1]), _bytes(src[1]))
+    assert adapter.report_status()["counters"]["corrupt"] == 1
+    _unlock_and_settle(adapter, [_key(70), _key(71)])
+    assert _lookup(adapter, [_key(70)]) == []  # the store dropped the entry: later lookups miss
+    assert adapter.store.stats()["corrupt"] == 1
+
+
+# ----------------------------------------------------------------------------- persistence, concurrency
+def test_entries_persist_after_close_and_reopen(l1, tmp_path):
+    a = _make(l1, tmp_path / "kv", fsync=True)
+    src = l1.alloc(3, seed=80)
+    keys = [_key(80), _key(81, group=1), _key(82, salt="user-a")]
+    assert _store(a, keys, src).is_successful()
+    a.close()
+    b = _make(l1, tmp_path / "kv")  # a new server process over the same directory
+    try:
+        assert b.store.recovery["entries"] == 3 and b.store.recovery["bad_files"] == []
+        # every ObjectKey field is part of the entry's identity
+        assert _lookup(b, keys + [_key(80, group=1), _key(82)]) == [0, 1, 2]
+        dst = l1.alloc(3, fill=0)
+        assert _load(b, keys, dst) == [0, 1, 2]
+        for o, s in zip(dst, src):
+            assert bytes_equal(_bytes(o), _bytes(s))
+    finally:
+        b.close()
+
+
+def test_concurrent_stores_and_loads(adapter, l1):
+    n_threads, per = 4, 3
+    base = l1.alloc(per, seed=90)
+    assert _store(adapter, [_key(900 + i) for i in range(per)], base).is_successful()
+    src = {t: l1.alloc(per, seed=100 + 10 * t) for t in range(n_threads)}
+    dst = {t: l1.alloc(per, fill=0) for t in range(n_threads)}
+    store_ids, load_ids = {}, {}
+    errors: list = []
+
+    def worker(t):
+        try:
+            keys = [_key(1000 + t * per + i) for i in range(per)]
+            store_ids[t] = adapter.submit_store_task(keys, src[t])
+            # the same keys from two threads at once: written once
+            adapter.submit_store_task(keys[:1], src[t][:1])
+            load_ids[t] = adapter.submit_load_task([_key(900 + i) for i in range(per)], dst[t])
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(TIMEOUT)
+    assert errors == []
+    done: dict = {}
+    while len(done) < 2 * n_threads:
+        done.update(_wait(adapter.get_store_event_fd(), adapter.pop_completed_store_tasks))
+    assert all(done[store_ids[t]].is_successful() for t in range(n_threads))
+    for t in range(n_threads):
+        assert _wait(adapter.get_load_event_fd(), lambda: adapter.query_load_result(load_ids[t])).get_indices_list() \
+            == list(range(per))
+        for o, s in zip(dst[t], base):
+            assert bytes_equal(_bytes(o), _bytes(s))
+    assert adapter.store.stats()["puts"] == per + n_threads * per  # duplicates were not rewritten
+    keys = [_key(1000 + i) for i in range(n_threads * per)]
+    out = l1.alloc(n_threads * per, fill=0)
+    assert _load(adapter, keys, out) == list(range(n_threads * per))
+    for t in range(n_threads):
+        for i in range(per):
+            assert bytes_equal(_bytes(out[t * per + i]), _bytes(src[t][i]))
+
+
+def test_close_finishes_submitted_work(l1, tmp_path):
+    a = _make(l1, tmp_path / "kv")
+    src = l1.alloc(2, seed=110)
+    tid = a.submit_store_task([_key(110), _key(111)], src)
+    a.close()  # waits for the task; its result stays poppable
+    assert a.pop_completed_store_tasks()[tid].is_successful()
+    assert len(_entry_files(tmp_path / "kv")) == 2
+    a.submit_unlock([_key(110)])  # after close: a no-op, never an error
+
+
+@pytest.mark.skipif(not hasattr(KVStore, "pin"), reason="KVStore has no pin API: locks do not stop its LRU")
+def test_locked_entries_survive_store_lru_eviction(l1, tmp_path):
+    entry = 4096 + L * 2 * T * H * D * 2  # header + one region per layer
+    a = _make(l1, tmp_path / "kv", capacity_bytes=int(2.5 * entry))
+    try:
+        src = l1.alloc(4, seed=120)
+        keys = [_key(120 + i) for i in range(4)]
+        assert _store(a, keys[:1], src[:1]).is_successful()
+        assert _lookup(a, keys[:1]) == [0]  # locked
+        assert _store(a, keys[1:2], src[1:2]).is_successful()
+        assert _store(a, keys[2:3], src[2:3]).is_successful()  # needs room: the LRU victim is not the locked key
+        assert _lookup(a, keys[:3]) == [0, 2]
+        _unlock_and_settle(a, keys[:3])
+        _unlock_and_settle(a, keys[:1])
+        assert _store(a, keys[3:], src[3:]).is_successful()  # key 0 is unlocked and oldest now
+        assert _lookup(a, keys) == [2, 3]
+    finally:
+        a.close()
+
+
+# ----------------------------------------------------------------------------- LMCache StorageManager end to end
+def test_storage_manager_store_then_prefetch_from_l2(tmp_path):
+    """LMCache's StorageManager drives the adapter: store controller writes L1 objects to it,
+    the prefetch controller looks up + locks, loads into fresh L1 buffers and unlocks."""
+    cfg = StorageManagerConfig(
+        l1_manager_config=L1ManagerConfig(memory_config=L1MemoryManagerConfig(size_in_bytes=8 << 20, use_lazy=False,
+                                                                              shm_name="")),
+        eviction_config=EvictionConfig(eviction_policy="LRU"),
+        l2_adapter_config=_parse(_spec(tmp_path / "kv")))
+    sm = StorageManager(cfg)
+    try:
+        ((_, a),) = sm.l2_adapters()
+        assert isinstance(a, KVKernelsL2Adapter)
+        keys = [_key(200 + i) for i in range(3)]
+        reserved = sm.reserve_write(keys, KV)
+        refs = {}
+        for i, k in enumerate(keys):
+            t = reserved[k].tensor
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(200 + i)))
+            refs[k] = t.clone()
+        sm.finish_write(keys)
+        end = time.monotonic() + TIMEOUT
+        while not all(a.store.contains(object_key_string(k)) for k in keys):  # written behind LMCache's back
+            assert time.monotonic() < end, a.report_status()
+            time.sleep(0.005)
+        assert sm.delete_l1_keys(keys) == (3, 0)  # only L2 has them now
+        want = keys + [_key(299)]  # one key that is nowhere
+        handle = sm.submit_prefetch_task(PrefetchTaskSpec(key_groups=[GroupedObjectKeys(keys=want, object_group_id=0,
+                                                                                        layout_desc=KV)]))
+        assert sm.wait_prefetch_status(handle, TIMEOUT)
+        result = sm.query_prefetch_status(handle)
+        assert result.l2_hit_cells[0].get_indices_list() == [0, 1, 2]
+        with sm.read_prefetched_results(keys, result.l1_owners) as objs:
+            assert objs is not None
+            for k, o in zip(keys, objs):
+                assert bytes_equal(o.tensor, refs[k])
+        assert a.report_status()["counters"]["loaded"] == 3
+        end = time.monotonic() + TIMEOUT
+        while a.report_status()["locked_keys"]:  # the controller unlocked what it locked
+            assert time.monotonic() < end
+            time.sleep(0.005)
+    finally:
+        sm.close()
+    assert a.report_status()["is_healthy"] is False  # the StorageManager closed the adapter
