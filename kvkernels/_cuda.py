@@ -20,6 +20,12 @@ from . import config
 log = logging.getLogger("kvkernels")
 LIB = "libkvkernels_cuda.so"
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+ABI_VERSION = 2  # csrc/bindings/capi.cu kvk_abi_version(): 2 added the fp8 / shuffle entry points
+
+
+def _jit_dir() -> str:
+    """Just-in-time builds go to a folder per ABI version: a build of older sources is never picked up."""
+    return os.path.join(config.cache_dir(), f"cuda-abi{ABI_VERSION}")
 
 
 def _candidates() -> list[str]:
@@ -27,7 +33,7 @@ def _candidates() -> list[str]:
     if os.environ.get("KVKERNELS_CUDA_LIB"):
         out.append(os.environ["KVKERNELS_CUDA_LIB"])
     out.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib", LIB))
-    out.append(os.path.join(config.cache_dir(), LIB))
+    out.append(os.path.join(_jit_dir(), LIB))
     return out
 
 
@@ -55,21 +61,33 @@ def _load() -> tuple[object | None, str]:
         spec.loader.exec_module(mod)
         if mod.nvcc() is None:
             return None, "the library is not built and nvcc is not available"
-        log.warning("kvkernels: building the CUDA backend into %s (first use)", config.cache_dir())
+        log.warning("kvkernels: building the CUDA backend into %s (first use)", _jit_dir())
         try:
-            path = mod.build(config.cache_dir())
+            path = mod.build(_jit_dir())
         except Exception as exc:
             return None, f"build failed: {exc}"
     try:
         lib = ctypes.CDLL(path)
     except OSError as exc:
         return None, f"cannot load {path}: {exc}"
-    if lib.kvk_abi_version() != 1:
-        return None, f"{path}: ABI version {lib.kvk_abi_version()}, expected 1"
+    if lib.kvk_abi_version() != ABI_VERSION:
+        return None, (f"{path}: ABI version {lib.kvk_abi_version()}, expected {ABI_VERSION} "
+                      "(a stale build: delete it or rebuild with python csrc/build.py)")
+    _declare(lib)
+    return lib, path
+
+
+def _declare(lib) -> None:
+    """ctypes signatures of the C ABI (csrc/bindings/capi.cu)."""
     lib.kvk_last_error.restype = ctypes.c_char_p
     lib.kvk_paged_copy.restype = _int
     lib.kvk_paged_copy.argtypes = [_int, _ptr, _ptr, _int, _ptr, _ptr] + [_i64] * 14 + [_int, ctypes.c_size_t]
-    return lib, path
+    for fn in (lib.kvk_quant_gather, lib.kvk_dequant_scatter):
+        fn.restype = _int
+        fn.argtypes = [_ptr, _ptr, _int, _ptr, _ptr] + [_i64] * 14 + [_int] * 3 + [_i64, _int, ctypes.c_size_t]
+    lib.kvk_shuffle_copy.restype = _int
+    lib.kvk_shuffle_copy.argtypes = [_int, _ptr, _ptr, _int, _ptr, _ptr] + [_i64] * 12 + [_int, _i64, _int,
+                                                                                          ctypes.c_size_t]
 
 
 def available() -> bool:
@@ -122,3 +140,80 @@ def gather_cuda(layout, block_ids, fmt, out, err, max_ctas: int = 0):
 def scatter_cuda(staging, layout, block_ids, fmt, err, max_ctas: int = 0) -> None:
     """Same contract as ``triton_ops.scatter_triton``."""
     _paged_copy(False, layout, block_ids, fmt, staging, err, max_ctas)
+
+
+# ------------------------------------------------------------------- fp8 and byte-plane shuffle
+_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+def _vec16(layout, staging_ptr: int) -> int:
+    """1 when 16-byte accesses are legal on both sides (every base address, byte stride and row,
+    the staging address, and head_dim): the kernels' vectorized variant."""
+    return int(_word(layout, staging_ptr) == 16 and layout.head_dim % 16 == 0)
+
+
+def _launch_args(layout, block_ids, fmt, staging):
+    lib, _ = _load()
+    if lib is None:
+        raise RuntimeError(f"`backend`: 'cuda' is not available: {reason()}")
+    tab = layout.pointer_table_for(fmt.layers)
+    sb, sn, sh = layout.byte_strides
+    dev = layout.device.index if layout.device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(layout.device).cuda_stream
+    head = [tab.data_ptr(), block_ids.data_ptr(), int(block_ids.dtype == torch.int64), staging.data_ptr()]
+    shape = [fmt.num_blocks, layout.num_blocks, fmt.num_kv, fmt.num_regions, layout.num_heads, layout.block_size,
+             layout.head_dim, sb, sn, sh]
+    return lib, tab, head, shape, dev, stream
+
+
+def _raise(lib, rc: int) -> None:
+    if rc != 0:
+        raise RuntimeError(f"kvkernels CUDA backend: {lib.kvk_last_error().decode(errors='replace')}")
+
+
+def _fp8(gather: bool, layout, block_ids, fmt, staging, err, max_ctas: int) -> None:
+    if fmt.num_blocks == 0 or fmt.num_regions == 0:
+        return
+    lib, _tab, head, shape, dev, stream = _launch_args(layout, block_ids, fmt, staging)
+    fn = lib.kvk_quant_gather if gather else lib.kvk_dequant_scatter
+    rc = fn(*head, err.data_ptr(), *shape, fmt.region_nbytes, fmt.q_entry_nbytes, fmt.num_kv * fmt.q_entry_nbytes,
+            fmt.scale_entry_nbytes, _KINDS[layout.dtype], int(fmt.granularity == "block"),
+            _vec16(layout, staging.data_ptr()), max_ctas, dev, stream)
+    _raise(lib, rc)
+
+
+def quant_gather_cuda(layout, block_ids, fmt, out, err, max_ctas: int = 0):
+    """Same contract as ``triton_ops.quant_gather.quant_gather_triton``."""
+    _fp8(True, layout, block_ids, fmt, out, err, max_ctas)
+    if fmt.num_blocks and fmt.num_regions:
+        regions = out[: fmt.nbytes].view(fmt.num_regions, fmt.region_nbytes)
+        for a, b in fmt.gaps():
+            regions[:, a:b].zero_()
+    return out
+
+
+def dequant_scatter_cuda(staging, layout, block_ids, fmt, err, max_ctas: int = 0) -> None:
+    """Same contract as ``triton_ops.dequant_scatter.dequant_scatter_triton``."""
+    _fp8(False, layout, block_ids, fmt, staging, err, max_ctas)
+
+
+def _shuffle(to_staging: bool, layout, block_ids, fmt, staging, err, max_ctas: int) -> None:
+    if fmt.num_blocks == 0 or fmt.num_regions == 0:
+        return
+    lib, _tab, head, shape, dev, stream = _launch_args(layout, block_ids, fmt, staging)
+    rc = lib.kvk_shuffle_copy(int(to_staging), *head, err.data_ptr(), *shape, fmt.region_nbytes, fmt.entry_nbytes,
+                              _vec16(layout, staging.data_ptr()), max_ctas, dev, stream)
+    _raise(lib, rc)
+
+
+def shuffle_gather_cuda(layout, block_ids, fmt, out, err, max_ctas: int = 0):
+    """Same contract as ``triton_ops.shuffle_gather.shuffle_gather_triton``."""
+    _shuffle(True, layout, block_ids, fmt, out, err, max_ctas)
+    if fmt.num_blocks and fmt.payload_nbytes < fmt.region_nbytes:
+        out[: fmt.nbytes].view(fmt.num_regions, fmt.region_nbytes)[:, fmt.payload_nbytes :].zero_()
+    return out
+
+
+def unshuffle_scatter_cuda(staging, layout, block_ids, fmt, err, max_ctas: int = 0) -> None:
+    """Same contract as ``triton_ops.unshuffle_scatter.unshuffle_scatter_triton``."""
+    _shuffle(False, layout, block_ids, fmt, staging, err, max_ctas)

@@ -472,6 +472,10 @@ def gather_quant(
         from kvkernels.triton_ops.shuffle_gather import shuffle_gather_triton
 
         return shuffle_gather_triton(layout, ids, fmt, out, err, cap)
+    if b == "cuda":
+        from ._cuda import quant_gather_cuda, shuffle_gather_cuda
+
+        return (quant_gather_cuda if quant == "fp8" else shuffle_gather_cuda)(layout, ids, fmt, out, err, cap)
     err += ((ids < -1) | (ids >= layout.num_blocks)).sum().to(torch.int32)
     return (gather_fp8 if quant == "fp8" else gather_shuffle)(layout, ids, fmt, out)
 
@@ -529,6 +533,11 @@ def scatter_quant(
             from kvkernels.triton_ops.unshuffle_scatter import unshuffle_scatter_triton
 
             unshuffle_scatter_triton(staging, layout, ids, fmt, err, cap)
+        return None
+    if b == "cuda":
+        from ._cuda import dequant_scatter_cuda, unshuffle_scatter_cuda
+
+        (dequant_scatter_cuda if quant == "fp8" else unshuffle_scatter_cuda)(staging, layout, ids, fmt, err, cap)
         return None
     err += ((ids < -1) | (ids >= layout.num_blocks)).sum().to(torch.int32)
     (scatter_fp8 if quant == "fp8" else scatter_shuffle)(staging, layout, ids, fmt)

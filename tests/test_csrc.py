@@ -1,5 +1,9 @@
 """The CUDA C++ backend (csrc/) compiles warning-free for sm_80 / sm_90 / sm_90a on a GPU-less
-machine and exports its C ABI; on a GPU the same gather/scatter tests run it (kvtest.BACKENDS)."""
+machine and exports its C ABI; on a GPU the same gather/scatter tests run it (kvtest.BACKENDS).
+
+The FP8 arithmetic of the kernels (csrc/kernels/fp8.cuh: e4m3 encode / decode, the bf16 / fp16
+roundings, the per-row amax / scale / codes) is ``__host__ __device__`` integer code, so it is built
+into a host-only library (csrc/tests/fp8_host.cu) and checked against torch on this CPU machine."""
 
 from __future__ import annotations
 
@@ -9,12 +13,21 @@ import re
 import shutil
 import subprocess
 
+import ctypes
+
 import pytest
 import torch
 
 import kvkernels
-from kvkernels.models import make_cache
-from kvtest import DEVICE
+from kvkernels.models import make_cache, random_fill_
+from kvkernels.quant import (
+    dequantize_rows,
+    fp8_codes,
+    gather_quant,
+    quantize_rows,
+    scatter_quant,
+)
+from kvtest import DEVICE, bytes_equal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 spec = importlib.util.spec_from_file_location("kvk_csrc_build", os.path.join(ROOT, "csrc", "build.py"))
@@ -29,7 +42,8 @@ def test_compiles_for_all_targets_with_warnings_as_errors(tmp_path):
     lib = build.build(str(tmp_path))
     nm = subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True, check=True).stdout
     syms = set(re.findall(r"\bkvk_\w+", nm))
-    assert {"kvk_abi_version", "kvk_last_error", "kvk_paged_copy"} <= syms
+    assert {"kvk_abi_version", "kvk_last_error", "kvk_paged_copy", "kvk_quant_gather", "kvk_dequant_scatter",
+            "kvk_shuffle_copy"} <= syms
     # no C++ symbol (and so no torch ABI) crosses the boundary
     assert not [s for s in re.findall(r" T (\S+)", nm) if s.startswith("_Z") and "kvk" not in s and "paged" in s]
 
@@ -40,10 +54,258 @@ def test_resource_usage_report(tmp_path, capsys):
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", r.stdout + r.stderr)]
-    assert len(regs) == 10  # 5 word widths x gather/scatter
+    # paged copy: 5 word widths x gather/scatter; fp8 gather: 3 dtypes x 2 granularities x vec/scalar;
+    # fp8 scatter: 3 dtypes x vec/scalar; shuffle: gather/scatter x vec/scalar
+    assert len(regs) == 10 + 12 + 6 + 4
     assert max(regs) <= 64  # a copy kernel has no business spilling or limiting occupancy
+    assert "spill stores" in r.stdout + r.stderr and not re.search(r"[1-9]\d* bytes spill", r.stdout + r.stderr)
     with capsys.disabled():
         print(f"\ncsrc sm_90 registers per kernel: {regs}")
+
+
+# ----------------------------------------------------------- fp8.cuh on the host, against torch
+HOST_SRC = os.path.join(ROOT, "csrc", "tests", "fp8_host.cu")
+
+
+@pytest.fixture(scope="module")
+def fp8_host(tmp_path_factory):
+    """csrc/tests/fp8_host.cu built host-only (nvcc, same warning flags as the library)."""
+    out = str(tmp_path_factory.mktemp("fp8host") / "libkvk_fp8_host.so")
+    cmd = [build.nvcc(), "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-Wall,-Wextra,-Werror",
+           "-Werror", "all-warnings", HOST_SRC, "-o", out]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lib = ctypes.CDLL(out)
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.kvk_host_e4m3_encode.argtypes = [p, p, i64]
+    lib.kvk_host_e4m3_decode.argtypes = [p, p, i64]
+    lib.kvk_host_f32_to_16.argtypes = [p, p, i64, ctypes.c_int]
+    lib.kvk_host_quantize_rows.argtypes = [p, ctypes.c_int, i64, i64, p, p]
+    lib.kvk_host_quantize_rows.restype = ctypes.c_int
+    lib.kvk_host_dequantize_rows.argtypes = [p, p, ctypes.c_int, i64, i64, p]
+    return lib
+
+
+def _f32(bits) -> torch.Tensor:
+    return torch.as_tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def _encoder_inputs() -> torch.Tensor:
+    """Every bf16 and fp16 value, every e4m3 rounding boundary (midpoints and their fp32
+    neighbours) in [-480, 480], the saturation range, ~1M random fp32, signed zeros, subnormals,
+    inf and NaNs (several payloads, both signs)."""
+    g = torch.Generator().manual_seed(0)
+    parts = [
+        (torch.arange(65536, dtype=torch.int32) << 16).view(torch.float32),  # every bf16
+        torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).float(),  # every fp16
+    ]
+    grid = torch.arange(0x7F, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    grid = torch.cat([grid, torch.tensor([480.0])])  # 448 .. 480: saturation midpoint 464
+    mids = (grid[:-1] + grid[1:]) / 2  # exact in fp32 (e4m3 has 3 mantissa bits)
+    pts = torch.cat([grid, mids])
+    b = pts.view(torch.int32)
+    near = torch.cat([b, b + 1, b - 1, b + 2, b - 2]).clamp_min(0).view(torch.float32)
+    parts += [near, -near]
+    parts.append(_f32(torch.randint(0, 2**32, (1 << 20,), generator=g)))  # random bit patterns
+    parts.append((torch.rand(1 << 18, generator=g) * 960 - 480))  # uniform in [-480, 480]
+    mag = torch.exp2(torch.randint(-20, 10, (1 << 18,), generator=g).float())
+    parts.append(torch.randn(1 << 18, generator=g) * mag)  # normals over many binades
+    sub = torch.randint(1, 0x800000, (4096,), generator=g)  # fp32 subnormals
+    parts += [_f32(sub), -_f32(sub)]
+    special = [0.0, -0.0, float("inf"), -float("inf"), 448.0, -448.0, 449.0, 1e30, -1e30, 2.0**-149, -(2.0**-149),
+               2.0**-126, 2.0**-6, 2.0**-9, 2.0**-10, 3 * 2.0**-11, 2.0**-10 + 2.0**-30]
+    parts.append(torch.tensor(special))
+    nans = torch.tensor([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FA00000])
+    parts.append(_f32(nans))
+    return torch.cat([x.float().reshape(-1) for x in parts]).contiguous()
+
+
+@needs_nvcc
+def test_fp8_host_encoder_matches_torch_cast(fp8_host):
+    x = _encoder_inputs()
+    got = torch.empty(x.numel(), dtype=torch.uint8)
+    fp8_host.kvk_host_e4m3_encode(x.data_ptr(), got.data_ptr(), x.numel())
+    nan = torch.isnan(x)
+    exp = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    bad = (got != exp) & ~nan
+    assert int(bad.sum()) == 0, [(hex(int(v)), int(a), int(b)) for v, a, b in
+                                  zip(x.view(torch.int32)[bad][:8], got[bad][:8], exp[bad][:8])]
+    assert bool((got[nan] == 0x7F).all())  # docs/quant.md: every NaN -> 0x7F
+    assert torch.equal(got, fp8_codes(x))  # the Python/Triton integer encoder, NaN included
+    assert x.numel() > 1_700_000 and int(nan.sum()) > 1000  # the sample is what it claims
+
+
+@needs_nvcc
+def test_fp8_host_decoder_and_16_bit_roundings_match_torch(fp8_host):
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    dec = torch.empty(256, dtype=torch.float32)
+    fp8_host.kvk_host_e4m3_decode(q.data_ptr(), dec.data_ptr(), 256)
+    ok = (q & 0x7F) != 0x7F
+    assert torch.equal(dec[ok].view(torch.int32), q[ok].view(torch.float8_e4m3fn).float().view(torch.int32))
+    g = torch.Generator().manual_seed(1)
+    for kind, dt in ((0, torch.bfloat16), (1, torch.float16)):
+        every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dt).float()
+        fin = every[torch.isfinite(every)].sort().values.unique()
+        mids = (fin[:-1].double() + fin[1:].double()) / 2  # ties: exact in fp32
+        mids = mids.float()
+        mb = mids.view(torch.int32)
+        x = torch.cat([every, mids, (mb + 1).view(torch.float32), (mb - 1).view(torch.float32),
+                       _f32(torch.randint(0, 2**32, (1 << 20,), generator=g)),
+                       torch.tensor([65504.0, 65519.99, 65520.0, 65536.0, 1e-8, 2.0**-25, 2.0**-24, 3 * 2.0**-26])])
+        x = x[~torch.isnan(x)].contiguous()
+        got = torch.empty(x.numel(), dtype=torch.int16)
+        fp8_host.kvk_host_f32_to_16(x.data_ptr(), got.data_ptr(), x.numel(), kind)
+        exp = x.to(dt).view(torch.int16)
+        bad = got != exp
+        assert int(bad.sum()) == 0, (dt, x[bad][:8].tolist(), got[bad][:8].tolist(), exp[bad][:8].tolist())
+
+
+def _random_rows(dt, rows, d, seed):
+    """Random-byte rows (every NaN / inf / huge / subnormal class) plus crafted rows: zeros, -0.0,
+    all non-finite, tiny (subnormal scales), one huge outlier."""
+    x = torch.empty(rows, d, dtype=dt)
+    random_fill_(x, torch.Generator().manual_seed(seed))
+    x[0] = 0.0
+    x[1] = -0.0
+    x[2] = float("nan")
+    x[3, ::2], x[3, 1::2] = float("inf"), -float("inf")
+    ity = torch.int32 if dt == torch.float32 else torch.int16
+    x[4] = torch.arange(d).to(ity).view(dt)  # smallest subnormals of the dtype
+    x[5] = torch.linspace(-1, 1, d).to(dt)
+    x[5, 7] = torch.finfo(dt).max
+    return x
+
+
+@needs_nvcc
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_fp8_host_row_quantize_dequantize_match_reference(fp8_host, dtype):
+    """amax (finite values) / 448, zero rule, codes, and code * scale rounded into the dtype."""
+    kind = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[dtype]
+    rows, d = 4096, 64
+    x = _random_rows(dtype, rows, d, seed=kind)
+    q = torch.empty(rows, d, dtype=torch.uint8)
+    s = torch.empty(rows, dtype=torch.float32)
+    assert fp8_host.kvk_host_quantize_rows(x.data_ptr(), kind, rows, d, q.data_ptr(), s.data_ptr()) == 0
+    eq, es = quantize_rows(x.view(rows, 1, 1, d))
+    assert torch.equal(s.view(torch.int32), es.reshape(-1).view(torch.int32))
+    assert torch.equal(q, eq.view(rows, d))
+    assert float(s[0]) == 1.0 and float(s[2]) == 1.0  # the zero rule
+    # dequantize: every code against random scales (normal, subnormal, 1.0, huge)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(rows, 1)
+    sc = _f32(torch.randint(1, 0x7F800000, (rows,), generator=torch.Generator().manual_seed(9)))
+    sc[:4] = torch.tensor([1.0, 2.0**-140, 1e30, 448.0 / 3])
+    out = torch.empty(rows, 256, dtype=dtype)
+    fp8_host.kvk_host_dequantize_rows(codes.data_ptr(), sc.data_ptr(), kind, rows, 256, out.data_ptr())
+    exp = dequantize_rows(codes.view(rows, 1, 1, 256), sc.view(rows, 1, 1), dtype)
+    assert bytes_equal(out, exp.view(rows, 256))
+
+
+# ------------------------------------- the kernels themselves, emulated on the CPU, against torch
+EMU_SRC = os.path.join(ROOT, "csrc", "tests", "kernels_host.cpp")
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
+EMU_LAYOUTS = ["vllm-nhd", "vllm-hnd", "flashinfer-nhd", "mla", "sglang"]
+EMU_IDS = [5, -1, 2, 2, 7, 99]  # unsorted, padding, duplicate, invalid (validate=False)
+EMU_DST = [1, -1, 6, 0, 3, 99]
+
+
+@pytest.fixture(scope="module")
+def emu_lib(tmp_path_factory):
+    """csrc/kernels/quant_copy.cuh compiled as C++ (csrc/tests/kernels_host.cpp: one std::thread
+    per CUDA thread, warp shuffles through a barrier), exporting the kernel entry points of the C ABI."""
+    out = str(tmp_path_factory.mktemp("emu") / "libkvk_emu.so")
+    cmd = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wall", "-Wextra", "-Werror",
+           "-Wno-unknown-pragmas", "-I" + os.path.join(ROOT, "csrc", "tests", "emu"), EMU_SRC, "-o", out]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.fixture
+def emulated_cuda(emu_lib, monkeypatch):
+    """``backend="cuda"`` on CPU tensors runs kvkernels/_cuda.py's launchers (argument order, vec16
+    choice, gap zeroing) against the emulated kernels. Not checked here: capi.cu's precondition
+    checks, device guard and stream, and everything about real GPU execution."""
+    from types import SimpleNamespace
+
+    from kvkernels import _cuda
+
+    lib = ctypes.CDLL(emu_lib)
+    _cuda._declare(lib)
+    monkeypatch.setattr(_cuda, "_load", lambda: (lib, emu_lib))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
+    try:
+        kvkernels.check_errors()  # start from a zero counter (a failed test may leave counts)
+    except ValueError:
+        pass
+    return lib
+
+
+def _emu_cache(layout, dtype, head_dim, seed=0):
+    return make_cache(layout, num_layers=2, num_blocks=8, block_size=4, num_heads=2, head_dim=head_dim, dtype=dtype,
+                      seed=seed)
+
+
+def _cache_bytes(lay):
+    return [v.contiguous().view(-1).view(torch.uint8) for row in lay.views for v in row]
+
+
+def _emu_round_trip(lay, dst_a, dst_b, max_ctas, **mode):
+    # the invalid id is counted once per work item it appears in (layers x entries), as Triton does
+    per_id = rf"{lay.num_layers * lay.num_kv} id\(s\)"
+    ref = gather_quant(lay, EMU_IDS, backend="torch", validate=False, **mode)
+    with pytest.raises(ValueError, match="1 id"):
+        kvkernels.check_errors()
+    out = torch.full((ref.numel() + 32,), 0xAB, dtype=torch.uint8)
+    got = gather_quant(lay, EMU_IDS, backend="cuda", validate=False, out=out, max_ctas=max_ctas, **mode)
+    assert got is out and bool((out[ref.numel():] == 0xAB).all())
+    assert torch.equal(out[: ref.numel()], ref), mode
+    with pytest.raises(ValueError, match=per_id):
+        kvkernels.check_errors()
+    scatter_quant(ref, dst_a, EMU_DST, backend="torch", validate=False, **mode)
+    with pytest.raises(ValueError, match="1 id"):
+        kvkernels.check_errors()
+    scatter_quant(ref, dst_b, EMU_DST, backend="cuda", validate=False, max_ctas=max_ctas, **mode)
+    with pytest.raises(ValueError, match=per_id):
+        kvkernels.check_errors()
+    assert all(torch.equal(x, y) for x, y in zip(_cache_bytes(dst_a), _cache_bytes(dst_b))), mode
+
+
+@needs_gxx
+@pytest.mark.parametrize("head_dim", [64, 40], ids=["vec16", "scalar"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("layout", EMU_LAYOUTS)
+def test_emulated_fp8_kernels_match_reference(emulated_cuda, layout, dtype, head_dim):
+    lay = _emu_cache(layout, dtype, head_dim)  # random bytes: NaN, inf, huge, subnormal values
+    for k, granularity in enumerate(("token", "block")):
+        dst_a, dst_b = _emu_cache(layout, dtype, head_dim, seed=1), _emu_cache(layout, dtype, head_dim, seed=1)
+        _emu_round_trip(lay, dst_a, dst_b, max_ctas=3 * k, quant="fp8", granularity=granularity)
+
+
+@needs_gxx
+@pytest.mark.parametrize("head_dim", [64, 40], ids=["vec16", "scalar"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", EMU_LAYOUTS)
+def test_emulated_shuffle_kernels_match_reference(emulated_cuda, layout, dtype, head_dim):
+    lay = _emu_cache(layout, dtype, head_dim)
+    dst_a, dst_b = _emu_cache(layout, dtype, head_dim, seed=1), _emu_cache(layout, dtype, head_dim, seed=1)
+    _emu_round_trip(lay, dst_a, dst_b, max_ctas=2, shuffle=True)
+
+
+@needs_gxx
+def test_emulated_vec16_choice_and_strided_views(emulated_cuda):
+    from kvkernels import _cuda
+
+    big = torch.zeros(2, 13, 4, 2, 88, dtype=torch.bfloat16)
+    random_fill_(big, torch.Generator().manual_seed(3))
+    aligned = kvkernels.PagedLayout.from_vllm([big[:, 3:11, :, :, 8:72]])  # 16-byte offset: vectorized
+    odd = kvkernels.PagedLayout.from_vllm([big[:, 3:11, :, :, 1:65]])  # 2-byte offset: scalar
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    assert _cuda._vec16(aligned, buf.data_ptr()) == 1 and _cuda._vec16(odd, buf.data_ptr()) == 0
+    for lay in (aligned, odd):
+        for mode in (dict(quant="fp8"), dict(quant="fp8", granularity="block"), dict(shuffle=True)):
+            dst = [kvkernels.PagedLayout.from_vllm([big.clone()[:, 3:11, :, :, 8:72]]) for _ in range(2)]
+            _emu_round_trip(lay, dst[0], dst[1], max_ctas=0, **mode)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the backend is available (test_gather runs it)")
@@ -99,3 +361,90 @@ def test_compute_sanitizer_memcheck_clean(tmp_path):
     r = subprocess.run([exe, "--tool", "memcheck", "--error-exitcode", "9", sys.executable, str(script)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+
+
+# ------------------------------------------------------- fp8 / shuffle kernels on a GPU (not run yet)
+GPU_LAYOUTS = ["vllm-nhd", "vllm-hnd", "flashinfer-nhd", "mla", "sglang", "vllm-packed"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 576, 40])
+@pytest.mark.parametrize("granularity", ["token", "block"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("layout", GPU_LAYOUTS)
+def test_cuda_fp8_matches_triton_and_reference(layout, dtype, granularity, head_dim):
+    lay = make_cache(layout, num_layers=3, num_blocks=64, block_size=16, num_heads=4, head_dim=head_dim, dtype=dtype,
+                     device=DEVICE)  # random bytes: NaN, inf, huge, subnormal values
+    ids = torch.tensor([5, -1, 63, 0, 7, 7, 12], device=DEVICE)
+    kw = dict(quant="fp8", granularity=granularity)
+    ref = gather_quant(lay, ids, backend="torch", **kw)
+    got = gather_quant(lay, ids, backend="cuda", max_ctas=5, **kw)
+    assert torch.equal(got, ref)
+    assert torch.equal(got, gather_quant(lay, ids, backend="triton", **kw))
+    dst = torch.tensor([1, -1, 2, 3, 60, 61, 62], device=DEVICE)
+    outs = []
+    for b in ("torch", "triton", "cuda"):
+        d = make_cache(layout, num_layers=3, num_blocks=64, block_size=16, num_heads=4, head_dim=head_dim,
+                       dtype=dtype, device=DEVICE, seed=1)
+        scatter_quant(ref, d, dst, backend=b, **kw)
+        outs.append(_cache_bytes(d))
+    assert all(torch.equal(x, y) for x, y in zip(outs[0], outs[2]))
+    assert all(torch.equal(x, y) for x, y in zip(outs[1], outs[2]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 40])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", GPU_LAYOUTS)
+def test_cuda_shuffle_matches_triton_and_reference(layout, dtype, head_dim):
+    lay = make_cache(layout, num_layers=3, num_blocks=64, block_size=16, num_heads=4, head_dim=head_dim, dtype=dtype,
+                     device=DEVICE)
+    ids = torch.tensor([5, -1, 63, 0, 7, 7, 12], device=DEVICE)
+    ref = gather_quant(lay, ids, shuffle=True, backend="torch")
+    got = gather_quant(lay, ids, shuffle=True, backend="cuda", max_ctas=5)
+    assert torch.equal(got, ref)
+    assert torch.equal(got, gather_quant(lay, ids, shuffle=True, backend="triton"))
+    dst = torch.tensor([1, -1, 2, 3, 60, 61, 62], device=DEVICE)
+    outs = []
+    for b in ("torch", "cuda"):
+        d = make_cache(layout, num_layers=3, num_blocks=64, block_size=16, num_heads=4, head_dim=head_dim,
+                       dtype=dtype, device=DEVICE, seed=1)
+        scatter_quant(ref, d, dst, shuffle=True, backend=b)
+        outs.append(_cache_bytes(d))
+    assert all(torch.equal(x, y) for x, y in zip(outs[0], outs[1]))
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_pinned_staging_and_invalid_ids_counted():
+    lay = make_cache("vllm-nhd", num_layers=2, num_blocks=16, block_size=16, num_heads=8, head_dim=128, device=DEVICE)
+    ref = gather_quant(lay, [3, -1, 9], quant="fp8", backend="torch")
+    pinned = torch.empty(ref.numel(), dtype=torch.uint8).pin_memory()
+    gather_quant(lay, [3, 99, 9], quant="fp8", backend="cuda", out=pinned, validate=False)
+    torch.cuda.synchronize()
+    assert torch.equal(pinned, ref.cpu())
+    with pytest.raises(ValueError, match="validate=False"):
+        kvkernels.check_errors()
+
+
+@pytest.mark.gpu
+def test_c_abi_fp8_and_shuffle_reject_bad_arguments():
+    from kvkernels import _cuda
+
+    lib, _ = _cuda._load()
+    assert lib is not None, _cuda.reason()
+    t = torch.zeros(4096, dtype=torch.int64, device=DEVICE)
+    p = t.data_ptr()
+    # tab ids ids_64 staging err | n num_blocks C R H bs D sb sn sh | region q_e sc_base sc_e |
+    # kind per_block vec16 max_ctas device stream
+    ok = [p, p, 1, p, p, 1, 1, 2, 1, 1, 1, 16, 64, 32, 32, 4096, 16, 32, 16, 0, 0, 0, 0, 0, 0]
+    bad_kind = list(ok)
+    bad_kind[19] = 7
+    assert lib.kvk_quant_gather(*bad_kind) != 0 and b"kind" in lib.kvk_last_error()
+    null_tab = list(ok)
+    null_tab[0] = 0
+    assert lib.kvk_dequant_scatter(*null_tab) != 0 and b"ptr_tab" in lib.kvk_last_error()
+    small = list(ok)
+    small[16] = 0  # q_entry_bytes below the payload
+    assert lib.kvk_quant_gather(*small) != 0 and b"q_entry_bytes" in lib.kvk_last_error()
+    rc = lib.kvk_shuffle_copy(1, p, p, 1, p, p, 1, 1, 2, 1, 1, 1, 16, 64, 32, 32, 4096, 31, 0, 0, 0, 0)
+    assert rc != 0 and b"entry_bytes" in lib.kvk_last_error()

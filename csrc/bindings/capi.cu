@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "../kernels/paged_copy.cuh"
+#include "../kernels/quant_copy.cuh"
 
 namespace {
 thread_local char g_err[512] = "";
@@ -30,11 +31,128 @@ cudaError_t launch(bool to_staging, const kvk::PagedCopyParams& p, int grid, cud
   }
   return cudaGetLastError();
 }
+
+// Device guard: set `device` for the scope (when it differs), restore the previous one on release().
+struct DeviceGuard {
+  int prev = 0;
+  int device = 0;
+  int status = 0;  // non-zero: construction failed, g_err holds why
+  explicit DeviceGuard(int d) : device(d) {
+    cudaError_t e = cudaGetDevice(&prev);
+    if (e != cudaSuccess) {
+      status = cuda_fail("cudaGetDevice", e);
+      return;
+    }
+    if (prev != device && (e = cudaSetDevice(device)) != cudaSuccess) status = cuda_fail("cudaSetDevice", e);
+  }
+  // the launch status `e` (named `what`), then the restore: the first failure is reported
+  int release(const char* what, cudaError_t e) {
+    cudaError_t e2 = prev != device ? cudaSetDevice(prev) : cudaSuccess;
+    if (e != cudaSuccess) return cuda_fail(what, e);
+    if (e2 != cudaSuccess) return cuda_fail("cudaSetDevice (restore)", e2);
+    return 0;
+  }
+};
+
+int grid_size(int64_t items, int64_t max_ctas) {
+  int64_t g = max_ctas > 0 && max_ctas < items ? max_ctas : items;
+  return static_cast<int>(g > 2147483647LL ? 2147483647LL : g);
+}
+
+// Preconditions shared by the fp8 and shuffle entry points; 0 or fail(...).
+int check_common(const int64_t* ptr_tab, const void* block_ids, const uint8_t* staging, const int* err, int64_t n,
+                 int64_t C, int64_t num_regions, int64_t H, int64_t block_size, int64_t head_dim, int64_t elem,
+                 int64_t stride_b, int64_t stride_n, int64_t stride_h, int vec16, int64_t max_ctas) {
+  if (ptr_tab == nullptr) return fail("ptr_tab: expected a device pointer, got NULL");
+  if (block_ids == nullptr) return fail("block_ids: expected a device pointer, got NULL");
+  if (staging == nullptr) return fail("staging: expected a pointer, got NULL");
+  if (err == nullptr) return fail("err: expected a device pointer, got NULL");
+  if (n <= 0 || num_regions <= 0) return fail("n, num_regions: expected > 0");
+  if (C != 1 && C != 2) return fail("C: expected 1 or 2");
+  if (H <= 0 || block_size <= 0 || head_dim <= 0) return fail("H, block_size, head_dim: expected > 0");
+  if (stride_b % elem || stride_n % elem || stride_h % elem)
+    return fail("stride_b, stride_n, stride_h: expected multiples of the element size");
+  if (vec16 && (head_dim % 16 || stride_b % 16 || stride_n % 16 || stride_h % 16 ||
+                reinterpret_cast<uintptr_t>(staging) % 16))
+    return fail("vec16: head_dim, the strides and the staging address must be multiples of 16");
+  if (max_ctas < 0) return fail("max_ctas: expected >= 0");
+  return 0;
+}
+
+// fp8 staging sections: sizes hold their payload, scales 4-byte aligned, staging 16-byte aligned.
+int check_fp8_format(const uint8_t* staging, int64_t n, int64_t C, int64_t H, int64_t block_size, int64_t head_dim,
+                     int per_block, int64_t region_bytes, int64_t q_entry_bytes, int64_t scale_base_bytes,
+                     int64_t scale_entry_bytes) {
+  if (reinterpret_cast<uintptr_t>(staging) % 16) return fail("staging: expected a 16-byte aligned address");
+  const int64_t rows = block_size * H;
+  const int64_t scales = per_block ? H : rows;
+  if (q_entry_bytes < n * rows * head_dim) return fail("q_entry_bytes: smaller than n * block_size * H * head_dim");
+  if (scale_entry_bytes < 4 * n * scales) return fail("scale_entry_bytes: smaller than 4 * n * scales per block");
+  if (scale_base_bytes < C * q_entry_bytes) return fail("scale_base_bytes: expected >= C * q_entry_bytes");
+  if (region_bytes < scale_base_bytes + C * scale_entry_bytes)
+    return fail("region_bytes: smaller than the payload it must hold");
+  if (q_entry_bytes % 16 || scale_base_bytes % 16 || scale_entry_bytes % 16 || region_bytes % 16)
+    return fail("region_bytes, q_entry_bytes, scale_base_bytes, scale_entry_bytes: expected multiples of 16");
+  return 0;
+}
+
+template <int kKind>
+cudaError_t launch_fp8(bool gather, bool per_block, bool vec, const kvk::QuantCopyParams& p, int grid,
+                       cudaStream_t s) {
+  if (gather) {
+    if (per_block) {
+      if (vec) {
+        kvk::quant_gather_kernel<kKind, true, true><<<grid, kvk::kThreads, 0, s>>>(p);
+      } else {
+        kvk::quant_gather_kernel<kKind, true, false><<<grid, kvk::kThreads, 0, s>>>(p);
+      }
+    } else if (vec) {
+      kvk::quant_gather_kernel<kKind, false, true><<<grid, kvk::kThreads, 0, s>>>(p);
+    } else {
+      kvk::quant_gather_kernel<kKind, false, false><<<grid, kvk::kThreads, 0, s>>>(p);
+    }
+  } else if (vec) {
+    kvk::dequant_scatter_kernel<kKind, true><<<grid, kvk::kThreads, 0, s>>>(p);
+  } else {
+    kvk::dequant_scatter_kernel<kKind, false><<<grid, kvk::kThreads, 0, s>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+int fp8_copy(bool gather, const int64_t* ptr_tab, const void* block_ids, int ids_64, uint8_t* staging, int* err,
+             int64_t n, int64_t num_blocks, int64_t C, int64_t num_regions, int64_t H, int64_t block_size,
+             int64_t head_dim, int64_t stride_b, int64_t stride_n, int64_t stride_h, int64_t region_bytes,
+             int64_t q_entry_bytes, int64_t scale_base_bytes, int64_t scale_entry_bytes, int kind, int per_block,
+             int vec16, int64_t max_ctas, int device, uintptr_t stream) {
+  if (kind < 0 || kind > 2) return fail("kind: expected 0 (bfloat16), 1 (float16) or 2 (float32)");
+  const int64_t elem = kind == 2 ? 4 : 2;
+  int rc = check_common(ptr_tab, block_ids, staging, err, n, C, num_regions, H, block_size, head_dim, elem, stride_b,
+                        stride_n, stride_h, vec16, max_ctas);
+  if (rc) return rc;
+  rc = check_fp8_format(staging, n, C, H, block_size, head_dim, per_block, region_bytes, q_entry_bytes,
+                        scale_base_bytes, scale_entry_bytes);
+  if (rc) return rc;
+  DeviceGuard guard(device);
+  if (guard.status) return guard.status;
+  kvk::QuantCopyParams p{ptr_tab,  block_ids, staging,  err, n, num_blocks, num_regions * C * n,
+                         stride_b, stride_n,  stride_h, C,   H, block_size, head_dim,
+                         region_bytes, q_entry_bytes, scale_base_bytes, scale_entry_bytes, ids_64 != 0,
+                         per_block != 0};
+  const int g = grid_size(p.num_items, max_ctas);
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  cudaError_t e;
+  switch (kind) {
+    case 0: e = launch_fp8<0>(gather, per_block != 0, vec16 != 0, p, g, s); break;
+    case 1: e = launch_fp8<1>(gather, per_block != 0, vec16 != 0, p, g, s); break;
+    default: e = launch_fp8<2>(gather, per_block != 0, vec16 != 0, p, g, s); break;
+  }
+  return guard.release(gather ? "quant_gather_kernel launch" : "dequant_scatter_kernel launch", e);
+}
 }  // namespace
 
 extern "C" {
 
-int kvk_abi_version(void) { return 1; }
+int kvk_abi_version(void) { return 2; }
 
 const char* kvk_last_error(void) { return g_err; }
 
@@ -83,6 +201,69 @@ int kvk_paged_copy(int to_staging, const int64_t* ptr_tab, const void* block_ids
   if (e != cudaSuccess) return cuda_fail("paged_copy_kernel launch", e);
   if (e2 != cudaSuccess) return cuda_fail("cudaSetDevice (restore)", e2);
   return 0;
+}
+
+// FP8 gather (docs/quant.md): quantize the chunks of block_ids into e4m3 codes + fp32 scales.
+// Byte strides; kind 0 bf16, 1 fp16, 2 fp32; per_block: scale per (block, head) instead of per
+// (token, head); vec16: every cache base address, stride and row, head_dim and the staging address
+// are multiples of 16 (the caller checks the base addresses: they live in the device table).
+// Writes codes and scales only: section gaps and region padding are the caller's to zero.
+int kvk_quant_gather(const int64_t* ptr_tab, const void* block_ids, int ids_64, uint8_t* staging, int* err, int64_t n,
+                     int64_t num_blocks, int64_t C, int64_t num_regions, int64_t H, int64_t block_size,
+                     int64_t head_dim, int64_t stride_b, int64_t stride_n, int64_t stride_h, int64_t region_bytes,
+                     int64_t q_entry_bytes, int64_t scale_base_bytes, int64_t scale_entry_bytes, int kind,
+                     int per_block, int vec16, int64_t max_ctas, int device, uintptr_t stream) {
+  return fp8_copy(true, ptr_tab, block_ids, ids_64, staging, err, n, num_blocks, C, num_regions, H, block_size,
+                  head_dim, stride_b, stride_n, stride_h, region_bytes, q_entry_bytes, scale_base_bytes,
+                  scale_entry_bytes, kind, per_block, vec16, max_ctas, device, stream);
+}
+
+// FP8 scatter: dequantize staging (same arguments as kvk_quant_gather) into block_ids of the cache.
+int kvk_dequant_scatter(const int64_t* ptr_tab, const void* block_ids, int ids_64, const uint8_t* staging, int* err,
+                        int64_t n, int64_t num_blocks, int64_t C, int64_t num_regions, int64_t H, int64_t block_size,
+                        int64_t head_dim, int64_t stride_b, int64_t stride_n, int64_t stride_h, int64_t region_bytes,
+                        int64_t q_entry_bytes, int64_t scale_base_bytes, int64_t scale_entry_bytes, int kind,
+                        int per_block, int vec16, int64_t max_ctas, int device, uintptr_t stream) {
+  return fp8_copy(false, ptr_tab, block_ids, ids_64, const_cast<uint8_t*>(staging), err, n, num_blocks, C,
+                  num_regions, H, block_size, head_dim, stride_b, stride_n, stride_h, region_bytes, q_entry_bytes,
+                  scale_base_bytes, scale_entry_bytes, kind, per_block, vec16, max_ctas, device, stream);
+}
+
+// Byte-plane shuffle of a 16-bit cache (docs/quant.md): to_staging 1 = gather, 0 = scatter.
+// entry_bytes = 2 * n * block_size * H * head_dim (the two planes); vec16 as in kvk_quant_gather.
+// Region padding is the caller's to zero.
+int kvk_shuffle_copy(int to_staging, const int64_t* ptr_tab, const void* block_ids, int ids_64, uint8_t* staging,
+                     int* err, int64_t n, int64_t num_blocks, int64_t C, int64_t num_regions, int64_t H,
+                     int64_t block_size, int64_t head_dim, int64_t stride_b, int64_t stride_n, int64_t stride_h,
+                     int64_t region_bytes, int64_t entry_bytes, int vec16, int64_t max_ctas, int device,
+                     uintptr_t stream) {
+  int rc = check_common(ptr_tab, block_ids, staging, err, n, C, num_regions, H, block_size, head_dim, 2, stride_b,
+                        stride_n, stride_h, vec16, max_ctas);
+  if (rc) return rc;
+  if (entry_bytes != 2 * n * block_size * H * head_dim)
+    return fail("entry_bytes: expected 2 * n * block_size * H * head_dim (two byte planes)");
+  if (region_bytes < C * entry_bytes) return fail("region_bytes: smaller than C * entry_bytes");
+  if (vec16 && (region_bytes % 16 || entry_bytes % 32))
+    return fail("vec16: region_bytes and entry_bytes / 2 must be multiples of 16");
+  DeviceGuard guard(device);
+  if (guard.status) return guard.status;
+  kvk::QuantCopyParams p{ptr_tab,  block_ids, staging,  err, n, num_blocks, num_regions * C * n,
+                         stride_b, stride_n,  stride_h, C,   H, block_size, head_dim,
+                         region_bytes, entry_bytes, 0, 0, ids_64 != 0, 0};
+  const int g = grid_size(p.num_items, max_ctas);
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (to_staging) {
+    if (vec16) {
+      kvk::shuffle_copy_kernel<true, true><<<g, kvk::kThreads, 0, s>>>(p);
+    } else {
+      kvk::shuffle_copy_kernel<true, false><<<g, kvk::kThreads, 0, s>>>(p);
+    }
+  } else if (vec16) {
+    kvk::shuffle_copy_kernel<false, true><<<g, kvk::kThreads, 0, s>>>(p);
+  } else {
+    kvk::shuffle_copy_kernel<false, false><<<g, kvk::kThreads, 0, s>>>(p);
+  }
+  return guard.release("shuffle_copy_kernel launch", cudaGetLastError());
 }
 
 }  // extern "C"

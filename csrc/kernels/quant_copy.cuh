@@ -1,0 +1,289 @@
+// Fused FP8 gather (quantize) / scatter (dequantize) and byte-plane shuffle gather / scatter on raw
+// pointers (no torch headers). Formats: docs/quant.md. Same work decomposition and id rules as
+// paged_copy.cuh and the Triton kernels (triton_ops/quant_gather.py, dequant_scatter.py,
+// shuffle_gather.py, unshuffle_scatter.py): a work item is one (region j, entry c, staging slot i)
+// chunk, items are numbered (j * C + c) * n + i, a persistent grid of min(items, max_ctas) blocks of
+// kThreads threads strides over them. Ids outside [0, num_blocks) are padding: gather writes zero
+// codes and zero scales (the torch reference and Triton do the same), scatter skips; ids other
+// than -1 among them are counted in *err.
+//
+// kVec: every cache base address, byte stride and row, the staging pointer and head_dim are
+// multiples of 16 bytes / elements (checked on the host): a thread moves 16 bytes of cache per
+// access (8 16-bit or 4 fp32 elements). Otherwise one element per access (still coalesced).
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "fp8.cuh"
+
+namespace kvk {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+struct QuantCopyParams {
+  const int64_t* ptr_tab;  // [R, C] byte address of block 0 of (requested layer j, entry c)
+  const void* block_ids;   // [n] int32 or int64 (ids_64)
+  uint8_t* staging;        // [R * region_bytes], 16-byte aligned
+  int* err;                // [1] invalid-id counter
+  int64_t n, num_blocks, num_items;
+  int64_t stride_b, stride_n, stride_h;  // cache byte strides: block, token, head
+  int64_t C, H, block_size, head_dim;    // entries per layer, heads, tokens per block, D
+  int64_t region_bytes;                  // staging: bytes per region
+  int64_t q_entry_bytes;                 // fp8: codes section of one entry; shuffle: the entry (2 planes)
+  int64_t scale_base_bytes;              // fp8: offset of the scales in a region (C * q_entry_bytes)
+  int64_t scale_entry_bytes;             // fp8: scales section of one entry
+  int ids_64;
+  int per_block;  // fp8 scatter: scale per (block, head) instead of per (token, head)
+};
+
+template <int kKind>
+struct Elem {
+  using T = uint16_t;                 // bf16 / fp16 bits
+  using Vec = uint4;                  // 16 bytes = 8 elements
+  using Codes = uint2;                // their 8 codes
+  static constexpr int kPerVec = 8;
+};
+template <>
+struct Elem<2> {
+  using T = uint32_t;                 // fp32 bits
+  using Vec = uint4;                  // 16 bytes = 4 elements
+  using Codes = uint32_t;             // their 4 codes
+  static constexpr int kPerVec = 4;
+};
+
+struct Item {
+  int64_t i, j, c, bid;
+  bool valid;
+};
+
+__device__ __forceinline__ Item item_coords(const QuantCopyParams& p, int64_t w) {
+  Item it;
+  const int64_t jc = w / p.n;
+  it.i = w - jc * p.n;
+  it.j = jc / p.C;
+  it.c = jc - it.j * p.C;
+  it.bid = p.ids_64 ? static_cast<const int64_t*>(p.block_ids)[it.i]
+                    : static_cast<int64_t>(static_cast<const int32_t*>(p.block_ids)[it.i]);
+  it.valid = it.bid >= 0 && it.bid < p.num_blocks;
+  if (!it.valid && it.bid != -1 && threadIdx.x == 0) atomicAdd(p.err, 1);
+  return it;
+}
+
+__device__ __forceinline__ const uint8_t* cache_block(const QuantCopyParams& p, const Item& it) {
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(p.ptr_tab[it.j * p.C + it.c]);
+  return base + (it.valid ? it.bid : 0) * p.stride_b;
+}
+
+__device__ __forceinline__ uint32_t warp_max(uint32_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const uint32_t u = __shfl_xor_sync(0xFFFFFFFFu, v, o);
+    v = u > v ? u : v;
+  }
+  return v;
+}
+
+// amax bits of one cache row of D elements (all lanes of the warp get it).
+template <int kKind, bool kVec>
+__device__ __forceinline__ uint32_t row_amax(const uint8_t* row, int64_t D, int lane) {
+  using E = Elem<kKind>;
+  uint32_t m = 0;
+  if (kVec) {
+    const int64_t nv = D / E::kPerVec;
+    for (int64_t k = lane; k < nv; k += 32) {
+      const typename E::Vec v = reinterpret_cast<const typename E::Vec*>(row)[k];
+      const typename E::T* e = reinterpret_cast<const typename E::T*>(&v);
+#pragma unroll
+      for (int x = 0; x < E::kPerVec; ++x) {
+        const uint32_t a = abs_finite_bits(load_as_f32<kKind>(e[x]));
+        m = a > m ? a : m;
+      }
+    }
+  } else {
+    for (int64_t d = lane; d < D; d += 32) {
+      const uint32_t a = abs_finite_bits(load_as_f32<kKind>(reinterpret_cast<const typename E::T*>(row)[d]));
+      m = a > m ? a : m;
+    }
+  }
+  return warp_max(m);
+}
+
+// Quantize one cache row (D elements) with scale s into D codes at q (valid = false: zero codes).
+template <int kKind, bool kVec>
+__device__ __forceinline__ void quantize_row(const uint8_t* row, uint8_t* q, int64_t D, float s, bool valid,
+                                             int lane) {
+  using E = Elem<kKind>;
+  if (kVec) {
+    const int64_t nv = D / E::kPerVec;
+    for (int64_t k = lane; k < nv; k += 32) {
+      typename E::Codes out{};
+      if (valid) {
+        const typename E::Vec v = reinterpret_cast<const typename E::Vec*>(row)[k];
+        const typename E::T* e = reinterpret_cast<const typename E::T*>(&v);
+        uint8_t* o = reinterpret_cast<uint8_t*>(&out);
+#pragma unroll
+        for (int x = 0; x < E::kPerVec; ++x) o[x] = e4m3_encode(div_rn(load_as_f32<kKind>(e[x]), s));
+      }
+      reinterpret_cast<typename E::Codes*>(q)[k] = out;
+    }
+  } else {
+    for (int64_t d = lane; d < D; d += 32) {
+      uint8_t code = 0;
+      if (valid) code = e4m3_encode(div_rn(load_as_f32<kKind>(reinterpret_cast<const typename E::T*>(row)[d]), s));
+      q[d] = code;
+    }
+  }
+}
+
+// FP8 gather. kPerBlock = false: one warp per (token, head) row (warp-shuffle amax, scale, codes).
+// kPerBlock = true: one warp per head of the block: amax over the block's tokens, then a second
+// pass quantizes (the re-read hits L1/L2). Rows are re-read for the codes pass (L1), not held in
+// registers (not tuned on a GPU).
+template <int kKind, bool kPerBlock, bool kVec>
+__global__ void __launch_bounds__(kThreads) quant_gather_kernel(QuantCopyParams p) {
+  // grid: (min(num_items, max_ctas),); block: kThreads threads = kWarps warps over the rows
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int64_t D = p.head_dim;
+  const int64_t rows = p.block_size * p.H;
+  for (int64_t w = blockIdx.x; w < p.num_items; w += gridDim.x) {
+    const Item it = item_coords(p, w);
+    const uint8_t* cache = cache_block(p, it);
+    uint8_t* region = p.staging + it.j * p.region_bytes;
+    uint8_t* q_out = region + it.c * p.q_entry_bytes + it.i * rows * D;
+    float* s_out = reinterpret_cast<float*>(region + p.scale_base_bytes + it.c * p.scale_entry_bytes);
+    if (kPerBlock) {
+      s_out += it.i * p.H;
+      for (int64_t h = warp; h < p.H; h += kWarps) {
+        uint32_t amax = 0;
+        if (it.valid) {
+          for (int64_t t = 0; t < p.block_size; ++t) {
+            const uint32_t a = row_amax<kKind, kVec>(cache + t * p.stride_n + h * p.stride_h, D, lane);
+            amax = a > amax ? a : amax;
+          }
+        }
+        const float s = scale_from_amax_bits(amax);
+        if (lane == 0) s_out[h] = it.valid ? s : 0.0f;
+        for (int64_t t = 0; t < p.block_size; ++t)
+          quantize_row<kKind, kVec>(cache + t * p.stride_n + h * p.stride_h, q_out + (t * p.H + h) * D, D, s,
+                                    it.valid, lane);
+      }
+    } else {
+      s_out += it.i * rows;
+      for (int64_t r = warp; r < rows; r += kWarps) {
+        const int64_t t = r / p.H;
+        const int64_t h = r - t * p.H;
+        const uint8_t* row = cache + t * p.stride_n + h * p.stride_h;
+        const uint32_t amax = it.valid ? row_amax<kKind, kVec>(row, D, lane) : 0u;
+        const float s = scale_from_amax_bits(amax);
+        if (lane == 0) s_out[r] = it.valid ? s : 0.0f;
+        quantize_row<kKind, kVec>(row, q_out + r * D, D, s, it.valid, lane);
+      }
+    }
+  }
+}
+
+// FP8 scatter: threads over (row, vector) pairs of the chunk; y = code * scale (fp32, IEEE), RNE
+// into the cache kind; NaN codes -> the kind's canonical NaN. Padding / invalid ids: nothing written.
+template <int kKind, bool kVec>
+__global__ void __launch_bounds__(kThreads) dequant_scatter_kernel(QuantCopyParams p) {
+  using E = Elem<kKind>;
+  constexpr int kPer = kVec ? E::kPerVec : 1;
+  const int64_t D = p.head_dim;
+  const int64_t rows = p.block_size * p.H;
+  const int64_t per_row = D / kPer;
+  const int64_t total = rows * per_row;
+  for (int64_t w = blockIdx.x; w < p.num_items; w += gridDim.x) {
+    const Item it = item_coords(p, w);
+    if (!it.valid) continue;
+    uint8_t* cache = const_cast<uint8_t*>(cache_block(p, it));
+    const uint8_t* region = p.staging + it.j * p.region_bytes;
+    const uint8_t* q_in = region + it.c * p.q_entry_bytes + it.i * rows * D;
+    const float* s_in = reinterpret_cast<const float*>(region + p.scale_base_bytes + it.c * p.scale_entry_bytes) +
+                        it.i * (p.per_block ? p.H : rows);
+    for (int64_t k = threadIdx.x; k < total; k += blockDim.x) {
+      const int64_t r = k / per_row;
+      const int64_t x = k - r * per_row;
+      const int64_t t = r / p.H;
+      const int64_t h = r - t * p.H;
+      const float s = s_in[p.per_block ? h : r];
+      typename E::T* dst = reinterpret_cast<typename E::T*>(cache + t * p.stride_n + h * p.stride_h) + x * kPer;
+      const uint8_t* src = q_in + r * D + x * kPer;
+      if (kVec) {
+        const typename E::Codes codes = *reinterpret_cast<const typename E::Codes*>(src);
+        const uint8_t* cb = reinterpret_cast<const uint8_t*>(&codes);
+        typename E::Vec v;
+        typename E::T* e = reinterpret_cast<typename E::T*>(&v);
+#pragma unroll
+        for (int y = 0; y < E::kPerVec; ++y) e[y] = static_cast<typename E::T>(dequant_bits<kKind>(cb[y], s));
+        *reinterpret_cast<typename E::Vec*>(dst) = v;
+      } else {
+        *dst = static_cast<typename E::T>(dequant_bits<kKind>(*src, s));
+      }
+    }
+  }
+}
+
+// Byte-plane shuffle (16-bit caches): entry = high-byte plane (N bytes) | low-byte plane (N bytes),
+// N = n * block_size * H * D, element k = ((i * block_size + t) * H + h) * D + d. kToStaging:
+// gather (padding writes zeros to both planes), else scatter (padding skipped).
+template <bool kToStaging, bool kVec>
+__global__ void __launch_bounds__(kThreads) shuffle_copy_kernel(QuantCopyParams p) {
+  constexpr int kPer = kVec ? 8 : 1;
+  const int64_t D = p.head_dim;
+  const int64_t rows = p.block_size * p.H;
+  const int64_t per_row = D / kPer;
+  const int64_t total = rows * per_row;
+  const int64_t plane = p.n * rows * D;
+  for (int64_t w = blockIdx.x; w < p.num_items; w += gridDim.x) {
+    const Item it = item_coords(p, w);
+    if (!kToStaging && !it.valid) continue;
+    uint8_t* cache = const_cast<uint8_t*>(cache_block(p, it));
+    uint8_t* hi = p.staging + it.j * p.region_bytes + it.c * p.q_entry_bytes + it.i * rows * D;
+    for (int64_t k = threadIdx.x; k < total; k += blockDim.x) {
+      const int64_t r = k / per_row;
+      const int64_t x = k - r * per_row;
+      const int64_t t = r / p.H;
+      const int64_t h = r - t * p.H;
+      uint16_t* ce = reinterpret_cast<uint16_t*>(cache + t * p.stride_n + h * p.stride_h) + x * kPer;
+      uint8_t* hp = hi + r * D + x * kPer;
+      uint8_t* lp = hp + plane;
+      if (kVec) {
+        if (kToStaging) {
+          uint4 v{};
+          if (it.valid) v = *reinterpret_cast<const uint4*>(ce);
+          const uint16_t* e = reinterpret_cast<const uint16_t*>(&v);
+          uint2 hv, lv;
+          uint8_t* hb = reinterpret_cast<uint8_t*>(&hv);
+          uint8_t* lb = reinterpret_cast<uint8_t*>(&lv);
+#pragma unroll
+          for (int y = 0; y < 8; ++y) {
+            hb[y] = static_cast<uint8_t>(e[y] >> 8);
+            lb[y] = static_cast<uint8_t>(e[y] & 0xFFu);
+          }
+          *reinterpret_cast<uint2*>(hp) = hv;
+          *reinterpret_cast<uint2*>(lp) = lv;
+        } else {
+          const uint2 hv = *reinterpret_cast<const uint2*>(hp);
+          const uint2 lv = *reinterpret_cast<const uint2*>(lp);
+          const uint8_t* hb = reinterpret_cast<const uint8_t*>(&hv);
+          const uint8_t* lb = reinterpret_cast<const uint8_t*>(&lv);
+          uint4 v;
+          uint16_t* e = reinterpret_cast<uint16_t*>(&v);
+#pragma unroll
+          for (int y = 0; y < 8; ++y) e[y] = static_cast<uint16_t>((static_cast<uint32_t>(hb[y]) << 8) | lb[y]);
+          *reinterpret_cast<uint4*>(ce) = v;
+        }
+      } else if (kToStaging) {
+        const uint16_t v = it.valid ? *ce : static_cast<uint16_t>(0);
+        *hp = static_cast<uint8_t>(v >> 8);
+        *lp = static_cast<uint8_t>(v & 0xFFu);
+      } else {
+        *ce = static_cast<uint16_t>((static_cast<uint32_t>(*hp) << 8) | *lp);
+      }
+    }
+  }
+}
+
+}  // namespace kvk
