@@ -46,6 +46,8 @@ STEM = "bench_lmcache"
 # kvkernels-staged: the plugin with inplace_io off (chunks converted through a staging buffer:
 # the previous version), kept to show what the in-place vectored I/O buys
 BACKENDS = ("kvkernels", "kvkernels-nofsync", "kvkernels-staged", "LocalDiskBackend", "LocalDiskBackend-odirect")
+# kvkernels.* keys of each kvkernels row (the rest: defaults)
+VARIANTS = {"kvkernels": {}, "kvkernels-nofsync": {"fsync": False}, "kvkernels-staged": {"inplace_io": False}}
 
 
 def _drop_tree(root: str) -> None:
@@ -69,8 +71,7 @@ def _make(kind: str, root: str, shape, pool_gb: float, loop, disk_gb: float):
     L, T, H, D, dtype = shape
     kw = dict(chunk_size=T, local_cpu=True, max_local_cpu_size=pool_gb)
     if kind.startswith("kvkernels"):
-        extra = lmcache_extra_config(os.path.join(root, kind), fsync=kind != "kvkernels-nofsync",
-                                     inplace_io=kind != "kvkernels-staged")
+        extra = lmcache_extra_config(os.path.join(root, kind), **VARIANTS[kind])
         cfg = LMCacheEngineConfig.from_defaults(storage_plugins=["kvkernels"], extra_config=extra, **kw)
         name = "kvkernels"
     else:
@@ -177,8 +178,40 @@ class _Bench:
             b.close()
 
 
+class _DD:
+    """The disk's own sequential ceiling (O_DIRECT write + fsync, cold O_DIRECT read of one file of the
+    batch's size, same directory), measured as one more contender in every round: the virtio disk
+    drifts by +-30 % within minutes, so a ceiling taken once at the start says little."""
+
+    kind = "dd (ceiling)"
+
+    def __init__(self, directory: str, nbytes: int):
+        try:
+            from .bench_store import dd_ceiling
+        except ImportError:  # pragma: no cover - run as a script
+            from bench_store import dd_ceiling  # type: ignore
+        self._dd, self.dir, self.nbytes = dd_ceiling, directory, nbytes
+        self.w, self.r = [], []
+
+    def rep(self, rep: int) -> None:
+        d = self._dd(self.dir, self.nbytes, settle_s=0.5)
+        self.w.append(d["dd_write_gbps"])
+        self.r.append(d["dd_read_gbps"])
+
+    def ceiling(self) -> dict:
+        return {"dd_write_gbps": statistics.median(self.w), "dd_read_gbps": statistics.median(self.r)}
+
+    def row(self, dd: dict) -> dict:
+        return {"backend": self.kind, "store_gbps": dd["dd_write_gbps"], "retrieve_gbps": dd["dd_read_gbps"],
+                "store_pct_dd": 100.0, "retrieve_pct_dd": 100.0,
+                "store_gbps_reps": [round(x, 3) for x in self.w], "retrieve_gbps_reps": [round(x, 3) for x in self.r]}
+
+    def close(self) -> None:
+        pass
+
+
 def run(*, directory=None, chunks=32, reps=3, out_dir="bench_results", tiny=False, layers=32, tokens=256, heads=8,
-        head_dim=128, dd: bool = True, plot: bool = True) -> list[dict]:
+        head_dim=128, dd: bool = True, plot: bool = True, backends=BACKENDS) -> list[dict]:
     if tiny:
         chunks, reps, layers, tokens, heads, head_dim, dd = 4, 1, 4, 32, 2, 64, False
     shape = (layers, tokens, heads, head_dim, torch.bfloat16)
@@ -199,23 +232,20 @@ def run(*, directory=None, chunks=32, reps=3, out_dir="bench_results", tiny=Fals
     loop = asyncio.new_event_loop()
     th = threading.Thread(target=loop.run_forever, daemon=True)
     th.start()
-    benches: list[_Bench] = []
+    benches: list = []
     try:
         ceiling = None
-        if dd:  # the disk's own sequential ceiling, same directory, same run
-            try:
-                from .bench_store import dd_ceiling
-            except ImportError:  # pragma: no cover - run as a script
-                from bench_store import dd_ceiling  # type: ignore
-
-            ceiling = dd_ceiling(directory, 2 * chunks * 32 << 20 if not tiny else 64 << 20)
-            meta["dd"] = ceiling
-        for kind in BACKENDS:
+        if dd:
+            benches.append(_DD(directory, chunks * 2 * layers * tokens * heads * head_dim * 2))
+        for kind in backends:
             benches.append(_Bench(kind, directory, shape, chunks, reps, loop))
         for rep in range(reps):
             k = rep % len(benches)
             for b in benches[k:] + benches[:k]:
                 b.rep(rep)
+        if dd:
+            ceiling = benches[0].ceiling()
+            meta["dd"] = ceiling
         rows = [b.row(ceiling) for b in benches]
     finally:
         for b in benches:
@@ -225,8 +255,8 @@ def run(*, directory=None, chunks=32, reps=3, out_dir="bench_results", tiny=Fals
         if own:
             shutil.rmtree(directory, ignore_errors=True)
     if ceiling:
-        print(f"# disk ceiling (dd, O_DIRECT, same dir, same run): write {ceiling['dd_write_gbps']:.2f} GB/s, "
-              f"read {ceiling['dd_read_gbps']:.2f} GB/s")
+        print(f"# disk ceiling (dd, O_DIRECT, same dir, one round each rep, medians): write "
+              f"{ceiling['dd_write_gbps']:.2f} GB/s, read {ceiling['dd_read_gbps']:.2f} GB/s")
     print(common.format_table(rows, ["backend", "chunks", "chunk_mb", "store_gbps", "store_pct_dd", "retrieve_gbps",
                                      "retrieve_pct_dd", "put_ms", "get_ms", "tokens_per_s_retrieve"]))
     paths = common.write_results(rows, meta, out_dir, STEM)

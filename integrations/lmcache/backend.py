@@ -39,14 +39,14 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from .config import PluginConfigError, PluginSettings, parse_extra_config
-from .convert import ChunkShape, chunk_layout, chunk_to_staging, staging_to_chunk
+from .chunk_io import FP8_SOURCE_DTYPES, ChunkIO, shape_of_header
+from .convert import ChunkShape
 
 __all__ = ["KVKernelsBackend", "key_string"]
 
 log = logging.getLogger("kvkernels.integrations.lmcache")
 
 _FORMATS = {2: MemoryFormat.KV_2LTD, 1: MemoryFormat.KV_MLA_FMT}
-_FP8_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # reads kept in flight per batched get: store queue depth x 2 (bounded staging memory)
 _READ_WINDOW_PER_THREAD = 2
 
@@ -60,35 +60,6 @@ def key_string(key) -> str:
     this string into the file name: a key never names a path.
     """
     return "lmcache:" + key.to_string()
-
-
-class _BufferPool:
-    """Reusable 4 KiB-aligned staging buffers (fresh 32 MiB buffers page-fault on first touch)."""
-
-    def __init__(self, keep: int):
-        from kvkernels.io import aligned_empty
-
-        self._new = aligned_empty
-        self._keep = keep
-        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            lst = self._free.get(nbytes)
-            if lst:
-                return lst.pop()
-        return self._new(nbytes)
-
-    def give(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            lst = self._free[buf.numel()]
-            if len(lst) < self._keep:
-                lst.append(buf)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
 
 
 class KVKernelsBackend(StoragePluginInterface):
@@ -140,7 +111,8 @@ class KVKernelsBackend(StoragePluginInterface):
         self._put_pool = ThreadPoolExecutor(self.settings.put_threads, thread_name_prefix="kvk-lmc-put")
         self._read_pool = ThreadPoolExecutor(max(2, n_io), thread_name_prefix="kvk-lmc-get")
         self._read_window = max(1, n_io * _READ_WINDOW_PER_THREAD)
-        self._bufs = _BufferPool(keep=self.settings.put_threads + self._read_window + 2)
+        self.io = ChunkIO(self.store, inplace=self.settings.inplace_io,
+                          keep=self.settings.put_threads + self._read_window + 2)
         self._warned: set[str] = set()
         self._closed = False
         self.counters = {k: 0 for k in ("puts", "put_skipped", "put_errors", "gets", "hits", "misses", "corrupt",
@@ -175,7 +147,7 @@ class KVKernelsBackend(StoragePluginInterface):
         s = self.settings
         scheme = "shuffle" if s.byteshuffle else "raw"
         if s.quant == "fp8":
-            if shape.dtype in _FP8_SOURCE_DTYPES:
+            if shape.dtype in FP8_SOURCE_DTYPES:
                 scheme = f"fp8-{s.quant_granularity}"
             else:  # already 8-bit (an fp8 KV cache): stored as it is, never re-quantized
                 self._warn_once(f"fp8-{shape.dtype}", "kvkernels LMCache plugin: %s chunks are stored as they are "
@@ -186,19 +158,9 @@ class KVKernelsBackend(StoragePluginInterface):
                          dtype=str(shape.dtype).replace("torch.", ""), scheme=scheme, codec=s.compression)
 
     @staticmethod
-    def _fp8_granularity(scheme: str) -> Optional[str]:
-        """``"token"``/``"block"`` for FP8 entries, None for raw/shuffled ones."""
-        return scheme[4:] if scheme.startswith("fp8-") else None
-
-    @staticmethod
     def _shape_of_header(header) -> tuple[ChunkShape, MemoryFormat]:
-        m = header.meta
-        dtype = getattr(torch, m.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"stored dtype {m.dtype!r} is not a torch dtype")
-        if m.num_blocks != 1 or m.num_kv not in _FORMATS or tuple(m.layers) != tuple(range(m.num_layers)):
-            raise ValueError("entry was not written by the LMCache plugin")
-        return ChunkShape(m.num_kv, m.num_layers, m.block_size, m.num_heads, m.head_dim, dtype), _FORMATS[m.num_kv]
+        shape = shape_of_header(header)
+        return shape, _FORMATS[shape.num_kv]
 
     def _chunk_shape(self, obj: MemoryObj) -> Optional[ChunkShape]:
         fmt = obj.get_memory_format()
@@ -312,72 +274,27 @@ class KVKernelsBackend(StoragePluginInterface):
             futures.append(fut)
         return futures
 
-    def _inplace(self, t: torch.Tensor, meta) -> bool:
-        """Can chunk ``t`` be written/read straight from/into its own memory (no conversion copy)?
-
-        Yes for a contiguous CPU chunk stored raw (no codec, no shuffle): region ``l`` of the
-        entry is then just ``K[l]`` followed by ``V[l]`` of the chunk, two contiguous pieces
-        that one vectored ``pwritev``/``preadv`` moves (O_DIRECT in place when LMCache's
-        allocator gives 4 KiB-aligned chunks, as its ``ALIGN_BYTES = 4096`` pool does).
-        """
-        return (t.device.type == "cpu" and t.is_contiguous() and meta.codec == "none" and meta.scheme == "raw"
-                and self.settings.inplace_io)
-
-    @staticmethod
-    def _chunk_regions(t: torch.Tensor, shape: ChunkShape, layers=None) -> list[list[torch.Tensor]]:
-        """``[[K[l] bytes, V[l] bytes] for l in layers]``: views into chunk ``t``, no copy."""
-        flat = t.view(shape.num_kv, shape.num_layers, -1)
-        layers = range(shape.num_layers) if layers is None else layers
-        return [[flat[c, l].view(torch.uint8) for c in range(shape.num_kv)] for l in layers]
-
     def _put_one(self, key, ks: str, obj: MemoryObj, shape: ChunkShape, callback, fut: Future) -> None:
-        """Submit one chunk to the store (on a plugin thread: the store's back pressure may block)."""
-        meta = self._meta_for(shape)
-        fmt = meta.fmt
-        buf = None
-        held = True  # our reference on obj
+        """Submit one chunk to the store (on a plugin thread: the store's back pressure may block).
+
+        Raw chunks are written in place (our reference is held until the bytes are on disk);
+        converted ones (FP8, codec, CUDA) give LMCache its memory back right after the copy.
+        """
         try:
-            if self._inplace(obj.tensor, meta):
-                # vectored write straight from LMCache's chunk; the reference is held until the
-                # bytes are on disk (the chunk is the write's source)
-                sfut = self.store.put(ks, self._chunk_regions(obj.tensor, shape), meta)
-            else:
-                gran = self._fp8_granularity(meta.scheme)
-                if gran is not None:  # FP8: quantize in one pass (kvkernels.gather(quant="fp8"))
-                    import kvkernels
-                    from kvkernels.quant import QuantStagingFormat
-
-                    fmt = QuantStagingFormat.from_staging(fmt, gran)
-                    buf = self._bufs.take(fmt.nbytes)
-                    kvkernels.gather(chunk_layout(obj.tensor, shape), [0], out=buf, quant="fp8", granularity=gran)
-                else:
-                    buf = self._bufs.take(fmt.nbytes)
-                    chunk_to_staging(obj.tensor, shape, buf, fmt)
-                obj.ref_count_down()  # the bytes are in our buffer: give LMCache its memory back now
-                held = False
-                if meta.codec != "none":
-                    from kvkernels.compress import compress_regions
-
-                    cs = compress_regions(buf, fmt, codec=meta.codec, byteshuffle=self.settings.byteshuffle)
-                    sfut = self.store.put(ks, [r.contiguous() for r in cs.regions], meta)
-                elif gran is not None:
-                    q = fmt.region_nbytes
-                    sfut = self.store.put(ks, [buf[j * q : (j + 1) * q] for j in range(fmt.num_regions)], meta)
-                else:
-                    sfut = self.store.put(ks, buf, meta)
+            sfut, holds = self.io.put(ks, obj.tensor, shape, self._meta_for(shape))
         except BaseException as exc:
-            self._put_done(key, ks, obj if held else None, buf, callback, fut, None, exc)
+            self._put_done(key, ks, obj, callback, fut, None, exc)
             return
-        sfut.add_done_callback(lambda f: self._put_done(key, ks, obj if held else None, buf, callback, fut, f, None))
+        if not holds:
+            obj.ref_count_down()
+        sfut.add_done_callback(lambda f: self._put_done(key, ks, obj if holds else None, callback, fut, f, None))
 
-    def _put_done(self, key, ks: str, obj, buf, callback, fut: Future, sfut: Optional[Future], exc) -> None:
+    def _put_done(self, key, ks: str, obj, callback, fut: Future, sfut: Optional[Future], exc) -> None:
         """The store finished a put (or it failed before reaching the store): release, count, call back."""
         if exc is None and sfut is not None:
             exc = sfut.exception()
         if obj is not None:
             obj.ref_count_down()
-        if buf is not None:
-            self._bufs.give(buf)
         with self._lock:
             self._put_tasks.pop(ks, None)
         if exc is not None:
@@ -404,66 +321,12 @@ class KVKernelsBackend(StoragePluginInterface):
             self._count("alloc_failures")
         return obj
 
-    def _start_read(self, ks: str, out: torch.Tensor, layers=None):
-        """Start reading ``ks`` for chunk ``out`` (None when absent).
-
-        Raw entries whose regions hold exactly ``K[l]`` + ``V[l]`` are read straight into
-        ``out`` (vectored, no staging buffer); others go through a pooled staging buffer.
-        """
-        header = self.store.header(ks)
-        if header is None:
-            return None
-        shape, mfmt = self._shape_of_header(header)
-        fmt = header.meta.fmt if layers is None else header.meta.fmt.with_layers(layers)
-        payload = shape.payload_elems * shape.element_size
-        sel = [r for r in header.regions if r.layer in fmt.layers]
-        if self._inplace(out, header.meta) and all(r.stored == payload for r in sel) and out.shape == shape.torch_shape \
-                and out.dtype == shape.dtype:
-            fut = self.store.get(ks, out=self._chunk_regions(out, shape, fmt.layers), layers=layers)
-            return header, shape, mfmt, fmt, None, fut
-        gran = self._fp8_granularity(header.meta.scheme)
-        if gran is not None:
-            from kvkernels.quant import QuantStagingFormat
-
-            fmt = QuantStagingFormat.from_staging(fmt, gran)
-        buf = self._bufs.take(fmt.nbytes)
-        q = fmt.region_nbytes
-        try:
-            dest = buf if gran is None else [buf[j * q : (j + 1) * q] for j in range(fmt.num_regions)]
-            fut = self.store.get(ks, out=dest, layers=layers)
-        except BaseException:
-            self._bufs.give(buf)
-            raise
-        return header, shape, mfmt, fmt, buf, fut
-
-    def _finish_read(self, ks: str, started, out: torch.Tensor, layers=None) -> bool:
-        """Wait for a read and convert it into ``out``; False (and no bytes trusted) on any failure."""
+    def _finish_read(self, ks: str, pending, out: torch.Tensor) -> bool:
+        """Wait for a read and decode it into ``out``; False (and no bytes trusted) on any failure."""
         from kvkernels.io import CorruptEntryError
 
-        header, shape, mfmt, fmt, buf, fut = started
-        extra = None
         try:
-            fut.result()
-            if buf is not None:  # staged read: convert into the chunk
-                staging = buf
-                m = header.meta
-                if m.codec != "none":
-                    from kvkernels.compress import CompressedStaging, decompress_regions
-
-                    sel = [r for r in header.regions if layers is None or r.layer in fmt.layers]
-                    cs = CompressedStaging.from_buffer(buf, fmt, [r.stored for r in sel], m.codec,
-                                                       byteshuffle=m.scheme == "shuffle")
-                    extra = self._bufs.take(fmt.nbytes)
-                    staging = decompress_regions(cs, out=extra)
-                gran = self._fp8_granularity(m.scheme)
-                if gran is not None:  # dequantize in one pass into the chunk's dtype
-                    import kvkernels
-
-                    layers_arg = fmt.layers if len(fmt.layers) < shape.num_layers else None
-                    kvkernels.scatter(staging, chunk_layout(out, shape), [0], layers=layers_arg, quant="fp8",
-                                      granularity=gran)
-                else:
-                    staging_to_chunk(staging, shape, out, fmt, layers=fmt.layers)
+            self.io.finish_read(pending, out)
             self._count("hits")
             return True
         except KeyError:
@@ -478,11 +341,6 @@ class KVKernelsBackend(StoragePluginInterface):
             log.warning("kvkernels LMCache plugin: read of %s failed, treated as a miss: %s: %s", ks,
                         type(exc).__name__, exc)
             return False
-        finally:
-            if buf is not None:
-                self._bufs.give(buf)
-            if extra is not None:
-                self._bufs.give(extra)
 
     def _read_many(self, kss: List[str], objs: List[Optional[MemoryObj]]) -> List[bool]:
         """Read several entries with up to ``_read_window`` reads in flight; results in order."""
@@ -493,7 +351,7 @@ class KVKernelsBackend(StoragePluginInterface):
             while i < len(kss) and len(pending) < self._read_window:
                 if objs[i] is not None:
                     try:
-                        st = self._start_read(kss[i], objs[i].tensor)
+                        st = self.io.start_read(kss[i], objs[i].tensor)
                     except Exception as exc:  # a bad header, a closed store: a miss, never a leak
                         log.warning("kvkernels LMCache plugin: %s unreadable: %s: %s", kss[i], type(exc).__name__, exc)
                         st = None
@@ -593,8 +451,8 @@ class KVKernelsBackend(StoragePluginInterface):
         shape, _ = self._shape_of_header(header)
         layers = normalize_layers(layers, shape.num_layers)
         full = torch.empty(shape.torch_shape, dtype=shape.dtype)
-        st = self._start_read(ks, full, layers=layers)
-        if st is None or not self._finish_read(ks, st, full, layers=layers):
+        st = self.io.start_read(ks, full, layers=layers)
+        if st is None or not self._finish_read(ks, st, full):
             return None
         return full[:, list(layers)]
 
@@ -641,4 +499,4 @@ class KVKernelsBackend(StoragePluginInterface):
         self._put_pool.shutdown(wait=True)
         self._read_pool.shutdown(wait=True)
         self.store.close()
-        self._bufs.clear()
+        self.io.bufs.clear()

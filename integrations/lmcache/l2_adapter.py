@@ -32,10 +32,12 @@ built-in adapters):
   on one thread). Locked keys are refused by :meth:`KVKernelsL2Adapter.delete`; when the store has
   ``pin``/``unpin`` each lock also pins the entry against the store's LRU eviction (without it,
   an entry evicted by the store between lookup and load is a failed load);
-* load: a ``Bitmap`` of the keys whose bytes were read, verified (xxh3 per layer) and written into
+* load: a ``Bitmap`` of the keys whose bytes were read (raw entries straight into the caller's
+  buffer by vectored I/O, others through a staging buffer), verified (xxh3 per layer) and decoded into
   the caller's buffer. A miss, an entry whose shape/dtype differs from the buffer's layout, a
   checksum failure (``CorruptEntryError``: the store drops the entry) or any I/O error clears the
-  bit; the caller's buffer is only written from verified bytes.
+  bit; a failed key's buffer content is unspecified (it may hold unverified bytes of the entry)
+  and must not be used — exactly what a cleared bit tells LMCache.
 """
 
 from __future__ import annotations
@@ -55,9 +57,9 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from .backend import _BufferPool
+from .chunk_io import ChunkIO
 from .config import KEYS, PREFIX, PluginConfigError, PluginSettings, parse_extra_config
-from .convert import ChunkShape, chunk_to_staging, staging_to_chunk
+from .convert import ChunkShape
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -184,7 +186,7 @@ class _Plan:
     """How one L1 object maps to a store entry."""
 
     meta: Any  # kvkernels.io.EntryMeta
-    shape: Optional[ChunkShape]  # None: opaque bytes entry
+    shape: ChunkShape  # opaque objects: [1, 1, nbytes, 1] uint8
     nbytes: int  # logical bytes of the object
 
 
@@ -203,8 +205,8 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         What LMCache's plugin factory passes: the config built from ``adapter_params``, or the
         raw ``adapter_params`` dict (then validated here).
     l1_memory_desc : L1MemoryDesc, optional
-        LMCache's description of the L1 arena; not needed (the adapter copies through its own
-        staging buffers) and ignored.
+        LMCache's description of the L1 arena; not needed (objects are read and written through
+        their own tensors) and ignored.
 
     Raises
     ------
@@ -263,7 +265,8 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         # lookups and unlocks share one thread: an unlock never overtakes the lock it releases
         self._lock_pool = ThreadPoolExecutor(1, thread_name_prefix="kvk-l2-lock")
         self._read_window = max(1, n_io * _READ_WINDOW_PER_THREAD)
-        self._bufs = _BufferPool(keep=settings.put_threads + 2 * self._read_window + 2)
+        # the I/O core shared with the in-process plugin: in-place vectored I/O for raw objects
+        self.io = ChunkIO(self.store, inplace=True, keep=settings.put_threads + 2 * self._read_window + 2)
         self._closed = False
         self.counters = {k: 0 for k in ("store_tasks", "stored", "store_skipped", "store_errors", "lookup_tasks",
                                         "lookup_hits", "load_tasks", "loaded", "load_misses", "load_mismatch",
@@ -321,9 +324,10 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                 return _Plan(meta, cs, size)
         if size <= 0:
             raise ValueError("empty memory object")
+        # any other object: its bytes as a one-layer [1, 1, size, 1] uint8 "chunk"
         meta = EntryMeta(layers=(0,), num_blocks=1, block_size=size, num_heads=1, head_dim=1, element_size=1,
                          num_kv=1, num_layers=1, dtype="uint8", scheme="raw", codec=s.compression)
-        return _Plan(meta, None, size)
+        return _Plan(meta, ChunkShape(1, 1, size, 1, 1, torch.uint8), size)
 
     @staticmethod
     def _obj_bytes(obj: "MemoryObj", nbytes: int) -> torch.Tensor:
@@ -340,8 +344,8 @@ class KVKernelsL2Adapter(L2AdapterInterface):
     def submit_store_task(self, keys: list["ObjectKey"], objects: list["MemoryObj"]) -> L2TaskId:
         """Store ``objects[i]`` under ``keys[i]``; returns at once (completion: store event fd).
 
-        The caller keeps the objects valid until the task completes; their bytes are copied
-        into the adapter's staging buffers before the disk write.
+        The caller keeps the objects valid until the task completes: raw objects are written
+        straight from their memory (vectored I/O); compressed ones through staging buffers.
         """
         task_id = self._new_task()
         self._store_pool.submit(self._run_store, task_id, list(keys), list(objects))
@@ -355,7 +359,6 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                 raise ValueError(f"store task: {len(keys)} keys but {len(objects)} objects")
             for key, obj in zip(keys, objects):
                 ks = None
-                buf = None
                 try:
                     ks = object_key_string(key)
                     with self._lock:
@@ -369,32 +372,13 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                             self._storing.discard(ks)
                         continue
                     plan = self._plan(obj)
-                    fmt = plan.meta.fmt
-                    buf = self._bufs.take(fmt.nbytes)
-                    if plan.shape is not None:
-                        chunk_to_staging(self._chunk_view(obj, plan), plan.shape, buf, fmt)
-                    else:
-                        buf[: plan.nbytes].copy_(self._obj_bytes(obj, plan.nbytes))
-                        buf[plan.nbytes : fmt.nbytes].zero_()
-                    if plan.meta.codec != "none":
-                        from kvkernels.compress import compress_regions
-
-                        cs = compress_regions(buf, fmt, codec=plan.meta.codec,
-                                              byteshuffle=plan.meta.scheme == "shuffle")
-                        fut = self.store.put(ks, [r.contiguous() for r in cs.regions], plan.meta)
-                    else:
-                        fut = self.store.put(ks, buf, plan.meta)
-                    # the staging buffer goes back to the pool as soon as its write is done (a large
-                    # task holds at most max_inflight_bytes of staging, the store's back pressure)
-                    fut.add_done_callback(lambda _f, b=buf: self._bufs.give(b))
-                    buf = None
+                    # the task completes only when every write is done: the objects stay valid
+                    fut, _holds = self.io.put(ks, self._chunk_view(obj, plan), plan.shape, plan.meta)
                     pending.append((key, ks, fut, plan.nbytes))
                 except Exception as exc:
                     ok = False
                     self._count("store_errors")
                     log.warning("kvkernels L2 adapter: store of %s failed: %s: %s", ks, type(exc).__name__, exc)
-                    if buf is not None:
-                        self._bufs.give(buf)
                     if ks is not None:
                         with self._lock:
                             self._storing.discard(ks)
@@ -508,9 +492,9 @@ class KVKernelsL2Adapter(L2AdapterInterface):
     def submit_load_task(self, keys: list["ObjectKey"], objects: list["MemoryObj"]) -> L2TaskId:
         """Read ``keys[i]`` into ``objects[i]``; returns at once (completion: load event fd).
 
-        A bit of the result is set only when the entry's verified bytes were written into the
-        buffer; a failed key's buffer content is unspecified but never holds unverified bytes
-        of the entry.
+        A bit of the result is set only when the entry's verified bytes are in the buffer; a
+        failed key's buffer content is unspecified (raw entries are read in place) and must not
+        be used.
         """
         task_id = self._new_task()
         self._load_pool.submit(self._run_load, task_id, list(keys), list(objects))
@@ -528,36 +512,18 @@ class KVKernelsL2Adapter(L2AdapterInterface):
             log.warning("kvkernels L2 adapter: %s holds %s, the load buffer is %s: not loaded", ks,
                         _meta_key(header.meta), _meta_key(plan.meta))
             return None
-        fmt = header.meta.fmt
-        buf = self._bufs.take(fmt.nbytes)
-        try:
-            fut = self.store.get(ks, out=buf)
-        except BaseException:
-            self._bufs.give(buf)
-            raise
-        return ks, plan, header, buf, fut
+        pending = self.io.start_read(ks, self._chunk_view(obj, plan))
+        if pending is None:  # removed between header() and here
+            self._count("load_misses")
+            return None
+        return ks, plan, pending
 
     def _finish_read(self, started, obj) -> bool:
         from kvkernels.io import CorruptEntryError
 
-        ks, plan, header, buf, fut = started
-        extra = None
+        ks, plan, pending = started
         try:
-            fut.result()
-            m = header.meta
-            fmt = m.fmt
-            staging = buf
-            if m.codec != "none":
-                from kvkernels.compress import CompressedStaging, decompress_regions
-
-                cs = CompressedStaging.from_buffer(buf, fmt, [r.stored for r in header.regions], m.codec,
-                                                   byteshuffle=m.scheme == "shuffle")
-                extra = self._bufs.take(fmt.nbytes)
-                staging = decompress_regions(cs, out=extra)
-            if plan.shape is not None:
-                staging_to_chunk(staging, plan.shape, self._chunk_view(obj, plan), fmt)
-            else:
-                self._obj_bytes(obj, plan.nbytes).copy_(staging[: plan.nbytes])
+            self.io.finish_read(pending, self._chunk_view(obj, plan))
             return True
         except KeyError:  # removed between header() and the read
             self._count("load_misses")
@@ -570,10 +536,6 @@ class KVKernelsL2Adapter(L2AdapterInterface):
             self._count("load_errors")
             log.warning("kvkernels L2 adapter: read of %s failed: %s: %s", ks, type(exc).__name__, exc)
             return False
-        finally:
-            self._bufs.give(buf)
-            if extra is not None:
-                self._bufs.give(extra)
 
     def _run_load(self, task_id: L2TaskId, keys, objects) -> None:
         n = len(keys)
@@ -660,6 +622,6 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         for pool in (self._store_pool, self._load_pool, self._lock_pool):
             pool.shutdown(wait=True)
         self.store.close()
-        self._bufs.clear()
+        self.io.bufs.clear()
         for efd in (self._store_efd, self._lookup_efd, self._load_efd):
             efd.close()

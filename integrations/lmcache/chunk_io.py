@@ -1,0 +1,242 @@
+"""One LMCache chunk <-> one :class:`kvkernels.io.KVStore` entry: the I/O core shared by the
+in-process plugin (``backend.py``) and the MP-mode L2 adapter (``l2_adapter.py``).
+
+A chunk is a tensor ``[num_kv, L, T, H*D]`` (``KV_2LTD``: ``num_kv = 2``; MLA: 1). Its entry is
+kvkernels' layer-contiguous staging format (docs/layouts.md): region ``l`` = ``K[l]`` then
+``V[l]``, one checksum per region, so one layer can be read alone. How the bytes get there
+depends on the entry's ``scheme``/``codec`` (recorded in its header; reads always follow the
+header, never the current settings):
+
+* ``raw``, contiguous CPU chunk (LMCache's allocator): **in place** — the store gets the views
+  ``[[K[0], V[0]], [K[1], V[1]], ...]`` of the chunk and moves them with one vectored
+  ``pwritev``/``preadv`` (O_DIRECT in place when 4 KiB aligned). No conversion copy. Such
+  entries store exactly ``K[l]|V[l]`` per region (zero padded on disk).
+* ``raw`` otherwise (CUDA chunks, ``inplace=False``): through a pooled, 4 KiB-aligned staging
+  buffer (``kvkernels.gather``/``scatter`` for CUDA chunks, a strided copy for CPU ones); such
+  entries store the padded region.
+* a codec (``zstd``), optionally after the byte-plane ``shuffle``: staging buffer, then
+  :func:`kvkernels.compress.compress_regions` (one stream per region).
+* ``fp8-token`` / ``fp8-block``: ``kvkernels.gather(..., quant="fp8")`` into a staging buffer
+  (docs/quant.md), optionally followed by the codec; reads dequantize with
+  ``kvkernels.scatter(..., quant="fp8")`` into the chunk's dtype.
+
+No lmcache import here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .convert import ChunkShape, chunk_layout, chunk_to_staging, staging_to_chunk
+
+__all__ = ["BufferPool", "ChunkIO", "PendingRead", "shape_of_header", "fp8_granularity", "FP8_SOURCE_DTYPES"]
+
+# chunk dtypes FP8 quantization applies to (8-bit chunks are stored as they are)
+FP8_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def fp8_granularity(scheme: str) -> Optional[str]:
+    """``"token"``/``"block"`` for FP8 entries (scheme ``fp8-token``/``fp8-block``), else None."""
+    return scheme[4:] if scheme.startswith("fp8-") else None
+
+
+def shape_of_header(header) -> ChunkShape:
+    """The chunk shape an entry decodes into; ``ValueError`` for entries that are not one chunk."""
+    m = header.meta
+    dtype = getattr(torch, m.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"stored dtype {m.dtype!r} is not a torch dtype")
+    if m.num_blocks != 1 or m.num_kv not in (1, 2) or tuple(m.layers) != tuple(range(m.num_layers)):
+        raise ValueError("entry was not written from an LMCache chunk")
+    return ChunkShape(m.num_kv, m.num_layers, m.block_size, m.num_heads, m.head_dim, dtype)
+
+
+class BufferPool:
+    """Reusable 4 KiB-aligned staging buffers (fresh 32 MiB buffers page-fault on first touch)."""
+
+    def __init__(self, keep: int):
+        from kvkernels.io import aligned_empty
+
+        self._new = aligned_empty
+        self._keep = keep
+        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            lst = self._free.get(nbytes)
+            if lst:
+                return lst.pop()
+        return self._new(nbytes)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            lst = self._free[buf.numel()]
+            if len(lst) < self._keep:
+                lst.append(buf)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+@dataclass
+class PendingRead:
+    """A started read (:meth:`ChunkIO.start_read`); finish it with :meth:`ChunkIO.finish_read`."""
+
+    header: Any
+    shape: ChunkShape
+    fmt: Any  # StagingFormat or QuantStagingFormat of the regions read
+    buf: Optional[torch.Tensor]  # staging buffer (None: read in place)
+    future: Future
+
+
+class ChunkIO:
+    """Store and load LMCache chunks through a :class:`~kvkernels.io.KVStore` (module docs).
+
+    Parameters
+    ----------
+    store : KVStore
+    inplace : bool
+        Raw contiguous CPU chunks go by vectored I/O straight from/into the chunk.
+    keep : int
+        Staging buffers kept for reuse per size.
+    """
+
+    def __init__(self, store, *, inplace: bool = True, keep: int = 8):
+        self.store = store
+        self.inplace = bool(inplace)
+        self.bufs = BufferPool(keep)
+
+    # ------------------------------------------------------------------ helpers
+    def _inplace(self, t: torch.Tensor, meta) -> bool:
+        return (self.inplace and t.device.type == "cpu" and t.is_contiguous() and meta.codec == "none"
+                and meta.scheme == "raw")
+
+    @staticmethod
+    def regions(t: torch.Tensor, shape: ChunkShape, layers=None) -> list[list[torch.Tensor]]:
+        """``[[K[l] bytes, V[l] bytes] for l in layers]``: uint8 views into chunk ``t``, no copy."""
+        flat = t.view(shape.num_kv, shape.num_layers, -1)
+        layers = range(shape.num_layers) if layers is None else layers
+        return [[flat[c, l].view(torch.uint8) for c in range(shape.num_kv)] for l in layers]
+
+    # ------------------------------------------------------------------ put
+    def put(self, key: str, t: torch.Tensor, shape: ChunkShape, meta) -> tuple[Future, bool]:
+        """Start storing chunk ``t`` (``shape.torch_shape``) under ``key`` with ``meta``.
+
+        Returns ``(future, holds_source)``: the store's future (of the written header), and
+        whether the write reads ``t`` itself (in place: ``t`` must stay valid and unchanged until
+        the future is done). When ``holds_source`` is False the bytes were already copied (or
+        quantized) into a staging buffer, which goes back to the pool when the write is done.
+        May block on the store's back pressure (``max_inflight_bytes``).
+        """
+        if self._inplace(t, meta):
+            return self.store.put(key, self.regions(t, shape), meta), True
+        fmt = meta.fmt
+        gran = fp8_granularity(meta.scheme)
+        if gran is not None:
+            from kvkernels.quant import QuantStagingFormat
+
+            fmt = QuantStagingFormat.from_staging(fmt, gran)
+        buf = self.bufs.take(fmt.nbytes)
+        try:
+            if gran is not None:
+                import kvkernels
+
+                kvkernels.gather(chunk_layout(t, shape), [0], out=buf, quant="fp8", granularity=gran)
+            else:
+                chunk_to_staging(t, shape, buf, fmt)
+            if meta.codec != "none":
+                from kvkernels.compress import compress_regions
+
+                cs = compress_regions(buf, fmt, codec=meta.codec, byteshuffle=meta.scheme == "shuffle")
+                fut = self.store.put(key, [r.contiguous() for r in cs.regions], meta)
+            elif gran is not None:
+                q = fmt.region_nbytes
+                fut = self.store.put(key, [buf[j * q : (j + 1) * q] for j in range(fmt.num_regions)], meta)
+            else:
+                fut = self.store.put(key, buf, meta)
+        except BaseException:
+            self.bufs.give(buf)
+            raise
+        fut.add_done_callback(lambda _f: self.bufs.give(buf))
+        return fut, False
+
+    # ------------------------------------------------------------------ get
+    def start_read(self, key: str, out: torch.Tensor, layers=None) -> Optional[PendingRead]:
+        """Start reading ``key`` (``layers``: default all) for chunk ``out``; None when absent.
+
+        Raw entries whose regions hold exactly ``K[l]|V[l]`` are read straight into ``out``
+        (vectored, no staging buffer) when ``out`` is a contiguous CPU tensor of the entry's
+        shape and dtype; others go through a pooled staging buffer. Raises ``ValueError`` for an
+        entry that is not one chunk.
+        """
+        header = self.store.header(key)
+        if header is None:
+            return None
+        shape = shape_of_header(header)
+        fmt = header.meta.fmt if layers is None else header.meta.fmt.with_layers(layers)
+        payload = shape.payload_elems * shape.element_size
+        sel = [r for r in header.regions if r.layer in fmt.layers]
+        if (self._inplace(out, header.meta) and out.shape == shape.torch_shape and out.dtype == shape.dtype
+                and all(r.stored == payload for r in sel)):
+            fut = self.store.get(key, out=self.regions(out, shape, fmt.layers), layers=layers)
+            return PendingRead(header, shape, fmt, None, fut)
+        gran = fp8_granularity(header.meta.scheme)
+        if gran is not None:
+            from kvkernels.quant import QuantStagingFormat
+
+            fmt = QuantStagingFormat.from_staging(fmt, gran)
+        buf = self.bufs.take(fmt.nbytes)
+        q = fmt.region_nbytes
+        try:
+            dest = buf if gran is None else [buf[j * q : (j + 1) * q] for j in range(fmt.num_regions)]
+            fut = self.store.get(key, out=dest, layers=layers)
+        except BaseException:
+            self.bufs.give(buf)
+            raise
+        return PendingRead(header, shape, fmt, buf, fut)
+
+    def finish_read(self, pending: PendingRead, out: torch.Tensor) -> None:
+        """Wait for a read and decode it into chunk ``out`` (only the layers read are written).
+
+        Raises what the read raised: ``KeyError`` (removed meanwhile), ``CorruptEntryError``
+        (checksum: the store dropped the entry), ``OSError``, codec errors. On any exception the
+        bytes in ``out`` must not be used.
+        """
+        header, shape, fmt, buf = pending.header, pending.shape, pending.fmt, pending.buf
+        extra = None
+        try:
+            pending.future.result()
+            if buf is None:  # read in place
+                return
+            staging = buf
+            m = header.meta
+            if m.codec != "none":
+                from kvkernels.compress import CompressedStaging, decompress_regions
+
+                sel = [r for r in header.regions if r.layer in fmt.layers]
+                cs = CompressedStaging.from_buffer(buf, fmt, [r.stored for r in sel], m.codec,
+                                                   byteshuffle=m.scheme == "shuffle")
+                extra = self.bufs.take(fmt.nbytes)
+                staging = decompress_regions(cs, out=extra)
+            gran = fp8_granularity(m.scheme)
+            if gran is not None:  # dequantize in one pass into the chunk's dtype
+                import kvkernels
+
+                layers_arg = fmt.layers if len(fmt.layers) < shape.num_layers else None
+                kvkernels.scatter(staging, chunk_layout(out, shape), [0], layers=layers_arg, quant="fp8",
+                                  granularity=gran)
+            else:
+                staging_to_chunk(staging, shape, out, fmt, layers=fmt.layers)
+        finally:
+            if buf is not None:
+                self.bufs.give(buf)
+            if extra is not None:
+                self.bufs.give(extra)
