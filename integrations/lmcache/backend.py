@@ -39,7 +39,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from .config import PluginConfigError, PluginSettings, parse_extra_config
-from .chunk_io import FP8_SOURCE_DTYPES, ChunkIO, shape_of_header
+from .chunk_io import FP8_SOURCE_DTYPES, ChunkIO, run_windowed, shape_of_header
 from .convert import ChunkShape
 
 __all__ = ["KVKernelsBackend", "key_string"]
@@ -47,8 +47,9 @@ __all__ = ["KVKernelsBackend", "key_string"]
 log = logging.getLogger("kvkernels.integrations.lmcache")
 
 _FORMATS = {2: MemoryFormat.KV_2LTD, 1: MemoryFormat.KV_MLA_FMT}
-# reads kept in flight per batched get: store queue depth x 2 (bounded staging memory)
-_READ_WINDOW_PER_THREAD = 2
+# reads kept in flight per batched get: store queue depth x 4 (bounded staging memory for the
+# reads that need a staging buffer; in-place reads use LMCache's own buffers)
+_READ_WINDOW_PER_THREAD = 4
 
 
 def key_string(key) -> str:
@@ -343,24 +344,22 @@ class KVKernelsBackend(StoragePluginInterface):
             return False
 
     def _read_many(self, kss: List[str], objs: List[Optional[MemoryObj]]) -> List[bool]:
-        """Read several entries with up to ``_read_window`` reads in flight; results in order."""
+        """Read several entries, ``_read_window`` in flight, finished in completion order."""
         ok = [False] * len(kss)
-        pending: list = []  # (index, started)
-        i = 0
-        while i < len(kss) or pending:
-            while i < len(kss) and len(pending) < self._read_window:
-                if objs[i] is not None:
-                    try:
-                        st = self.io.start_read(kss[i], objs[i].tensor)
-                    except Exception as exc:  # a bad header, a closed store: a miss, never a leak
-                        log.warning("kvkernels LMCache plugin: %s unreadable: %s: %s", kss[i], type(exc).__name__, exc)
-                        st = None
-                    if st is not None:
-                        pending.append((i, st))
-                i += 1
-            if pending:
-                j, st = pending.pop(0)
-                ok[j] = self._finish_read(kss[j], st, objs[j].tensor)
+
+        def start(i):
+            if objs[i] is None:
+                return None
+            try:
+                return self.io.start_read(kss[i], objs[i].tensor)
+            except Exception as exc:  # a bad header, a closed store: a miss, never a leak
+                log.warning("kvkernels LMCache plugin: %s unreadable: %s: %s", kss[i], type(exc).__name__, exc)
+                return None
+
+        def finish(j, st):
+            ok[j] = self._finish_read(kss[j], st, objs[j].tensor)
+
+        run_windowed(len(kss), start, finish, self._read_window)
         return ok
 
     def get_blocking(self, key: CacheEngineKey) -> Optional[MemoryObj]:

@@ -35,7 +35,8 @@ import torch
 
 from .convert import ChunkShape, chunk_layout, chunk_to_staging, staging_to_chunk
 
-__all__ = ["BufferPool", "ChunkIO", "PendingRead", "shape_of_header", "fp8_granularity", "FP8_SOURCE_DTYPES"]
+__all__ = ["BufferPool", "ChunkIO", "PendingRead", "shape_of_header", "fp8_granularity", "FP8_SOURCE_DTYPES",
+           "run_windowed"]
 
 # chunk dtypes FP8 quantization applies to (8-bit chunks are stored as they are)
 FP8_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -55,6 +56,32 @@ def shape_of_header(header) -> ChunkShape:
     if m.num_blocks != 1 or m.num_kv not in (1, 2) or tuple(m.layers) != tuple(range(m.num_layers)):
         raise ValueError("entry was not written from an LMCache chunk")
     return ChunkShape(m.num_kv, m.num_layers, m.block_size, m.num_heads, m.head_dim, dtype)
+
+
+def run_windowed(n: int, start, finish, window: int) -> None:
+    """``start(i)`` for ``i < n`` with at most ``window`` started and unfinished; ``finish(i, started)``
+    in **completion order**.
+
+    ``start`` returns an object with a ``future`` attribute (or None: nothing to wait for).
+    Completion order matters: finishing in submission order let one slow read hold the window
+    while the store's workers ran dry (a 32-chunk restore ran ~10 % below LocalDiskBackend's on
+    the CPU host, all of the gap in this loop).
+    """
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    inflight: dict = {}  # future -> (i, started)
+    i = 0
+    while i < n or inflight:
+        while i < n and len(inflight) < window:
+            st = start(i)
+            if st is not None:
+                inflight[st.future] = (i, st)
+            i += 1
+        if inflight:
+            done, _ = wait(list(inflight), return_when=FIRST_COMPLETED)
+            for f in done:
+                j, st = inflight.pop(f)
+                finish(j, st)
 
 
 class BufferPool:

@@ -46,6 +46,7 @@ import itertools
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -57,7 +58,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from .chunk_io import ChunkIO
+from .chunk_io import ChunkIO, run_windowed
 from .config import KEYS, PREFIX, PluginConfigError, PluginSettings, parse_extra_config
 from .convert import ChunkShape
 
@@ -516,14 +517,14 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         if pending is None:  # removed between header() and here
             self._count("load_misses")
             return None
-        return ks, plan, pending
+        return SimpleNamespace(future=pending.future, ks=ks, plan=plan, pending=pending)
 
     def _finish_read(self, started, obj) -> bool:
         from kvkernels.io import CorruptEntryError
 
-        ks, plan, pending = started
+        ks, plan = started.ks, started.plan
         try:
-            self.io.finish_read(pending, self._chunk_view(obj, plan))
+            self.io.finish_read(started.pending, self._chunk_view(obj, plan))
             return True
         except KeyError:  # removed between header() and the read
             self._count("load_misses")
@@ -544,25 +545,21 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         try:
             if len(objects) != n:
                 raise ValueError(f"load task: {n} keys but {len(objects)} objects")
-            pending: list = []
-            i = 0
-            while i < n or pending:
-                while i < n and len(pending) < self._read_window:
-                    try:
-                        st = self._start_read(keys[i], objects[i])
-                    except Exception as exc:
-                        self._count("load_errors")
-                        log.warning("kvkernels L2 adapter: load of %r failed: %s: %s", keys[i], type(exc).__name__,
-                                    exc)
-                        st = None
-                    if st is not None:
-                        pending.append((i, st))
-                    i += 1
-                if pending:
-                    j, st = pending.pop(0)
-                    if self._finish_read(st, objects[j]):
-                        bitmap.set(j)
-                        loaded.append(keys[j])
+
+            def start(i):
+                try:
+                    return self._start_read(keys[i], objects[i])
+                except Exception as exc:
+                    self._count("load_errors")
+                    log.warning("kvkernels L2 adapter: load of %r failed: %s: %s", keys[i], type(exc).__name__, exc)
+                    return None
+
+            def finish(j, st):
+                if self._finish_read(st, objects[j]):
+                    bitmap.set(j)
+                    loaded.append(keys[j])
+
+            run_windowed(n, start, finish, self._read_window)
         except Exception as exc:
             self._count("load_errors")
             log.warning("kvkernels L2 adapter: load task %s failed: %s: %s", task_id, type(exc).__name__, exc)
