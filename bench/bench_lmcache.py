@@ -145,7 +145,9 @@ class _Bench:
         t0 = time.perf_counter()
         got = be.batched_get_blocking(keys)
         self.retr_s.append(time.perf_counter() - t0)
-        bad = sum(1 for i, o in enumerate(got) if o is None or float(o.tensor.view(-1)[0]) != i)
+        # lossy rows (fp8: 3 mantissa bits) must come back within e4m3's relative step, others exactly
+        tol = (lambda i: 0.0625 * i) if VARIANTS.get(kind, {}).get("quant", "none") != "none" else (lambda i: 0)
+        bad = sum(1 for i, o in enumerate(got) if o is None or abs(float(o.tensor.view(-1)[0]) - i) > tol(i))
         for o in got:
             if o is not None:
                 o.ref_count_down()

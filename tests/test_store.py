@@ -367,6 +367,50 @@ def test_vectored_arguments_are_checked(tmp_path):
             store.get("k", out=[buf[::2]] * 3)
 
 
+def test_lone_large_get_fans_out_into_parallel_group_reads(tmp_path, monkeypatch):
+    """A get with nothing else queued reads its groups on several workers; bytes, corruption and
+    truncation behave exactly as in a single read."""
+    import kvkernels.io.store as store_mod
+
+    monkeypatch.setattr(store_mod, "READ_GROUP_MIN", 4096)  # test-sized entries count as large
+    _, buf, meta = staged(ids=(3, 9, 1, 4, 7, 0, 2, 5))
+    fmt = meta.fmt
+    calls = []
+    with KVStore(tmp_path, io_threads=4) as store:
+        real = store._read_group
+        monkeypatch.setattr(store, "_read_group", lambda *a: calls.append(a[1]) or real(*a))
+        store.put("k", buf, meta).result()
+        assert torch.equal(store.get("k").result(), buf)
+        assert len(calls) == 3  # one group per region here: offsets of the three regions
+        outs = _split_regions(torch.zeros_like(buf), fmt, (1000,))
+        store.get("k", out=outs).result()
+        assert torch.equal(torch.cat([torch.cat(r) for r in outs]), buf)
+        assert torch.equal(store.get("k", layers=[2, 0]).result(),  # layers come back in ascending order
+                           torch.cat([buf[: fmt.region_nbytes], buf[fmt.region_offset(2):]]))
+        store.put("bad", buf, meta).result()
+        store.put("short", buf, meta).result()
+        from kvkernels.io.format import key_digest
+
+        path = {k: store._index[key_digest(k)].path for k in ("bad", "short")}
+        with open(path["short"], "r+b") as f:  # cut short under the open store (recovery would skip it)
+            f.truncate(os.path.getsize(path["short"]) - 5000)
+        with pytest.raises(CorruptEntryError, match="truncated"):
+            store.get("short").result()
+        assert not store.contains("short")
+    with open(path["bad"], "r+b") as f:  # flip a byte in the last region
+        f.seek(-100, 2)
+        b = f.read(1)
+        f.seek(-100, 2)
+        f.write(bytes([b[0] ^ 1]))
+    with KVStore(tmp_path, io_threads=4) as store:
+        assert store.contains("bad")
+        with pytest.raises(CorruptEntryError, match="layer 2"):
+            store.get("bad").result()
+        assert not store.contains("bad") and store.stats()["corrupt"] == 1
+        assert torch.equal(store.get("k").result(), buf)  # the store keeps working
+        assert [e.readers for e in store._index.values()] == [0]  # every group released the file
+
+
 def test_pinned_entries_are_not_evicted(tmp_path):
     _, buf, meta = staged()
     size = 4096 + buf.numel()
