@@ -45,9 +45,12 @@ except ImportError:  # pragma: no cover
 STEM = "bench_lmcache"
 # kvkernels-staged: the plugin with inplace_io off (chunks converted through a staging buffer:
 # the previous version), kept to show what the in-place vectored I/O buys
-BACKENDS = ("kvkernels", "kvkernels-nofsync", "kvkernels-staged", "LocalDiskBackend", "LocalDiskBackend-odirect")
+# kvkernels-fp8: kvkernels.quant fp8 (lossy; on LMCache's CPU chunks the quantization runs on the host CPU)
+BACKENDS = ("kvkernels", "kvkernels-nofsync", "kvkernels-staged", "kvkernels-fp8", "LocalDiskBackend",
+            "LocalDiskBackend-odirect")
 # kvkernels.* keys of each kvkernels row (the rest: defaults)
-VARIANTS = {"kvkernels": {}, "kvkernels-nofsync": {"fsync": False}, "kvkernels-staged": {"inplace_io": False}}
+VARIANTS = {"kvkernels": {}, "kvkernels-nofsync": {"fsync": False}, "kvkernels-staged": {"inplace_io": False},
+            "kvkernels-fp8": {"quant": "fp8"}}
 
 
 def _drop_tree(root: str) -> None:
@@ -161,6 +164,51 @@ class _Bench:
         for k in keys + [k1]:
             be.remove(k)
 
+    def fill(self) -> None:
+        """Store one batch for :meth:`cold_retrieve` (the restore of KV written earlier)."""
+        from lmcache.utils import CacheEngineKey
+        from lmcache.v1.memory_management import MemoryFormat
+
+        L, T, H, D, dtype = self.shape
+        self.kept = [CacheEngineKey("bench/llama3-8b", 1, 0, 10_000_000 + i, dtype) for i in range(self.n)]
+        objs = [self.cpu.allocate(torch.Size([2, L, T, H * D]), dtype, MemoryFormat.KV_2LTD) for _ in self.kept]
+        for i, o in enumerate(objs):
+            o.tensor.copy_(self.src)
+            o.tensor.view(-1)[0] = i
+        self.be.batched_submit_put_task(self.kept, objs)
+        for o in objs:
+            o.ref_count_down()
+        _wait_visible(self.be, self.kept)
+        self.cold_s, self.cold_cpu = [], []
+
+    def cold_retrieve(self) -> None:
+        """One cold ``batched_get_blocking`` of the kept batch; wall time and process CPU (cores)."""
+        import resource
+
+        _drop_tree(self.path)
+        time.sleep(0.3)
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.perf_counter()
+        got = self.be.batched_get_blocking(self.kept)
+        dt = time.perf_counter() - t0
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        tol = 0.0625 if VARIANTS.get(self.kind, {}).get("quant", "none") != "none" else 0.0
+        bad = sum(1 for i, o in enumerate(got) if o is None or abs(float(o.tensor.view(-1)[0]) - i) > tol * i)
+        for o in got:
+            if o is not None:
+                o.ref_count_down()
+        if bad:
+            raise RuntimeError(f"{self.kind}: {bad} chunks came back wrong or missing")
+        self.cold_s.append(dt)
+        self.cold_cpu.append((r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) / dt)
+
+    def cold_row(self) -> dict:
+        total = self.n * self.chunk_bytes
+        return {"backend": self.kind, "chunks": self.n, "chunk_mb": round(self.chunk_bytes / 2**20, 2),
+                "retrieve_gbps": total / statistics.median(self.cold_s) / 1e9,
+                "cpu_cores": statistics.median(self.cold_cpu),
+                "retrieve_gbps_reps": [round(total / x / 1e9, 3) for x in self.cold_s]}
+
     def row(self, dd: dict) -> dict:
         L, T = self.shape[0], self.shape[1]
         total = self.n * self.chunk_bytes
@@ -273,6 +321,52 @@ def run(*, directory=None, chunks=32, reps=3, out_dir="bench_results", tiny=Fals
     return rows
 
 
+def run_restore(*, directory=None, chunks=32, reps=8, out_dir="bench_results", tiny=False,
+                backends=("kvkernels", "kvkernels-nofsync", "LocalDiskBackend", "LocalDiskBackend-odirect")) -> list[dict]:
+    """Restore of KV written earlier: each backend stores one batch once, then cold
+    ``batched_get_blocking`` rounds rotate over the backends (no writes in between, so the disk's
+    write-back does not slow one backend's reads). Rows: median GB/s and process CPU in cores."""
+    layers, tokens, heads, head_dim = (4, 32, 2, 64) if tiny else (32, 256, 8, 128)
+    if tiny:
+        chunks, reps = 4, 1
+    shape = (layers, tokens, heads, head_dim, torch.bfloat16)
+    own = directory is None
+    directory = directory or tempfile.mkdtemp(prefix="kvk-bench-lmcache-", dir=os.environ.get("KVKERNELS_BENCH_DIR"))
+    os.makedirs(directory, exist_ok=True)
+    logging.getLogger("lmcache").setLevel(logging.WARNING)
+    meta = common.env_record()
+    meta.update(directory=directory, reps=reps, mode="restore of stored KV, cold, rounds rotate over the backends",
+                shape={"layers": layers, "tokens": tokens, "kv_heads": heads, "head_dim": head_dim, "dtype": "bfloat16"})
+    try:
+        meta["lmcache"] = md.version("lmcache")
+    except md.PackageNotFoundError:  # pragma: no cover
+        meta["lmcache"] = None
+    loop = asyncio.new_event_loop()
+    th = threading.Thread(target=loop.run_forever, daemon=True)
+    th.start()
+    benches: list[_Bench] = []
+    try:
+        for kind in backends:
+            benches.append(_Bench(kind, directory, shape, chunks, reps, loop))
+            benches[-1].fill()
+        for rep in range(reps):
+            k = rep % len(benches)
+            for b in benches[k:] + benches[:k]:
+                b.cold_retrieve()
+        rows = [b.cold_row() for b in benches]
+    finally:
+        for b in benches:
+            b.close()
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(5)
+        if own:
+            shutil.rmtree(directory, ignore_errors=True)
+    print(common.format_table(rows, ["backend", "chunks", "chunk_mb", "retrieve_gbps", "cpu_cores"]))
+    paths = common.write_results(rows, meta, out_dir, STEM + "_restore")
+    print("# wrote " + ", ".join(paths.values()))
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
@@ -282,7 +376,11 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="a few small chunks (CI)")
     p.add_argument("--no-dd", action="store_true", help="skip the dd ceiling")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--restore", action="store_true",
+                   help="only the restore of KV stored once (cold reads, rounds rotate over the backends)")
     a = p.parse_args(argv)
+    if a.restore:
+        return run_restore(directory=a.dir, chunks=a.chunks, reps=a.reps, out_dir=a.out, tiny=a.tiny)
     return run(directory=a.dir, chunks=a.chunks, reps=a.reps, out_dir=a.out, tiny=a.tiny, dd=not a.no_dd,
                plot=not a.no_plot)
 
