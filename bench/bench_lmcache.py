@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.metadata as md
 import logging
 import os
@@ -260,43 +261,29 @@ class _DD:
         pass
 
 
-def run(*, directory=None, chunks=32, reps=3, out_dir="bench_results", tiny=False, layers=32, tokens=256, heads=8,
-        head_dim=128, dd: bool = True, plot: bool = True, backends=BACKENDS) -> list[dict]:
-    if tiny:
-        chunks, reps, layers, tokens, heads, head_dim, dd = 4, 1, 4, 32, 2, 64, False
-    shape = (layers, tokens, heads, head_dim, torch.bfloat16)
+@contextlib.contextmanager
+def _session(directory, reps: int, shape):
+    """Directory (a temp one is removed afterwards), LMCache's event loop on a thread, run metadata,
+    and a list the caller fills with benches (all closed on exit)."""
     own = directory is None
     directory = directory or tempfile.mkdtemp(prefix="kvk-bench-lmcache-", dir=os.environ.get("KVKERNELS_BENCH_DIR"))
     os.makedirs(directory, exist_ok=True)
     logging.getLogger("lmcache").setLevel(logging.WARNING)
+    L, T, H, D, _ = shape
     meta = common.env_record()
     try:
         meta["lmcache"] = md.version("lmcache")
     except md.PackageNotFoundError:  # pragma: no cover
         meta["lmcache"] = None
-    meta.update(directory=directory, shape={"layers": layers, "tokens": tokens, "kv_heads": heads,
-                                            "head_dim": head_dim, "dtype": "bfloat16"}, reps=reps,
-                order="repetitions interleave the backends (rotated each rep); medians per backend")
-    meta["gds"] = "skipped: LMCache's GdsBackend needs CUDA and cuFile" if not torch.cuda.is_available() else \
-        "not measured by this script yet"
+    meta.update(directory=directory, reps=reps,
+                shape={"layers": L, "tokens": T, "kv_heads": H, "head_dim": D, "dtype": "bfloat16"},
+                order="rounds over all rows, the order rotated each round; medians per row")
     loop = asyncio.new_event_loop()
     th = threading.Thread(target=loop.run_forever, daemon=True)
     th.start()
     benches: list = []
     try:
-        ceiling = None
-        if dd:
-            benches.append(_DD(directory, chunks * 2 * layers * tokens * heads * head_dim * 2))
-        for kind in backends:
-            benches.append(_Bench(kind, directory, shape, chunks, reps, loop))
-        for rep in range(reps):
-            k = rep % len(benches)
-            for b in benches[k:] + benches[:k]:
-                b.rep(rep)
-        if dd:
-            ceiling = benches[0].ceiling()
-            meta["dd"] = ceiling
-        rows = [b.row(ceiling) for b in benches]
+        yield directory, loop, meta, benches
     finally:
         for b in benches:
             b.close()
@@ -304,6 +291,33 @@ def run(*, directory=None, chunks=32, reps=3, out_dir="bench_results", tiny=Fals
         th.join(5)
         if own:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def _rounds(benches: list, reps: int, step) -> None:
+    """``step(bench, rep)`` for every bench in every round, starting one later each round."""
+    for rep in range(reps):
+        k = rep % len(benches)
+        for b in benches[k:] + benches[:k]:
+            step(b, rep)
+
+
+def run(*, directory=None, chunks=32, reps=3, out_dir="bench_results", tiny=False, layers=32, tokens=256, heads=8,
+        head_dim=128, dd: bool = True, plot: bool = True, backends=BACKENDS) -> list[dict]:
+    if tiny:
+        chunks, reps, layers, tokens, heads, head_dim, dd = 4, 1, 4, 32, 2, 64, False
+    shape = (layers, tokens, heads, head_dim, torch.bfloat16)
+    ceiling = None
+    with _session(directory, reps, shape) as (directory, loop, meta, benches):
+        meta["gds"] = "skipped: LMCache's GdsBackend needs CUDA and cuFile" if not torch.cuda.is_available() else \
+            "not measured by this script yet"
+        if dd:
+            benches.append(_DD(directory, chunks * 2 * layers * tokens * heads * head_dim * 2))
+        for kind in backends:
+            benches.append(_Bench(kind, directory, shape, chunks, reps, loop))
+        _rounds(benches, reps, lambda b, rep: b.rep(rep))
+        if dd:
+            ceiling = meta["dd"] = benches[0].ceiling()
+        rows = [b.row(ceiling) for b in benches]
     if ceiling:
         print(f"# disk ceiling (dd, O_DIRECT, same dir, one round each rep, medians): write "
               f"{ceiling['dd_write_gbps']:.2f} GB/s, read {ceiling['dd_read_gbps']:.2f} GB/s")
@@ -330,37 +344,13 @@ def run_restore(*, directory=None, chunks=32, reps=8, out_dir="bench_results", t
     if tiny:
         chunks, reps = 4, 1
     shape = (layers, tokens, heads, head_dim, torch.bfloat16)
-    own = directory is None
-    directory = directory or tempfile.mkdtemp(prefix="kvk-bench-lmcache-", dir=os.environ.get("KVKERNELS_BENCH_DIR"))
-    os.makedirs(directory, exist_ok=True)
-    logging.getLogger("lmcache").setLevel(logging.WARNING)
-    meta = common.env_record()
-    meta.update(directory=directory, reps=reps, mode="restore of stored KV, cold, rounds rotate over the backends",
-                shape={"layers": layers, "tokens": tokens, "kv_heads": heads, "head_dim": head_dim, "dtype": "bfloat16"})
-    try:
-        meta["lmcache"] = md.version("lmcache")
-    except md.PackageNotFoundError:  # pragma: no cover
-        meta["lmcache"] = None
-    loop = asyncio.new_event_loop()
-    th = threading.Thread(target=loop.run_forever, daemon=True)
-    th.start()
-    benches: list[_Bench] = []
-    try:
+    with _session(directory, reps, shape) as (directory, loop, meta, benches):
+        meta["mode"] = "restore of stored KV, cold"
         for kind in backends:
             benches.append(_Bench(kind, directory, shape, chunks, reps, loop))
             benches[-1].fill()
-        for rep in range(reps):
-            k = rep % len(benches)
-            for b in benches[k:] + benches[:k]:
-                b.cold_retrieve()
+        _rounds(benches, reps, lambda b, rep: b.cold_retrieve())
         rows = [b.cold_row() for b in benches]
-    finally:
-        for b in benches:
-            b.close()
-        loop.call_soon_threadsafe(loop.stop)
-        th.join(5)
-        if own:
-            shutil.rmtree(directory, ignore_errors=True)
     print(common.format_table(rows, ["backend", "chunks", "chunk_mb", "retrieve_gbps", "cpu_cores"]))
     paths = common.write_results(rows, meta, out_dir, STEM + "_restore")
     print("# wrote " + ", ".join(paths.values()))

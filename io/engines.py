@@ -172,25 +172,16 @@ class PosixEngine:
         ``data``: a 1-D uint8 tensor, or a list of them written back to back (a vectored write:
         ``pwritev`` straight from the tensors, no gathering copy when they are aligned).
         """
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        dfd = None
+        fds = {False: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)}  # O_EXCL: never overwrite
         try:
-            for off, data in pieces:
-                segs = [t if t.device.type == "cpu" else t.cpu() for t in _segments(data)]
-                mvs = [(_host_view(t), t.data_ptr()) for t in segs]
-                total = sum(len(m) for m, _ in mvs)
-                if _aligned(off, total) and dfd is None:
-                    dfd = self._open_direct(path, os.O_WRONLY)
-                if dfd is not None and _aligned(off, total):
-                    self._direct(dfd, mvs, off, write=True)
-                else:
-                    self._rw_all(fd, [m for m, _ in mvs], off, write=True)
+            host = [(off, [t if t.device.type == "cpu" else t.cpu() for t in _segments(data)]) for off, data in pieces]
+            self._move(path, os.O_WRONLY, host, fds, write=True)
             if fsync:
-                os.fsync(fd)
+                os.fsync(fds[False])
         finally:
-            if dfd is not None:
-                os.close(dfd)
-            os.close(fd)
+            for f in fds.values():
+                if f is not None:
+                    os.close(f)
 
     def read_into(self, path: str, pieces: list[tuple[int, Piece]]) -> None:
         """Read each ``(file_offset, data)``: ``len(data)`` bytes at the offset into ``data``.
@@ -198,31 +189,47 @@ class PosixEngine:
         ``data``: a 1-D uint8 tensor or a list of them filled back to back (a vectored read:
         ``preadv`` straight into the tensors, no scattering copy when they are aligned).
         """
-        fd = os.open(path, os.O_RDONLY)
-        dfd = None
+        fds: dict = {}
         try:
+            host, back = [], []  # CUDA memory: read into aligned (pinned) host memory, then copy
             for off, data in pieces:
                 segs = _segments(data)
-                if any(t.device.type != "cpu" for t in segs):  # CUDA memory: through aligned host memory
-                    host = aligned_empty(sum(t.numel() for t in segs), pin=torch.cuda.is_available())
-                    self.read_into(path, [(off, host)])
-                    p = 0
-                    for t in segs:
-                        t.copy_(host[p : p + t.numel()])
-                        p += t.numel()
-                    continue
-                mvs = [(_host_view(t), t.data_ptr()) for t in segs]
-                total = sum(len(m) for m, _ in mvs)
-                if _aligned(off, total) and dfd is None:
-                    dfd = self._open_direct(path, os.O_RDONLY)
-                if dfd is not None and _aligned(off, total):
-                    self._direct(dfd, mvs, off, write=False)
+                if any(t.device.type != "cpu" for t in segs):
+                    tmp = aligned_empty(sum(t.numel() for t in segs), pin=torch.cuda.is_available())
+                    host.append((off, [tmp]))
+                    back.append((tmp, segs))
                 else:
-                    self._rw_all(fd, [m for m, _ in mvs], off, write=False)
+                    host.append((off, segs))
+            self._move(path, os.O_RDONLY, host, fds, write=False)
+            for tmp, segs in back:
+                p = 0
+                for t in segs:
+                    t.copy_(tmp[p : p + t.numel()])
+                    p += t.numel()
         finally:
+            for f in fds.values():
+                if f is not None:
+                    os.close(f)
+
+    def _move(self, path: str, flags: int, pieces, fds: dict, *, write: bool) -> None:
+        """The body of :meth:`write_file` / :meth:`read_into`: each piece (host tensors, back to
+        back at a file offset) goes O_DIRECT when its offset and size are 4096-aligned and the file
+        system allows it, through the page cache otherwise. ``fds`` caches the descriptors
+        (``True``: O_DIRECT, ``False``: buffered), opened on first use; the caller closes them."""
+        for off, segs in pieces:
+            mvs = [(_host_view(t), t.data_ptr()) for t in segs]
+            total = sum(len(m) for m, _ in mvs)
+            dfd = None
+            if _aligned(off, total):
+                if True not in fds:
+                    fds[True] = self._open_direct(path, flags)
+                dfd = fds[True]
             if dfd is not None:
-                os.close(dfd)
-            os.close(fd)
+                self._direct(dfd, mvs, off, write=write)
+            else:
+                if False not in fds:
+                    fds[False] = os.open(path, flags)
+                self._rw_all(fds[False], [m for m, _ in mvs], off, write=write)
 
     def write_header(self, path: str, data: bytes, *, fsync: bool = True) -> None:
         """Write ``data`` (a multiple of 4096 bytes) at offset 0 of the existing ``path``, then

@@ -35,7 +35,7 @@ import torch
 from ._validate import check, check_int, fail
 from .layout import PagedLayout
 from .ops import _caps, _check_buffer, _err_counter, _prepare
-from .staging import REGION_ALIGN, StagingFormat, normalize_layers
+from .staging import RegionArithmetic, StagingFormat, normalize_layers
 
 __all__ = [
     "FP8_MAX",
@@ -72,7 +72,7 @@ def _round_up(x: int, a: int) -> int:
 
 # ------------------------------------------------------------------------------------------ format
 @dataclass(frozen=True)
-class QuantStagingFormat:
+class QuantStagingFormat(RegionArithmetic):
     """Offsets and sizes of an FP8 staging buffer (see the module docstring / ``docs/quant.md``).
 
     Parameters
@@ -142,28 +142,8 @@ class QuantStagingFormat:
 
     @property
     def payload_nbytes(self) -> int:
+        """``num_kv`` x (codes section + scales section)."""
         return self.num_kv * (self.q_entry_nbytes + self.scale_entry_nbytes)
-
-    @property
-    def region_nbytes(self) -> int:
-        return _round_up(self.payload_nbytes, REGION_ALIGN)
-
-    @property
-    def num_regions(self) -> int:
-        return len(self.layers)
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_regions * self.region_nbytes
-
-    def region_index(self, layer: int) -> int:
-        try:
-            return self.layers.index(layer)
-        except ValueError:
-            fail("layer", f"one of the staged layers {self.layers}", layer)
-
-    def region_offset(self, layer: int) -> int:
-        return self.region_index(layer) * self.region_nbytes
 
     def q_offset(self, layer: int, kv: int) -> int:
         """Byte offset of the codes of entry ``kv`` (0 = K, 1 = V) of ``layer``."""
@@ -174,10 +154,6 @@ class QuantStagingFormat:
         """Byte offset of the fp32 scales of entry ``kv`` of ``layer``."""
         check(0 <= kv < self.num_kv, "kv", f"an entry index in [0, {self.num_kv})", kv)
         return self.region_offset(layer) + self.num_kv * self.q_entry_nbytes + kv * self.scale_entry_nbytes
-
-    def regions(self) -> list[tuple[int, int, int]]:
-        """``[(layer, offset, payload_nbytes)]`` for every region."""
-        return [(l, j * self.region_nbytes, self.payload_nbytes) for j, l in enumerate(self.layers)]
 
     def gaps(self) -> list[tuple[int, int]]:
         """``[(start, stop)]`` byte ranges *within a region* that hold no data (zeroed by gather)."""

@@ -18,7 +18,7 @@ import torch
 
 from ._validate import check, check_int, fail
 
-__all__ = ["REGION_ALIGN", "StagingFormat", "staging_nbytes", "normalize_layers"]
+__all__ = ["REGION_ALIGN", "RegionArithmetic", "StagingFormat", "staging_nbytes", "normalize_layers"]
 
 REGION_ALIGN = 4096
 
@@ -48,8 +48,51 @@ def normalize_layers(layers, num_layers: int) -> tuple[int, ...]:
     return tuple(sorted(seq))
 
 
+class RegionArithmetic:
+    """Region sizes and offsets shared by every staging format (raw, FP8, ...).
+
+    A format defines ``layers`` (ascending) and ``payload_nbytes`` (meaningful bytes of one
+    region); regions are that payload rounded up to :data:`REGION_ALIGN`, back to back.
+    """
+
+    layers: tuple[int, ...]
+
+    @property
+    def payload_nbytes(self) -> int:  # pragma: no cover - defined by each format
+        raise NotImplementedError
+
+    @property
+    def region_nbytes(self) -> int:
+        """Region size, the payload rounded up to a multiple of 4096."""
+        return _round_up(self.payload_nbytes, REGION_ALIGN)
+
+    @property
+    def num_regions(self) -> int:
+        return len(self.layers)
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of the staging buffer."""
+        return self.num_regions * self.region_nbytes
+
+    def region_index(self, layer: int) -> int:
+        """Position ``j`` of ``layer`` in this buffer (``ValueError`` if absent)."""
+        try:
+            return self.layers.index(layer)
+        except ValueError:
+            fail("layer", f"one of the staged layers {self.layers}", layer)
+
+    def region_offset(self, layer: int) -> int:
+        """Byte offset of ``layer``'s region."""
+        return self.region_index(layer) * self.region_nbytes
+
+    def regions(self) -> list[tuple[int, int, int]]:
+        """``[(layer, offset, payload_nbytes)]`` for every region."""
+        return [(l, j * self.region_nbytes, self.payload_nbytes) for j, l in enumerate(self.layers)]
+
+
 @dataclass(frozen=True)
-class StagingFormat:
+class StagingFormat(RegionArithmetic):
     """Offsets and sizes of the regions of one staging buffer.
 
     Parameters
@@ -101,39 +144,10 @@ class StagingFormat:
         """Meaningful bytes of one region: ``num_kv * entry_nbytes``."""
         return self.num_kv * self.entry_nbytes
 
-    @property
-    def region_nbytes(self) -> int:
-        """Region size, the payload rounded up to a multiple of 4096."""
-        return _round_up(self.payload_nbytes, REGION_ALIGN)
-
-    @property
-    def num_regions(self) -> int:
-        return len(self.layers)
-
-    @property
-    def nbytes(self) -> int:
-        """Total bytes of the staging buffer."""
-        return self.num_regions * self.region_nbytes
-
-    def region_index(self, layer: int) -> int:
-        """Position ``j`` of ``layer`` in this buffer (``ValueError`` if absent)."""
-        try:
-            return self.layers.index(layer)
-        except ValueError:
-            fail("layer", f"one of the staged layers {self.layers}", layer)
-
-    def region_offset(self, layer: int) -> int:
-        """Byte offset of ``layer``'s region."""
-        return self.region_index(layer) * self.region_nbytes
-
     def entry_offset(self, layer: int, kv: int) -> int:
         """Byte offset of entry ``kv`` (0 = K, 1 = V) of ``layer``."""
         check(0 <= kv < self.num_kv, "kv", f"an entry index in [0, {self.num_kv})", kv)
         return self.region_offset(layer) + kv * self.entry_nbytes
-
-    def regions(self) -> list[tuple[int, int, int]]:
-        """``[(layer, offset, payload_nbytes)]`` for every region."""
-        return [(l, j * self.region_nbytes, self.payload_nbytes) for j, l in enumerate(self.layers)]
 
     def with_layers(self, layers) -> "StagingFormat":
         """The same format restricted to a subset of its layers."""

@@ -387,13 +387,19 @@ def _active(m: Manager) -> int:
     return m.cpu.memory_allocator.pin_allocator.num_active_allocations
 
 
-def test_eviction_keeps_newest(tmp_path):
+def _entry_bytes(tmp_path) -> int:
+    """Bytes one stored chunk takes in the store (to size capacities in entries)."""
     probe = Manager(tmp_path / "probe")
-    o, _ = probe.chunk(0)
-    probe.put([_key(0)], [o])
-    entry = probe.plugin.stats()["store"]["bytes_used"]
-    probe.close()
-    m = Manager(tmp_path / "kv", capacity_bytes=3 * entry)
+    try:
+        o, _ = probe.chunk(0)
+        probe.put([_key(0)], [o])
+        return probe.plugin.stats()["store"]["bytes_used"]
+    finally:
+        probe.close()
+
+
+def test_eviction_keeps_newest(tmp_path):
+    m = Manager(tmp_path / "kv", capacity_bytes=3 * _entry_bytes(tmp_path))
     try:
         pairs = [m.chunk(60 + i) for i in range(5)]
         for i, (o, _) in enumerate(pairs):
@@ -409,12 +415,7 @@ def test_eviction_keeps_newest(tmp_path):
 
 def test_pinned_chunks_survive_eviction(tmp_path):
     """A chunk pinned by a lookup (``contains(pin=True)``) is not evicted before it is loaded."""
-    probe = Manager(tmp_path / "probe")
-    o, _ = probe.chunk(0)
-    probe.put([_key(0)], [o])
-    entry = probe.plugin.stats()["store"]["bytes_used"]
-    probe.close()
-    m = Manager(tmp_path / "kv", capacity_bytes=2 * entry)
+    m = Manager(tmp_path / "kv", capacity_bytes=2 * _entry_bytes(tmp_path))
     try:
         pairs = [m.chunk(80 + i) for i in range(4)]
         m.put([_key(80)], [pairs[0][0]])
