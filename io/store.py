@@ -151,6 +151,8 @@ class KVStore:
         self._lock = threading.RLock()
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU: oldest first
         self._used = 0
+        self._reserved = 0  # bytes of puts between their room check and their commit (capacity holds under concurrency)
+        self._room = threading.Condition(self._lock)  # notified when a reservation is released
         self._pins: dict[bytes, int] = {}  # digest -> pin count: pinned entries are never evicted
         self._inflight = 0
         self._inflight_cv = threading.Condition()
@@ -301,6 +303,7 @@ class KVStore:
         """Write the body (in a worker, hashing beside it); the commit finishes on a commit thread."""
         t0 = time.perf_counter()
         tmp = None
+        reserved = 0
         try:
             fmt = meta.fmt
             single = len(pieces) == 1 and len(pieces[0]) == 1 and pieces[0][0].numel() == fmt.nbytes
@@ -317,7 +320,7 @@ class KVStore:
             final = self._path_for(digest)
             d = os.path.dirname(final)
             os.makedirs(d, exist_ok=True)
-            self._make_room(plan[-1].offset + plan[-1].stored, exclude=digest)
+            reserved = self._make_room(_round4k(plan[-1].offset + plan[-1].stored), exclude=digest)
             tmp = f"{final}.tmp.{os.getpid()}.{next(self._tmp_seq)}"
             sums_f = self._hasher.submit(lambda: [checksum_segments(_views(segs)) for segs in regions])
             if single:
@@ -336,35 +339,40 @@ class KVStore:
                     sums_f.exception()  # wait: the hasher still reads the caller's buffer
                 raise
         except BaseException:
-            self._put_failed(tmp, nbytes)
+            self._put_failed(tmp, nbytes, reserved)
             raise
         # header, sync, rename and directory sync run on a commit thread: this worker takes the
         # next request while the disk syncs (the file is complete and private until the rename)
         try:
-            return _Later(self._committer.submit(self._commit, digest, meta, sizes, sums_f, tmp, final, nbytes, t0))
+            return _Later(self._committer.submit(self._commit, digest, meta, sizes, sums_f, tmp, final, nbytes,
+                                                 reserved, t0))
         except BaseException:
             sums_f.exception()
-            self._put_failed(tmp, nbytes)
+            self._put_failed(tmp, nbytes, reserved)
             raise
 
     def _commit(self, digest: bytes, meta: EntryMeta, sizes, sums_f: Future, tmp: str, final: str, nbytes: int,
-                t0: float) -> Header:
+                reserved: int, t0: float) -> Header:
         try:
             header = Header(digest, meta, Header.layout_regions(meta, sizes, sums_f.result()), time.time_ns())
             self.engine.write_header(tmp, header.pack(), fsync=self.fsync)
-            os.replace(tmp, final)
-        except BaseException:
-            self._put_failed(tmp, nbytes)
-            raise
-        try:
-            if self.fsync:
-                _fsync_dir(os.path.dirname(final))
-            with self._lock:
+            with self._lock:  # publish: the rename and the index change are one step for drops and readers
+                os.replace(tmp, final)
                 old = self._index.pop(digest, None)
-                if old is not None:
+                if old is not None:  # its file was just replaced: nothing left to unlink for it
                     self._used -= old.nbytes
+                    old.doomed = None
                 self._index[digest] = _Entry(final, header, header.file_nbytes)
                 self._used += header.file_nbytes
+                self._reserved -= reserved
+                self._room.notify_all()
+        except BaseException:
+            self._put_failed(tmp, nbytes, reserved)
+            raise
+        try:
+            if self.fsync:  # the rename is durable before the put's future completes
+                _fsync_dir(os.path.dirname(final))
+            with self._lock:
                 self._stats["puts"] += 1
                 self._stats["bytes_written"] += nbytes
                 self._stats["write_s"] += time.perf_counter() - t0
@@ -372,9 +380,11 @@ class KVStore:
         finally:
             self._release_inflight(nbytes)
 
-    def _put_failed(self, tmp: str | None, nbytes: int) -> None:
+    def _put_failed(self, tmp: str | None, nbytes: int, reserved: int = 0) -> None:
         with self._lock:
             self._stats["put_errors"] += 1
+            self._reserved -= reserved
+            self._room.notify_all()
         if tmp is not None:
             try:
                 os.unlink(tmp)
@@ -382,38 +392,55 @@ class KVStore:
                 pass
         self._release_inflight(nbytes)
 
-    def _make_room(self, need: int, exclude: bytes) -> None:
+    def _make_room(self, need: int, exclude: bytes) -> int:
+        """Evict LRU entries until ``need`` more bytes fit, and reserve them (returned; released
+        when the put commits or fails), so concurrent puts cannot overshoot the capacity."""
         if self.capacity_bytes is None:
-            return
+            return 0
         if need > self.capacity_bytes:
             raise ValueError(f"`staging`: entry of {need} bytes exceeds capacity_bytes={self.capacity_bytes}")
         with self._lock:
-            for digest in list(self._index):
+            def fits() -> bool:
                 cur = self._index.get(exclude)
-                if self._used - (cur.nbytes if cur else 0) + need <= self.capacity_bytes:
-                    return
-                if digest == exclude or digest in self._pins:
-                    continue
-                self._drop(digest)
-                self._stats["evictions"] += 1
-            cur = self._index.get(exclude)
-            if self._used - (cur.nbytes if cur else 0) + need > self.capacity_bytes:
-                raise OSError(errno.ENOSPC, f"store full: {self._used} of {self.capacity_bytes} bytes held by "
-                              f"pinned entries ({len(self._pins)} pinned) or the entry being replaced")
+                return self._used + self._reserved - (cur.nbytes if cur else 0) + need <= self.capacity_bytes
 
-    def _drop(self, digest: bytes, rename_to: str | None = None) -> bool:
-        """Remove an entry from the index and its file from disk (deferred while it is read)."""
+            while True:
+                for digest in list(self._index):
+                    if fits():
+                        break
+                    if digest == exclude or digest in self._pins:
+                        continue
+                    self._drop(digest)
+                    self._stats["evictions"] += 1
+                if fits() or self._reserved == 0:
+                    break
+                self._room.wait()  # only puts in flight stand in the way: wait for one to commit or fail
+            if not fits():
+                raise OSError(errno.ENOSPC, f"store full: {self._used} of {self.capacity_bytes} bytes held by "
+                              f"pinned entries ({len(self._pins)} pinned), puts in flight ({self._reserved} B) "
+                              f"or the entry being replaced")
+            self._reserved += need
+            return need
+
+    def _drop(self, digest: bytes, rename_to: str | None = None, expect: _Entry | None = None) -> bool:
+        """Remove an entry from the index and its file from disk (deferred while it is read).
+
+        ``expect``: drop only if the indexed entry is still this one (a checksum failure seen by
+        a reader must not drop a newer version published meanwhile). File operations happen
+        under the lock, as publishing does, so a drop never removes a newer version's file.
+        """
         with self._lock:
-            ent = self._index.pop(digest, None)
-            self._pins.pop(digest, None)
-            if ent is None:
+            ent = self._index.get(digest)
+            if ent is None or (expect is not None and ent is not expect):
                 return False
+            del self._index[digest]
+            self._pins.pop(digest, None)
             self._used -= ent.nbytes
             if ent.readers:
                 ent.doomed = rename_to or ""
-                return True
-        self._unlink(ent.path, rename_to)
-        return True
+            else:
+                self._unlink(ent.path, rename_to)
+            return True
 
     @staticmethod
     def _unlink(path: str, rename_to: str | None = None) -> None:
@@ -523,14 +550,14 @@ class KVStore:
                 if bad:
                     with self._lock:
                         self._stats["corrupt"] += 1
-                    self._drop(digest, rename_to=".corrupt")
+                    self._drop(digest, rename_to=".corrupt", expect=ent)
                     raise CorruptEntryError(f"region of layer {bad[0]} of {ent.path}: checksum mismatch "
                                             f"(entry dropped; the destination buffer must not be used)")
                 outer.set_result(self._got(sel, out, t0))
             except EOFError as exc:
                 with self._lock:
                     self._stats["corrupt"] += 1
-                self._drop(digest, rename_to=".corrupt")
+                self._drop(digest, rename_to=".corrupt", expect=ent)
                 outer.set_exception(CorruptEntryError(f"{ent.path}: truncated ({exc}); entry dropped"))
             except BaseException as exc:
                 outer.set_exception(exc)
@@ -548,11 +575,13 @@ class KVStore:
         return self._verify(sel, dests, js) if self.verify else []
 
     def _release_reader(self, ent: _Entry) -> None:
-        with self._lock:  # the file is no longer read: a drop may unlink it now
+        with self._lock:  # the file is no longer read: a deferred drop may unlink it now
             ent.readers -= 1
-            doomed = ent.doomed if ent.readers == 0 else None
-        if doomed is not None:
-            self._unlink(ent.path, doomed or None)
+            if ent.readers == 0 and ent.doomed is not None:
+                # unless a newer version of the key was published at the same path meanwhile
+                if ent.header.digest not in self._index:
+                    self._unlink(ent.path, ent.doomed or None)
+                ent.doomed = None
 
     def _do_get(self, digest: bytes, ent: _Entry, sel, dests: list[list[torch.Tensor]], out) -> object:
         """Read the regions (in a worker); their verification finishes on the hasher threads, so
@@ -573,22 +602,22 @@ class KVStore:
         except EOFError as exc:
             with self._lock:
                 self._stats["corrupt"] += 1
-            self._drop(digest, rename_to=".corrupt")
+            self._drop(digest, rename_to=".corrupt", expect=ent)
             raise CorruptEntryError(f"{ent.path}: truncated ({exc}); entry dropped") from None
         finally:
             self._release_reader(ent)
         if not checks:
             return self._got(sel, out, t0)
         # the finisher waits only on checks queued before it (FIFO): they are running or done
-        return _Later(self._hasher.submit(self._finish_get, digest, ent.path, sel, checks, out, t0))
+        return _Later(self._hasher.submit(self._finish_get, digest, ent, sel, checks, out, t0))
 
-    def _finish_get(self, digest: bytes, path: str, sel, checks, out, t0: float):
+    def _finish_get(self, digest: bytes, ent: _Entry, sel, checks, out, t0: float):
         bad = [b for f in checks for b in f.result()]
         if bad:
             with self._lock:
                 self._stats["corrupt"] += 1
-            self._drop(digest, rename_to=".corrupt")
-            raise CorruptEntryError(f"region of layer {bad[0]} of {path}: checksum mismatch "
+            self._drop(digest, rename_to=".corrupt", expect=ent)
+            raise CorruptEntryError(f"region of layer {bad[0]} of {ent.path}: checksum mismatch "
                                     f"(entry dropped; the destination buffer must not be used)")
         return self._got(sel, out, t0)
 
@@ -695,6 +724,10 @@ def _check_segments(item, name: str) -> list[torch.Tensor]:
         check(t.dim() == 1 and t.is_contiguous(), nm, "a contiguous 1-D uint8 tensor", describe(t))
         check(t.device == segs[0].device, nm, f"device {segs[0].device} (as the region's first piece)", t.device)
     return segs
+
+
+def _round4k(n: int) -> int:
+    return -(-n // 4096) * 4096
 
 
 def _plan_groups(sel, dests, split: int) -> list[tuple[int, list[torch.Tensor], list[int]]]:

@@ -411,6 +411,57 @@ def test_lone_large_get_fans_out_into_parallel_group_reads(tmp_path, monkeypatch
         assert [e.readers for e in store._index.values()] == [0]  # every group released the file
 
 
+def test_concurrent_vectored_fanned_out_gets_with_removes_and_eviction(tmp_path, monkeypatch):
+    """Vectored puts, fanned-out gets (forced), removes, pins and LRU eviction from many threads:
+    every successful get returns the exact bytes, failures are only misses, and afterwards no
+    reader is left, nothing is in flight, and the files on disk are exactly the indexed entries."""
+    import kvkernels.io.store as store_mod
+
+    monkeypatch.setattr(store_mod, "READ_GROUP_MIN", 4096)
+    bufs = [staged(ids=(3, 9, 1, 4, 7, 0, 2, 5), seed=s)[1] for s in range(3)]
+    _, _, meta = staged(ids=(3, 9, 1, 4, 7, 0, 2, 5))
+    fmt = meta.fmt
+    size = 4096 + bufs[0].numel()
+    errors = []
+    with KVStore(tmp_path, io_threads=4, capacity_bytes=6 * size) as store:
+        def worker(t):
+            g = torch.Generator().manual_seed(t)
+            try:
+                for i in range(25):
+                    k = f"k{int(torch.randint(0, 8, (1,), generator=g))}"
+                    b = bufs[int(k[1:]) % 3]
+                    op = int(torch.randint(0, 10, (1,), generator=g))
+                    if op < 3:
+                        store.put(k, _split_regions(b, fmt, (777, 4096)), meta).result()
+                    elif op < 8:
+                        out = torch.full_like(b, 0xCD)
+                        try:
+                            store.get(k, out=_split_regions(out, fmt, (1000,))).result()
+                        except KeyError:
+                            continue
+                        if not torch.equal(out, b):
+                            errors.append(f"wrong bytes for {k}")
+                    elif op < 9:
+                        if store.pin(k):
+                            store.unpin(k)
+                    else:
+                        store.remove(k)
+            except Exception as exc:  # collected, asserted below
+                errors.append(repr(exc))
+
+        ts = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        assert errors == []
+        st = store.stats()
+        assert st["inflight_bytes"] == 0 and st["pinned"] == 0 and st["bytes_used"] <= 6 * size
+        assert all(e.readers == 0 for e in store._index.values())
+        on_disk = sorted(p for p in files(tmp_path) if p.endswith(".kvk"))
+        assert on_disk == sorted(e.path for e in store._index.values())
+
+
 def test_pinned_entries_are_not_evicted(tmp_path):
     _, buf, meta = staged()
     size = 4096 + buf.numel()
