@@ -251,10 +251,10 @@ def _cache_bytes(lay):
 
 
 def _emu_round_trip(lay, dst_a, dst_b, max_ctas, **mode):
-    # the invalid id is counted once per work item it appears in (layers x entries), as Triton does
-    per_id = rf"{lay.num_layers * lay.num_kv} id\(s\)"
+    # the invalid id is counted once (in the first region's first entry), as in Triton and torch
+    per_id = r"`block_ids`: 1 id\(s\)"
     ref = gather_quant(lay, EMU_IDS, backend="torch", validate=False, **mode)
-    with pytest.raises(ValueError, match="1 id"):
+    with pytest.raises(ValueError, match=r"`block_ids`: 1 id\(s\)"):
         kvkernels.check_errors()
     out = torch.full((ref.numel() + 32,), 0xAB, dtype=torch.uint8)
     got = gather_quant(lay, EMU_IDS, backend="cuda", validate=False, out=out, max_ctas=max_ctas, **mode)
@@ -263,7 +263,7 @@ def _emu_round_trip(lay, dst_a, dst_b, max_ctas, **mode):
     with pytest.raises(ValueError, match=per_id):
         kvkernels.check_errors()
     scatter_quant(ref, dst_a, EMU_DST, backend="torch", validate=False, **mode)
-    with pytest.raises(ValueError, match="1 id"):
+    with pytest.raises(ValueError, match=r"`block_ids`: 1 id\(s\)"):
         kvkernels.check_errors()
     scatter_quant(ref, dst_b, EMU_DST, backend="cuda", validate=False, max_ctas=max_ctas, **mode)
     with pytest.raises(ValueError, match=per_id):

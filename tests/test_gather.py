@@ -201,7 +201,7 @@ def test_validate_false_never_touches_outside_and_reports_later(backend):
     ids = torch.tensor([1, NB + 100, -7, 2], device=DEVICE)
     out = kvkernels.gather(lay, ids, validate=False, backend=backend)
     assert torch.equal(out.cpu(), expected_staging(lay, [1, -1, -1, 2]))
-    with pytest.raises(ValueError, match="2 id\\(s\\) outside"):
+    with pytest.raises(ValueError, match="`block_ids`: 2 id\\(s\\) outside"):  # once per id, whatever the layers
         kvkernels.check_errors()
     kvkernels.check_errors()  # reset after raising
     dst = cache("vllm-nhd", fill="zero")

@@ -61,7 +61,8 @@ def _paged_copy(
         bid = tl.load(block_ids + i).to(tl.int64)
         valid = (bid >= 0) & (bid < num_blocks)
         row_lim = tl.where(valid, ROWS, 0)  # invalid id: no cache row is touched
-        tl.atomic_add(err_ptr, 1, mask=((bid != -1) & (bid < 0)) | (bid >= num_blocks))
+        # counted once per slot: in the first n work items (layer region 0, entry 0)
+        tl.atomic_add(err_ptr, 1, mask=(((bid != -1) & (bid < 0)) | (bid >= num_blocks)) & (w < n))
         base = tl.load(ptr_tab + j * C + c).to(stage_ptr.dtype)
         if ALIGN16:  # the hint must sit on the pointer (checked in PTX: ld.global.v2.b64)
             base = tl.multiple_of(base, 16)

@@ -113,7 +113,8 @@ def _quant_gather_kernel(
         valid = (bid >= 0) & (bid < num_blocks)
         row_lim = tl.where(valid, ROWS, 0)  # invalid id: no cache row is read, zeros are written
         tok_lim = tl.where(valid, BS, 0)
-        tl.atomic_add(err_ptr, 1, mask=((bid != -1) & (bid < 0)) | (bid >= num_blocks))
+        # counted once per slot: in the first n work items (layer region 0, entry 0)
+        tl.atomic_add(err_ptr, 1, mask=(((bid != -1) & (bid < 0)) | (bid >= num_blocks)) & (w < n))
         if IN_KIND == 2:
             cache = tl.load(ptr_tab + j * C + c).to(tl.pointer_type(tl.int32))
         else:

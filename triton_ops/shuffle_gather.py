@@ -43,7 +43,8 @@ def _shuffle_gather_kernel(
         bid = tl.load(block_ids + i).to(tl.int64)
         valid = (bid >= 0) & (bid < num_blocks)
         row_lim = tl.where(valid, ROWS, 0)  # invalid id: no cache row is read, zeros are written
-        tl.atomic_add(err_ptr, 1, mask=((bid != -1) & (bid < 0)) | (bid >= num_blocks))
+        # counted once per slot: in the first n work items (layer region 0, entry 0)
+        tl.atomic_add(err_ptr, 1, mask=(((bid != -1) & (bid < 0)) | (bid >= num_blocks)) & (w < n))
         cache = tl.load(ptr_tab + j * C + c).to(tl.pointer_type(tl.int16))
         if ALIGN16:
             cache = tl.multiple_of(cache, 16)

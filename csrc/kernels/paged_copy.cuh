@@ -36,7 +36,8 @@ __global__ void paged_copy_kernel(PagedCopyParams p) {
     const int64_t bid = p.ids_64 ? static_cast<const int64_t*>(p.block_ids)[i]
                                  : static_cast<int64_t>(static_cast<const int32_t*>(p.block_ids)[i]);
     const bool valid = bid >= 0 && bid < p.num_blocks;
-    if (!valid && bid != -1 && threadIdx.x == 0) atomicAdd(p.err, 1);
+    // counted once per slot: in the first n work items (layer region 0, entry 0)
+    if (!valid && bid != -1 && threadIdx.x == 0 && w < p.n) atomicAdd(p.err, 1);
     const uint8_t* base = reinterpret_cast<const uint8_t*>(p.ptr_tab[j * p.C + c]);
     uint8_t* cache = const_cast<uint8_t*>(base) + (valid ? bid : 0) * p.stride_b;
     uint8_t* stage = p.staging + j * p.region_bytes + c * p.entry_bytes + i * p.rows * p.row_bytes;

@@ -66,7 +66,8 @@ __device__ __forceinline__ Item item_coords(const QuantCopyParams& p, int64_t w)
   it.bid = p.ids_64 ? static_cast<const int64_t*>(p.block_ids)[it.i]
                     : static_cast<int64_t>(static_cast<const int32_t*>(p.block_ids)[it.i]);
   it.valid = it.bid >= 0 && it.bid < p.num_blocks;
-  if (!it.valid && it.bid != -1 && threadIdx.x == 0) atomicAdd(p.err, 1);
+  // counted once per slot: in the first n work items (layer region 0, entry 0)
+  if (!it.valid && it.bid != -1 && threadIdx.x == 0 && w < p.n) atomicAdd(p.err, 1);
   return it;
 }
 
