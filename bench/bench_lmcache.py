@@ -211,7 +211,7 @@ class _Bench:
                 "retrieve_gbps_reps": [round(total / x / 1e9, 3) for x in self.cold_s]}
 
     def row(self, dd: dict) -> dict:
-        L, T = self.shape[0], self.shape[1]
+        T = self.shape[1]
         total = self.n * self.chunk_bytes
         store = total / statistics.median(self.store_s) / 1e9
         retr = total / statistics.median(self.retr_s) / 1e9

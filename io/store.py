@@ -38,7 +38,7 @@ from kvkernels import config
 from kvkernels._validate import check, check_int, check_tensor, describe, fail
 
 from .engines import aligned_empty, make_engine
-from .format import CorruptEntryError, EntryMeta, Header, checksum, checksum_segments, key_digest
+from .format import CorruptEntryError, EntryMeta, Header, checksum_segments, key_digest
 
 __all__ = ["KVStore"]
 
@@ -153,6 +153,9 @@ class KVStore:
         self._used = 0
         self._reserved = 0  # bytes of puts between their room check and their commit (capacity holds under concurrency)
         self._room = threading.Condition(self._lock)  # notified when a reservation is released
+        # digests renamed into place but not yet visible (directory fsync pending): a drop of their
+        # older version must not unlink or rename the path, which already holds the new file
+        self._publishing: dict[bytes, int] = {}
         self._pins: dict[bytes, int] = {}  # digest -> pin count: pinned entries are never evicted
         self._inflight = 0
         self._inflight_cv = threading.Condition()
@@ -356,29 +359,42 @@ class KVStore:
         try:
             header = Header(digest, meta, Header.layout_regions(meta, sizes, sums_f.result()), time.time_ns())
             self.engine.write_header(tmp, header.pack(), fsync=self.fsync)
-            with self._lock:  # publish: the rename and the index change are one step for drops and readers
+            with self._lock:  # renames happen under the lock, as drops' unlinks do
                 os.replace(tmp, final)
-                old = self._index.pop(digest, None)
-                if old is not None:  # its file was just replaced: nothing left to unlink for it
-                    self._used -= old.nbytes
-                    old.doomed = None
-                self._index[digest] = _Entry(final, header, header.file_nbytes)
-                self._used += header.file_nbytes
-                self._reserved -= reserved
-                self._room.notify_all()
+                self._publishing[digest] = self._publishing.get(digest, 0) + 1
         except BaseException:
             self._put_failed(tmp, nbytes, reserved)
             raise
         try:
-            if self.fsync:  # the rename is durable before the put's future completes
+            if self.fsync:  # the rename is durable before the entry becomes visible
                 _fsync_dir(os.path.dirname(final))
-            with self._lock:
-                self._stats["puts"] += 1
-                self._stats["bytes_written"] += nbytes
-                self._stats["write_s"] += time.perf_counter() - t0
-            return header
-        finally:
-            self._release_inflight(nbytes)
+        except BaseException:
+            with self._lock:  # the file stays on disk (a reopen recovers it); it never became visible
+                self._unpublish(digest)
+            self._put_failed(None, nbytes, reserved)
+            raise
+        with self._lock:  # visible now: the old version (its file was replaced by the rename) leaves the index
+            self._unpublish(digest)
+            old = self._index.pop(digest, None)
+            if old is not None:
+                self._used -= old.nbytes
+                old.doomed = None
+            self._index[digest] = _Entry(final, header, header.file_nbytes)
+            self._used += header.file_nbytes
+            self._reserved -= reserved
+            self._room.notify_all()
+            self._stats["puts"] += 1
+            self._stats["bytes_written"] += nbytes
+            self._stats["write_s"] += time.perf_counter() - t0
+        self._release_inflight(nbytes)
+        return header
+
+    def _unpublish(self, digest: bytes) -> None:
+        n = self._publishing[digest] - 1
+        if n:
+            self._publishing[digest] = n
+        else:
+            del self._publishing[digest]
 
     def _put_failed(self, tmp: str | None, nbytes: int, reserved: int = 0) -> None:
         with self._lock:
@@ -438,7 +454,7 @@ class KVStore:
             self._used -= ent.nbytes
             if ent.readers:
                 ent.doomed = rename_to or ""
-            else:
+            elif digest not in self._publishing:
                 self._unlink(ent.path, rename_to)
             return True
 
@@ -545,20 +561,8 @@ class KVStore:
                 left[0] -= 1
                 if left[0]:
                     return
-            try:
-                bad = [b for f in subs for b in f.result()]
-                if bad:
-                    with self._lock:
-                        self._stats["corrupt"] += 1
-                    self._drop(digest, rename_to=".corrupt", expect=ent)
-                    raise CorruptEntryError(f"region of layer {bad[0]} of {ent.path}: checksum mismatch "
-                                            f"(entry dropped; the destination buffer must not be used)")
-                outer.set_result(self._got(sel, out, t0))
-            except EOFError as exc:
-                with self._lock:
-                    self._stats["corrupt"] += 1
-                self._drop(digest, rename_to=".corrupt", expect=ent)
-                outer.set_exception(CorruptEntryError(f"{ent.path}: truncated ({exc}); entry dropped"))
+            try:  # the group reads return their failed layers, as the checks of _do_get do
+                outer.set_result(self._finish_get(digest, ent, sel, subs, out, t0))
             except BaseException as exc:
                 outer.set_exception(exc)
 
@@ -579,7 +583,7 @@ class KVStore:
             ent.readers -= 1
             if ent.readers == 0 and ent.doomed is not None:
                 # unless a newer version of the key was published at the same path meanwhile
-                if ent.header.digest not in self._index:
+                if ent.header.digest not in self._index and ent.header.digest not in self._publishing:
                     self._unlink(ent.path, ent.doomed or None)
                 ent.doomed = None
 
@@ -600,10 +604,7 @@ class KVStore:
                 if self.verify:
                     checks.append(self._hasher.submit(self._verify, sel, dests, js))
         except EOFError as exc:
-            with self._lock:
-                self._stats["corrupt"] += 1
-            self._drop(digest, rename_to=".corrupt", expect=ent)
-            raise CorruptEntryError(f"{ent.path}: truncated ({exc}); entry dropped") from None
+            raise self._corrupt(digest, ent, f"truncated ({exc})") from None
         finally:
             self._release_reader(ent)
         if not checks:
@@ -612,14 +613,22 @@ class KVStore:
         return _Later(self._hasher.submit(self._finish_get, digest, ent, sel, checks, out, t0))
 
     def _finish_get(self, digest: bytes, ent: _Entry, sel, checks, out, t0: float):
-        bad = [b for f in checks for b in f.result()]
+        """Collect the failed layers of ``checks`` (futures of lists); the get's result or error."""
+        try:
+            bad = [b for f in checks for b in f.result()]
+        except EOFError as exc:  # a fanned-out group read hit the end of the file
+            raise self._corrupt(digest, ent, f"truncated ({exc})") from None
         if bad:
-            with self._lock:
-                self._stats["corrupt"] += 1
-            self._drop(digest, rename_to=".corrupt", expect=ent)
-            raise CorruptEntryError(f"region of layer {bad[0]} of {ent.path}: checksum mismatch "
-                                    f"(entry dropped; the destination buffer must not be used)")
+            raise self._corrupt(digest, ent, f"region of layer {bad[0]}: checksum mismatch")
         return self._got(sel, out, t0)
+
+    def _corrupt(self, digest: bytes, ent: _Entry, why: str) -> CorruptEntryError:
+        """Count a corrupt entry, drop it (renamed ``*.corrupt``; only the version that was read)
+        and return the error for the get's future."""
+        with self._lock:
+            self._stats["corrupt"] += 1
+        self._drop(digest, rename_to=".corrupt", expect=ent)
+        return CorruptEntryError(f"{ent.path}: {why}; entry dropped (the destination buffer must not be used)")
 
     def _got(self, sel, out, t0: float):
         with self._lock:

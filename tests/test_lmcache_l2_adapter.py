@@ -513,7 +513,14 @@ def test_storage_manager_store_then_prefetch_from_l2(tmp_path):
         while not all(a.store.contains(object_key_string(k)) for k in keys):  # written behind LMCache's back
             assert time.monotonic() < end, a.report_status()
             time.sleep(0.005)
-        assert sm.delete_l1_keys(keys) == (3, 0)  # only L2 has them now
+        # LMCache releases its L1 read locks when its store controller has seen the task complete
+        # (after our eventfd), a moment after the entries are visible in the store: poll for it
+        deleted = 0
+        while deleted < 3:
+            assert time.monotonic() < end, a.report_status()
+            deleted += sm.delete_l1_keys(keys)[0]
+            time.sleep(0.005)
+        assert deleted == 3  # only L2 has them now
         want = keys + [_key(299)]  # one key that is nowhere
         handle = sm.submit_prefetch_task(PrefetchTaskSpec(key_groups=[GroupedObjectKeys(keys=want, object_group_id=0,
                                                                                         layout_desc=KV)]))

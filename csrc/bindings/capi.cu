@@ -59,16 +59,23 @@ int grid_size(int64_t items, int64_t max_ctas) {
   return static_cast<int>(g > 2147483647LL ? 2147483647LL : g);
 }
 
-// Preconditions shared by the fp8 and shuffle entry points; 0 or fail(...).
-int check_common(const int64_t* ptr_tab, const void* block_ids, const uint8_t* staging, const int* err, int64_t n,
-                 int64_t C, int64_t num_regions, int64_t H, int64_t block_size, int64_t head_dim, int64_t elem,
-                 int64_t stride_b, int64_t stride_n, int64_t stride_h, int vec16, int64_t max_ctas) {
+// Preconditions of every entry point on the pointers and the work-item counts; 0 or fail(...).
+int check_items(const int64_t* ptr_tab, const void* block_ids, const uint8_t* staging, const int* err, int64_t n,
+                int64_t C, int64_t num_regions) {
   if (ptr_tab == nullptr) return fail("ptr_tab: expected a device pointer, got NULL");
   if (block_ids == nullptr) return fail("block_ids: expected a device pointer, got NULL");
   if (staging == nullptr) return fail("staging: expected a pointer, got NULL");
   if (err == nullptr) return fail("err: expected a device pointer, got NULL");
   if (n <= 0 || num_regions <= 0) return fail("n, num_regions: expected > 0");
   if (C != 1 && C != 2) return fail("C: expected 1 or 2");
+  return 0;
+}
+
+// Preconditions shared by the fp8 and shuffle entry points; 0 or fail(...).
+int check_common(const int64_t* ptr_tab, const void* block_ids, const uint8_t* staging, const int* err, int64_t n,
+                 int64_t C, int64_t num_regions, int64_t H, int64_t block_size, int64_t head_dim, int64_t elem,
+                 int64_t stride_b, int64_t stride_n, int64_t stride_h, int vec16, int64_t max_ctas) {
+  if (int rc = check_items(ptr_tab, block_ids, staging, err, n, C, num_regions)) return rc;
   if (H <= 0 || block_size <= 0 || head_dim <= 0) return fail("H, block_size, head_dim: expected > 0");
   if (stride_b % elem || stride_n % elem || stride_h % elem)
     return fail("stride_b, stride_n, stride_h: expected multiples of the element size");
@@ -162,12 +169,7 @@ int kvk_paged_copy(int to_staging, const int64_t* ptr_tab, const void* block_ids
                    int* err, int64_t n, int64_t num_blocks, int64_t C, int64_t num_regions, int64_t H, int64_t rows,
                    int64_t row_bytes, int64_t stride_b, int64_t stride_n, int64_t stride_h, int64_t region_bytes,
                    int64_t entry_bytes, int64_t word, int64_t max_ctas, int device, uintptr_t stream) {
-  if (ptr_tab == nullptr) return fail("ptr_tab: expected a device pointer, got NULL");
-  if (block_ids == nullptr) return fail("block_ids: expected a device pointer, got NULL");
-  if (staging == nullptr) return fail("staging: expected a pointer, got NULL");
-  if (err == nullptr) return fail("err: expected a device pointer, got NULL");
-  if (n <= 0 || num_regions <= 0) return fail("n, num_regions: expected > 0");
-  if (C != 1 && C != 2) return fail("C: expected 1 or 2");
+  if (int rc = check_items(ptr_tab, block_ids, staging, err, n, C, num_regions)) return rc;
   if (H <= 0 || rows <= 0 || rows % H != 0) return fail("rows: expected a positive multiple of H");
   if (row_bytes <= 0) return fail("row_bytes: expected > 0");
   if (word != 1 && word != 2 && word != 4 && word != 8 && word != 16) return fail("word: expected 1, 2, 4, 8 or 16");

@@ -324,24 +324,15 @@ class KVKernelsBackend(StoragePluginInterface):
 
     def _finish_read(self, ks: str, pending, out: torch.Tensor) -> bool:
         """Wait for a read and decode it into ``out``; False (and no bytes trusted) on any failure."""
-        from kvkernels.io import CorruptEntryError
-
-        try:
-            self.io.finish_read(pending, out)
-            self._count("hits")
-            return True
-        except KeyError:
-            self._count("misses")
-            return False
-        except CorruptEntryError as exc:
-            self._count("corrupt")
+        outcome, exc = self.io.try_finish(pending, out)
+        # a corrupt entry or any other failure is a miss for LMCache; the bytes are not used
+        self._count({"ok": "hits", "corrupt": "corrupt"}.get(outcome, "misses"))
+        if outcome == "corrupt":
             log.warning("kvkernels LMCache plugin: %s is corrupted, treated as a miss: %s", ks, exc)
-            return False
-        except Exception as exc:  # I/O errors, bad sizes, codec errors: a miss, the bytes are not used
-            self._count("misses")
+        elif outcome == "error":
             log.warning("kvkernels LMCache plugin: read of %s failed, treated as a miss: %s: %s", ks,
                         type(exc).__name__, exc)
-            return False
+        return outcome == "ok"
 
     def _read_many(self, kss: List[str], objs: List[Optional[MemoryObj]]) -> List[bool]:
         """Read several entries, ``_read_window`` in flight, finished in completion order."""

@@ -230,6 +230,23 @@ class ChunkIO:
             raise
         return PendingRead(header, shape, fmt, buf, fut)
 
+    def try_finish(self, pending: PendingRead, out: torch.Tensor) -> tuple[str, Optional[BaseException]]:
+        """:meth:`finish_read` with the outcome classified for the callers' counters and logs:
+        ``("ok", None)``, ``("missing", exc)`` (removed meanwhile), ``("corrupt", exc)`` (checksum
+        or truncation: the store dropped the entry) or ``("error", exc)`` (I/O, sizes, codec).
+        On anything but ``"ok"`` the bytes in ``out`` must not be used."""
+        from kvkernels.io import CorruptEntryError
+
+        try:
+            self.finish_read(pending, out)
+            return "ok", None
+        except KeyError as exc:
+            return "missing", exc
+        except CorruptEntryError as exc:
+            return "corrupt", exc
+        except Exception as exc:
+            return "error", exc
+
     def finish_read(self, pending: PendingRead, out: torch.Tensor) -> None:
         """Wait for a read and decode it into chunk ``out`` (only the layers read are written).
 

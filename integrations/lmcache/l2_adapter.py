@@ -48,7 +48,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -520,23 +520,14 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         return SimpleNamespace(future=pending.future, ks=ks, plan=plan, pending=pending)
 
     def _finish_read(self, started, obj) -> bool:
-        from kvkernels.io import CorruptEntryError
-
-        ks, plan = started.ks, started.plan
-        try:
-            self.io.finish_read(started.pending, self._chunk_view(obj, plan))
-            return True
-        except KeyError:  # removed between header() and the read
-            self._count("load_misses")
-            return False
-        except CorruptEntryError as exc:
-            self._count("corrupt")
-            log.warning("kvkernels L2 adapter: %s is corrupted, load failed (entry dropped): %s", ks, exc)
-            return False
-        except Exception as exc:
-            self._count("load_errors")
-            log.warning("kvkernels L2 adapter: read of %s failed: %s: %s", ks, type(exc).__name__, exc)
-            return False
+        outcome, exc = self.io.try_finish(started.pending, self._chunk_view(obj, started.plan))
+        if outcome != "ok":
+            self._count({"missing": "load_misses", "corrupt": "corrupt"}.get(outcome, "load_errors"))
+        if outcome == "corrupt":
+            log.warning("kvkernels L2 adapter: %s is corrupted, load failed (entry dropped): %s", started.ks, exc)
+        elif outcome == "error":
+            log.warning("kvkernels L2 adapter: read of %s failed: %s: %s", started.ks, type(exc).__name__, exc)
+        return outcome == "ok"
 
     def _run_load(self, task_id: L2TaskId, keys, objects) -> None:
         n = len(keys)
