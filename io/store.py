@@ -683,6 +683,7 @@ class KVStore:
             return True
 
     def pin_count(self, key) -> int:
+        """Current number of pins on ``key`` (0 when unpinned or absent)."""
         with self._lock:
             return self._pins.get(key_digest(key), 0)
 
