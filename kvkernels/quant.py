@@ -252,6 +252,56 @@ def dequantize_rows(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, granul
     return bits.view(dtype)
 
 
+# ------------------------------------------------------------------ fast CPU forms of the above
+# The torch backend is also the CPU fallback (e.g. the LMCache plugin quantizing host chunks), so
+# on CPU it runs these: the same fp32 operations in the same order, in place and on cache-sized
+# slices, with the rare non-finite rows sent to the definitions above. Bit-identical to them
+# (tests/test_quant.py checks it on random, zero, subnormal, inf and NaN rows).
+_CPU_SLICE_ELEMS = 1 << 18  # fp32 temporaries of ~1 MiB stay in the core's cache
+
+
+def _quantize_rows_cpu(x: torch.Tensor, granularity: str, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
+    """:func:`quantize_rows` of ``x`` written into ``q_out`` (uint8) and ``s_out`` (fp32)."""
+    xf = x.to(torch.float32, copy=True)  # never divide the caller's fp32 cache in place
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    if granularity == "block":
+        amax = amax.amax(dim=1, keepdim=True)
+    if not bool(torch.isfinite(amax).all()):  # inf/NaN in a row: the definition's masking
+        q, s = quantize_rows(x, granularity)
+        q_out.copy_(q)
+        s_out.copy_(s)
+        return
+    s = amax.div_(FP8_MAX)
+    s.masked_fill_(s == 0, 1.0)  # zero rule (s is never negative here)
+    q_out.view(torch.float8_e4m3fn).copy_(xf.div_(s).clamp_(-FP8_MAX, FP8_MAX))  # the cast, into place
+    s = s.squeeze(-1)
+    s_out.copy_(s.squeeze(1) if granularity == "block" else s)
+
+
+_SCALE_FOLD_MAX = torch.finfo(torch.float32).max / 256
+
+
+def _dequantize_rows_cpu(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, granularity: str) -> torch.Tensor:
+    """:func:`dequantize_rows`, with the e4m3 decode done on int16 bits (torch's own fp8 -> fp32
+    cast is scalar on CPU): ``code & 0x7F`` shifted left by 7 is the fp16 whose value is the code's
+    magnitude times ``2**-8``, subnormals included, so ``y = fp16 * (256 * s)``. Both products are
+    exact but the last, which rounds the same real number as ``code * s``: bit-identical whenever
+    ``256 * s`` is finite. NaN codes (``0x7F``/``0xFF``), non-finite or huge scales go to the
+    definition."""
+    if int((q & 0x7F).amax()) == 0x7F or not bool((s.abs() <= _SCALE_FOLD_MAX).all()):
+        return dequantize_rows(q, s, dtype, granularity)
+    sb = (s.unsqueeze(1) if granularity == "block" else s).unsqueeze(-1) * 256.0
+    q16 = q.to(torch.int16)
+    sign = q16.bitwise_and(0x80).bitwise_left_shift_(8)
+    half = q16.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(sign).view(torch.float16)
+    return half.to(torch.float32).mul_(sb).to(dtype)
+
+
+def _slices(n: int, row_elems: int):
+    step = max(1, _CPU_SLICE_ELEMS // max(1, row_elems))
+    return ((i, min(n, i + step)) for i in range(0, n, step))
+
+
 # ------------------------------------------------------------------------------------ references
 def _ids(layout, block_ids):
     ids = block_ids.to(device=layout.device, dtype=torch.int64)
@@ -266,6 +316,8 @@ def gather_fp8(layout: PagedLayout, block_ids: torch.Tensor, fmt: QuantStagingFo
     ``out`` uint8 ``[>= fmt.nbytes]``, written in place; gaps and region padding are zeroed.
     """
     ids, valid = _ids(layout, block_ids)
+    if layout.device.type == "cpu" and out.device.type == "cpu":
+        return _gather_fp8_cpu(layout, ids, valid, fmt, out)
     safe = torch.where(valid, ids, torch.zeros_like(ids))
     n = fmt.num_blocks
     out[: fmt.nbytes].zero_()
@@ -288,6 +340,8 @@ def scatter_fp8(staging: torch.Tensor, layout: PagedLayout, block_ids: torch.Ten
     ids, valid = _ids(layout, block_ids)
     sel = valid.nonzero().flatten()
     dst = ids.index_select(0, sel)
+    if layout.device.type == "cpu" and staging.device.type == "cpu":
+        return _scatter_fp8_cpu(staging, layout, sel, dst, fmt)
     buf = staging.to(layout.device) if staging.device != layout.device else staging
     n, bs, hh, d = fmt.num_blocks, fmt.block_size, fmt.num_heads, fmt.head_dim
     sshape = (n, bs, hh) if fmt.granularity == "token" else (n, hh)
@@ -297,6 +351,61 @@ def scatter_fp8(staging: torch.Tensor, layout: PagedLayout, block_ids: torch.Ten
             q = buf[qo : qo + fmt.q_nbytes].view(n, bs, hh, d).index_select(0, sel)
             s = buf[so : so + fmt.scale_nbytes].view(torch.float32).view(sshape).index_select(0, sel)
             layout.views[layer][c].index_copy_(0, dst, dequantize_rows(q, s, layout.dtype, fmt.granularity))
+
+
+def _gather_fp8_cpu(layout: PagedLayout, ids, valid, fmt: QuantStagingFormat, out: torch.Tensor) -> torch.Tensor:
+    """:func:`gather_fp8` on CPU: codes and scales written straight into ``out``, slice by slice."""
+    n, bs, hh, d = fmt.num_blocks, fmt.block_size, fmt.num_heads, fmt.head_dim
+    for j in range(fmt.num_regions):
+        for a, b in fmt.gaps():
+            out[j * fmt.region_nbytes + a : j * fmt.region_nbytes + b].zero_()
+    sshape = (n, bs, hh) if fmt.granularity == "token" else (n, hh)
+    for layer in fmt.layers:
+        for c in range(fmt.num_kv):
+            qo, so = fmt.q_offset(layer, c), fmt.scale_offset(layer, c)
+            q_out = out[qo : qo + fmt.q_nbytes].view(n, bs, hh, d)
+            s_out = out[so : so + fmt.scale_nbytes].view(torch.float32).view(sshape)
+            view = layout.views[layer][c]
+            for i, j in _slices(n, bs * hh * d):
+                v = valid[i:j]
+                if bool(v.all()):  # a run of valid ids: no masking pass
+                    x = view[int(ids[i])].unsqueeze(0) if j - i == 1 else view.index_select(0, ids[i:j])
+                    _quantize_rows_cpu(x, fmt.granularity, q_out[i:j], s_out[i:j])
+                    continue
+                q_out[i:j].zero_()  # padding / invalid slots: all-zero codes and scales
+                s_out[i:j].zero_()
+                keep = v.nonzero().flatten()
+                if keep.numel():
+                    q = torch.empty((keep.numel(), bs, hh, d), dtype=torch.uint8)
+                    s = torch.empty((keep.numel(),) + sshape[1:], dtype=torch.float32)
+                    _quantize_rows_cpu(view.index_select(0, ids[i:j].index_select(0, keep)), fmt.granularity, q, s)
+                    q_out[i:j].index_copy_(0, keep, q)
+                    s_out[i:j].index_copy_(0, keep, s)
+    return out
+
+
+def _scatter_fp8_cpu(staging: torch.Tensor, layout: PagedLayout, sel, dst, fmt: QuantStagingFormat) -> None:
+    """:func:`scatter_fp8` on CPU, slice by slice (``sel``: staging slots to restore, ``dst``:
+    their blocks)."""
+    n, bs, hh, d = fmt.num_blocks, fmt.block_size, fmt.num_heads, fmt.head_dim
+    sshape = (n, bs, hh) if fmt.granularity == "token" else (n, hh)
+    identity = sel.numel() == n
+    for layer in fmt.layers:
+        for c in range(fmt.num_kv):
+            qo, so = fmt.q_offset(layer, c), fmt.scale_offset(layer, c)
+            q_all = staging[qo : qo + fmt.q_nbytes].view(n, bs, hh, d)
+            s_all = staging[so : so + fmt.scale_nbytes].view(torch.float32).view(sshape)
+            view = layout.views[layer][c]
+            for i, j in _slices(sel.numel(), bs * hh * d):
+                if identity:  # every slot restored: contiguous slices, no index copies
+                    q, s = q_all[i:j], s_all[i:j]
+                else:
+                    q, s = q_all.index_select(0, sel[i:j]), s_all.index_select(0, sel[i:j])
+                y = _dequantize_rows_cpu(q, s, layout.dtype, fmt.granularity)
+                if j - i == 1:  # index_copy_ is elementwise on CPU; one block is one strided copy
+                    view[int(dst[i])].copy_(y[0])
+                else:
+                    view.index_copy_(0, dst[i:j], y)
 
 
 def _entries(fmt: StagingFormat):

@@ -238,6 +238,60 @@ def test_reference_fp8_matches_definition(layout, granularity):
     assert torch.equal(sub.cpu(), expected_fp8_staging(lay, IDS, granularity, layers=[1]))
 
 
+@pytest.mark.parametrize("slice_elems", [1, 1 << 18])  # one block per slice / the default
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cpu_fast_paths_match_definitions(monkeypatch, dtype, granularity, slice_elems):
+    """On CPU the torch backend quantizes in place on cache-sized slices and sends non-finite rows
+    to the definition: same bytes as the slot-by-slot definition, both directions, and the fp32
+    cache it reads is left untouched."""
+    from kvkernels import quant
+
+    monkeypatch.setattr(quant, "_CPU_SLICE_ELEMS", slice_elems)
+    lay = normal_cache("vllm-nhd", dtype=dtype)
+    k = lay.views[0][0]
+    k[5, 0].zero_()  # zero rule
+    k[5, 1].fill_(1e-40 if dtype == torch.float32 else 1e-38)  # subnormal / tiny amax
+    k[2, 2, 1, 3] = float("inf")  # definition path for that row (or tile)
+    k[7, 3, 0, 0] = float("nan")
+    before = [b.clone() for b in cache_bytes(lay)]  # cache_bytes may alias the cache on CPU
+    out = gather_quant(lay, IDS, quant="fp8", granularity=granularity, backend="torch").cpu()
+    assert all(torch.equal(x, y) for x, y in zip(before, cache_bytes(lay)))
+    assert torch.equal(out.cpu(), expected_fp8_staging(lay, IDS, granularity))
+    fmt = QuantStagingFormat.for_layout(lay, len(IDS), granularity=granularity)
+    out[fmt.scale_offset(1, 1) : fmt.scale_offset(1, 1) + 4] = torch.tensor([1e38]).view(torch.uint8)  # 256 * s = inf
+    dst = cache("vllm-nhd", dtype=dtype, fill="zero")
+    scatter_quant(out, dst, DST, quant="fp8", granularity=granularity, backend="torch")
+    n = len(IDS)
+    sshape = (n, BS, H) if granularity == "token" else (n, H)
+    for layer in range(L):
+        for c in range(2):
+            qo, so = fmt.q_offset(layer, c), fmt.scale_offset(layer, c)
+            q = out[qo : qo + fmt.q_nbytes].view(n, BS, H, D)
+            s = out[so : so + fmt.scale_nbytes].view(torch.float32).view(sshape)
+            want = dequantize_rows(q, s, dtype, granularity)
+            for i, b in enumerate(DST):
+                if b >= 0:
+                    assert bytes_equal(dst.views[layer][c][b].cpu(), want[i]), (layer, c, i)
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=str)
+def test_cpu_dequantize_decode_is_the_definition(dtype):
+    """Every code (NaN codes included) times scales from fp32 subnormals to the overflow edge."""
+    from kvkernels.quant import _dequantize_rows_cpu
+
+    tiny = torch.finfo(torch.float32).tiny
+    scales = torch.tensor([1.0, 3.0 / 448, 1e-3, tiny, tiny / 1024, 2.0**-149, 1e30, 1.3e36, 3e38, 0.0, -2.5])
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    for with_nan in (False, True):
+        q = codes if with_nan else codes[(codes & 0x7F) != 0x7F]
+        q = q.view(1, 1, 1, -1).expand(1, len(scales), 1, -1).contiguous()
+        s = scales.view(1, -1, 1)
+        assert bytes_equal(_dequantize_rows_cpu(q, s, dtype, "token"), dequantize_rows(q, s, dtype, "token"))
+        sb = scales[:1].view(1, 1)
+        assert bytes_equal(_dequantize_rows_cpu(q, sb, dtype, "block"), dequantize_rows(q, sb, dtype, "block"))
+
+
 def test_reference_shuffle_is_planes_of_raw_staging():
     lay = cache("flashinfer-nhd", dtype=torch.float16)
     raw = kvkernels.gather(lay, IDS, backend="torch").cpu()
