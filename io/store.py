@@ -53,6 +53,9 @@ READ_GROUP_BYTES = 256 << 20
 # verification (raw O_DIRECT read of the same file: 42.6 ms; 24 reads each, CPU host, 2026-11-22).
 READ_GROUP_SPLIT = 4
 READ_GROUP_MIN = 4 << 20
+# A get that finds its entry replaced by a put of the same key mid-read is retried on the new
+# version this many times (then it is a miss).
+READ_RETRIES = 3
 
 
 @dataclass
@@ -67,7 +70,15 @@ def _forward(src: Future, dst: Future) -> None:
     if exc is not None:
         dst.set_exception(exc)
     else:
-        dst.set_result(src.result())
+        _settle(dst, src.result())
+
+
+def _settle(dst: Future, res) -> None:
+    """Complete ``dst`` with ``res``, or make it follow ``res.future`` when ``res`` is a :class:`_Later`."""
+    if isinstance(res, _Later):
+        res.future.add_done_callback(lambda f: _forward(f, dst))
+    else:
+        dst.set_result(res)
 
 
 @dataclass
@@ -167,7 +178,7 @@ class KVStore:
         # puts end (header, fdatasync, rename, directory fsync) on these threads, off the workers
         self._committer = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="kvk-store-commit")
         self._closed = False
-        self._stats = {k: 0 for k in ("puts", "put_errors", "gets", "hits", "misses", "corrupt", "evictions",
+        self._stats = {k: 0 for k in ("puts", "put_errors", "gets", "hits", "misses", "corrupt", "replaced_reads", "evictions",
                                       "bytes_written", "bytes_read")}
         self._stats.update(write_s=0.0, read_s=0.0)
         self.recovery = self._recover()
@@ -243,10 +254,7 @@ class KVStore:
             except BaseException as exc:  # delivered through the future
                 fut.set_exception(exc)
                 continue
-            if isinstance(res, _Later):  # the rest runs elsewhere: this worker takes the next request
-                res.future.add_done_callback(lambda f, fut=fut: _forward(f, fut))
-            else:
-                fut.set_result(res)
+            _settle(fut, res)  # a _Later: the rest runs elsewhere, this worker takes the next request
 
     # ------------------------------------------------------------------ put
     def put(self, key, staging, meta: EntryMeta) -> Future:
@@ -543,7 +551,38 @@ class KVStore:
                 return self._fan_out(digest, ent, sel, dests, groups, out)
         return self._submit(0, lambda: self._do_get(digest, ent, sel, dests, out))
 
-    def _fan_out(self, digest: bytes, ent: _Entry, sel, dests, groups, out) -> Future:
+    def _read_failed(self, digest: bytes, ent: _Entry, sel, dests, out, attempt: int, why: str) -> _Later:
+        """A read whose bytes failed their checksum, ended early or found no file.
+
+        Either the file is corrupt (or gone), or a put of the same key replaced it while it was
+        being read (reads open the entry's path, which the put's rename gives the new version, and
+        which a remove of that new version unlinks). A replaced entry is no corruption: when the new version has the same description and region
+        sizes (the caller's ``header()`` and destinations still hold) the read is retried on it,
+        up to :data:`READ_RETRIES` times; otherwise (other sizes, or no version indexed any more)
+        the get is a miss (``KeyError``).
+        """
+        with self._lock:
+            cur = self._index.get(digest)
+            replaced = cur is not ent or digest in self._publishing  # ent is no longer the indexed version
+            if replaced:
+                self._stats["replaced_reads"] += 1
+                same = cur is not None and attempt < READ_RETRIES and cur.header.meta == ent.header.meta
+                if same:
+                    have = {r.layer: r for r in cur.header.regions}
+                    new = [have.get(r.layer) for r in sel]
+                    same = all(n is not None and n.stored == r.stored for n, r in zip(new, sel))
+                if same:
+                    cur.readers += 1
+                    sel = new
+                else:
+                    cur = None
+        if not replaced:
+            raise self._corrupt(digest, ent, why)
+        if cur is None:
+            raise KeyError(f"{ent.path}: replaced or removed while being read ({why})")
+        return _Later(self._submit(0, lambda: self._do_get(digest, cur, sel, dests, out, attempt + 1)))
+
+    def _fan_out(self, digest: bytes, ent: _Entry, sel, dests, groups, out, attempt: int = 0) -> Future:
         """One get as parallel group reads (each verifies its own regions); the returned future
         completes when all have, with the same outcomes as :meth:`_do_get`."""
         t0 = time.perf_counter()
@@ -562,7 +601,7 @@ class KVStore:
                 if left[0]:
                     return
             try:  # the group reads return their failed layers, as the checks of _do_get do
-                outer.set_result(self._finish_get(digest, ent, sel, subs, out, t0))
+                _settle(outer, self._finish_get(digest, ent, sel, subs, out, t0, dests, attempt))
             except BaseException as exc:
                 outer.set_exception(exc)
 
@@ -587,7 +626,7 @@ class KVStore:
                     self._unlink(ent.path, ent.doomed or None)
                 ent.doomed = None
 
-    def _do_get(self, digest: bytes, ent: _Entry, sel, dests: list[list[torch.Tensor]], out) -> object:
+    def _do_get(self, digest: bytes, ent: _Entry, sel, dests: list[list[torch.Tensor]], out, attempt: int = 0) -> object:
         """Read the regions (in a worker); their verification finishes on the hasher threads, so
         the worker is free for the next read as soon as its bytes are in (the disk keeps its
         queue depth while checksums run)."""
@@ -603,23 +642,28 @@ class KVStore:
                 self.engine.read_into(ent.path, [(off, segs)])
                 if self.verify:
                     checks.append(self._hasher.submit(self._verify, sel, dests, js))
-        except EOFError as exc:
-            raise self._corrupt(digest, ent, f"truncated ({exc})") from None
+        except (EOFError, FileNotFoundError) as exc:
+            short = exc
+        else:
+            short = None
         finally:
             self._release_reader(ent)
+        if short is not None:
+            return self._read_failed(digest, ent, sel, dests, out, attempt, _short_read(short))
         if not checks:
             return self._got(sel, out, t0)
         # the finisher waits only on checks queued before it (FIFO): they are running or done
-        return _Later(self._hasher.submit(self._finish_get, digest, ent, sel, checks, out, t0))
+        return _Later(self._hasher.submit(self._finish_get, digest, ent, sel, checks, out, t0, dests, attempt))
 
-    def _finish_get(self, digest: bytes, ent: _Entry, sel, checks, out, t0: float):
-        """Collect the failed layers of ``checks`` (futures of lists); the get's result or error."""
+    def _finish_get(self, digest: bytes, ent: _Entry, sel, checks, out, t0: float, dests, attempt: int):
+        """Collect the failed layers of ``checks`` (futures of lists); the get's result, its retry
+        (a :class:`_Later`) or its error."""
         try:
             bad = [b for f in checks for b in f.result()]
-        except EOFError as exc:  # a fanned-out group read hit the end of the file
-            raise self._corrupt(digest, ent, f"truncated ({exc})") from None
+        except (EOFError, FileNotFoundError) as exc:  # a fanned-out group read came up short
+            return self._read_failed(digest, ent, sel, dests, out, attempt, _short_read(exc))
         if bad:
-            raise self._corrupt(digest, ent, f"region of layer {bad[0]}: checksum mismatch")
+            return self._read_failed(digest, ent, sel, dests, out, attempt, f"region of layer {bad[0]}: checksum mismatch")
         return self._got(sel, out, t0)
 
     def _corrupt(self, digest: bytes, ent: _Entry, why: str) -> CorruptEntryError:
@@ -715,6 +759,10 @@ class KVStore:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _short_read(exc: BaseException) -> str:
+    return "file missing" if isinstance(exc, FileNotFoundError) else f"truncated ({exc})"
 
 
 def _check_segments(item, name: str) -> list[torch.Tensor]:

@@ -411,6 +411,58 @@ def test_lone_large_get_fans_out_into_parallel_group_reads(tmp_path, monkeypatch
         assert [e.readers for e in store._index.values()] == [0]  # every group released the file
 
 
+def _held_reads(store, monkeypatch):
+    """Make the store's reads wait until ``release`` is set (``started`` is set by the first)."""
+    started, release = threading.Event(), threading.Event()
+    real = store.engine.read_into
+
+    def read_into(path, pieces):
+        started.set()
+        assert release.wait(30)
+        return real(path, pieces)
+
+    monkeypatch.setattr(store.engine, "read_into", read_into)
+    return started, release
+
+
+@pytest.mark.parametrize("fan_out", [False, True])
+def test_get_whose_file_a_put_replaces_reads_the_new_version(tmp_path, monkeypatch, fan_out):
+    """A put of the same key renames its file over the one a get is reading: the get's checksums
+    fail, and the store reads the new version instead of calling it corrupt (same description
+    and sizes), or misses when the new version has other sizes. Nothing is dropped."""
+    import kvkernels.io.store as store_mod
+
+    if fan_out:
+        monkeypatch.setattr(store_mod, "READ_GROUP_MIN", 4096)
+    _, old, meta = staged(ids=(3, 9, 1, 4, 7, 0, 2, 5))
+    _, new, _ = staged(ids=(3, 9, 1, 4, 7, 0, 2, 5), seed=1)
+    assert not torch.equal(old, new)
+    with KVStore(tmp_path, io_threads=4) as store:
+        store.put("k", old, meta).result()
+        started, release = _held_reads(store, monkeypatch)
+        got = store.get("k")
+        assert started.wait(30)
+        monkeypatch.setattr(store.engine, "read_into", type(store.engine).read_into.__get__(store.engine))
+        store.put("k", new, meta).result()  # renamed over the file the get has not read yet
+        release.set()
+        assert torch.equal(got.result(timeout=30), new)
+        st = store.stats()
+        assert st["replaced_reads"] >= 1 and st["corrupt"] == 0
+        assert torch.equal(store.get("k").result(), new) and len(store) == 1
+        # a new version of other sizes: the caller's header() no longer describes it -> a miss
+        started, release = _held_reads(store, monkeypatch)
+        got = store.get("k")
+        assert started.wait(30)
+        monkeypatch.setattr(store.engine, "read_into", type(store.engine).read_into.__get__(store.engine))
+        _, small, small_meta = staged(ids=(3, 9))
+        store.put("k", small, small_meta).result()
+        release.set()
+        with pytest.raises(KeyError, match="replaced or removed"):
+            got.result(timeout=30)
+        assert store.stats()["corrupt"] == 0 and torch.equal(store.get("k").result(), small)
+        assert [e.readers for e in store._index.values()] == [0]
+
+
 def test_concurrent_vectored_fanned_out_gets_with_removes_and_eviction(tmp_path, monkeypatch):
     """Vectored puts, fanned-out gets (forced), removes, pins and LRU eviction from many threads:
     every successful get returns the exact bytes, failures are only misses, and afterwards no
