@@ -33,6 +33,58 @@ def _item_coords(w, n, C: tl.constexpr):
 
 
 @triton.jit
+def _slot(w32, block_ids, err_ptr, n, num_blocks, C: tl.constexpr):
+    """Work item ``w32`` -> ``(j, c, i, bid, valid)``: region, entry, staging slot, the slot's block
+    id (int64) and whether it names a cache block. An invalid id other than -1 (padding) is counted
+    in ``err_ptr`` once per slot: by the first ``n`` items (region 0, entry 0)."""
+    w = tl.cast(w32, tl.int64)
+    j, c, i = _item_coords(w, n, C)
+    bid = tl.load(block_ids + i).to(tl.int64)
+    valid = (bid >= 0) & (bid < num_blocks)
+    tl.atomic_add(err_ptr, 1, mask=(((bid != -1) & (bid < 0)) | (bid >= num_blocks)) & (w < n))
+    return j, c, i, bid, valid
+
+
+@triton.jit
+def _block_ptr(ptr_tab, j, c, bid, valid, stride_b, EBYTES: tl.constexpr, C: tl.constexpr, ALIGN16: tl.constexpr):
+    """Pointer to block ``bid`` of (requested layer j, entry c) with ``EBYTES``-byte elements
+    (``stride_b`` in elements); block 0 for an invalid id, so no address leaves the cache."""
+    addr = tl.load(ptr_tab + j * C + c)
+    if EBYTES == 8:
+        base = addr.to(tl.pointer_type(tl.int64))
+    elif EBYTES == 4:
+        base = addr.to(tl.pointer_type(tl.int32))
+    elif EBYTES == 2:
+        base = addr.to(tl.pointer_type(tl.int16))
+    else:
+        base = addr.to(tl.pointer_type(tl.uint8))
+    if ALIGN16:  # the hint must sit on the pointer (checked in PTX: 16-byte vector accesses)
+        base = tl.multiple_of(base, 16)
+    return base + tl.where(valid, bid, 0) * stride_b
+
+
+@triton.jit
+def _cache_rows(rows, stride_n, stride_h, H: tl.constexpr, EV: tl.constexpr, ALIGN16: tl.constexpr):
+    """(token, head) rows ``t * H + h`` -> (offset of each row's first element in the block, ``h``);
+    with ALIGN16 the offsets are hinted multiples of ``EV`` elements (16 bytes)."""
+    t = rows // H
+    h = rows - t * H
+    off = t.to(tl.int64) * stride_n + h.to(tl.int64) * stride_h
+    if ALIGN16:
+        off = tl.multiple_of(off, EV)
+    return off, h
+
+
+@triton.jit
+def _staging_rows(rows, ROW: tl.constexpr, ALIGN16: tl.constexpr):
+    """Rows -> int64 offsets ``rows * ROW`` in a staging entry (hinted 16-aligned with ALIGN16)."""
+    off = rows.to(tl.int64) * ROW
+    if ALIGN16:
+        off = tl.multiple_of(off, 16)
+    return off
+
+
+@triton.jit
 def _paged_copy(
     ptr_tab,  # int64 [R, C]: byte address of block 0 of (requested layer j, entry c)
     block_ids,  # int32/int64 [n]: cache block of staging slot i (outside [0, num_blocks) = padding)
@@ -56,25 +108,13 @@ def _paged_copy(
     w_ar = tl.arange(0, BLOCK_W)
     col_ok = w_ar < ROW_WORDS
     for w32 in tl.range(tl.program_id(0), num_items, tl.num_programs(0)):
-        w = tl.cast(w32, tl.int64)
-        j, c, i = _item_coords(w, n, C)
-        bid = tl.load(block_ids + i).to(tl.int64)
-        valid = (bid >= 0) & (bid < num_blocks)
+        j, c, i, bid, valid = _slot(w32, block_ids, err_ptr, n, num_blocks, C)
         row_lim = tl.where(valid, ROWS, 0)  # invalid id: no cache row is touched
-        # counted once per slot: in the first n work items (layer region 0, entry 0)
-        tl.atomic_add(err_ptr, 1, mask=(((bid != -1) & (bid < 0)) | (bid >= num_blocks)) & (w < n))
-        base = tl.load(ptr_tab + j * C + c).to(stage_ptr.dtype)
-        if ALIGN16:  # the hint must sit on the pointer (checked in PTX: ld.global.v2.b64)
-            base = tl.multiple_of(base, 16)
-        cache = base + tl.where(valid, bid, 0) * stride_b
+        cache = _block_ptr(ptr_tab, j, c, bid, valid, stride_b, WORD, C, ALIGN16)
         stage = stage_ptr + j * region_words + c * entry_words + i * (ROWS * ROW_WORDS)
         for r0 in tl.range(0, ROWS, BLOCK_R):
             rows = r0 + r_ar
-            t = rows // H
-            h = rows - t * H
-            c_row = t.to(tl.int64) * stride_n + h.to(tl.int64) * stride_h
-            if ALIGN16:
-                c_row = tl.multiple_of(c_row, 16 // WORD)
+            c_row, _h = _cache_rows(rows, stride_n, stride_h, H, 16 // WORD, ALIGN16)
             c_off = c_row[:, None] + w_ar[None, :]
             s_off = (rows.to(tl.int64) * ROW_WORDS)[:, None] + w_ar[None, :]
             m = (rows < ROWS)[:, None] & col_ok[None, :]
@@ -108,26 +148,32 @@ def aligned16(word: int, layout, staging_ptr: int) -> bool:
     return word == 8 and all(v % 16 == 0 for v in vals)
 
 
+def geometry(layout, fmt, max_ctas: int, elem_bytes: int):
+    """Common launch arguments: ``(pointer table, (block, token, head) strides in elem_bytes
+    units, num_items, grid)`` for ``fmt.layers`` of ``layout``."""
+    tab = layout.pointer_table_for(fmt.layers)
+    strides = tuple(s // elem_bytes for s in layout.byte_strides)
+    num_items = fmt.num_regions * fmt.num_kv * fmt.num_blocks
+    return tab, strides, num_items, (num_items if max_ctas <= 0 else min(num_items, max_ctas),)
+
+
 def launch(kernel, layout, block_ids: torch.Tensor, fmt, staging: torch.Tensor, err: torch.Tensor, max_ctas: int) -> None:
     """Launch a paged copy ``kernel`` (same signature as :func:`_paged_copy` minus TO_STAGING)
     over ``fmt.layers`` of ``layout`` on the current stream."""
     n = fmt.num_blocks
     if n == 0 or fmt.num_regions == 0:
         return
-    tab = layout.pointer_table_for(fmt.layers)
-    sb, sn, sh = layout.byte_strides
     ptr = staging.data_ptr()
-    wb = word_bytes(layout.row_nbytes, sb, sn, sh, ptr, *layout.base_addresses_flat())
+    wb = word_bytes(layout.row_nbytes, *layout.byte_strides, ptr, *layout.base_addresses_flat())
+    tab, (sb, sn, sh), num_items, grid = geometry(layout, fmt, max_ctas, wb)
     words = staging[: fmt.nbytes].view(_WORD_DTYPE[wb])
     rows = layout.block_size * layout.num_heads
     row_words = layout.row_nbytes // wb
     block_r, block_w = tile_shape(rows, row_words)
-    num_items = fmt.num_regions * fmt.num_kv * n
-    grid = (num_items if max_ctas <= 0 else min(num_items, max_ctas),)
     kernel[grid](
         tab, block_ids, words, err,
         n, layout.num_blocks, num_items,
-        sb // wb, sn // wb, sh // wb,
+        sb, sn, sh,
         fmt.region_nbytes // wb, fmt.entry_nbytes // wb,
         C=fmt.num_kv, H=layout.num_heads, ROWS=rows, ROW_WORDS=row_words, WORD=wb,
         BLOCK_R=block_r, BLOCK_W=block_w, ALIGN16=aligned16(wb, layout, ptr), num_warps=NUM_WARPS,

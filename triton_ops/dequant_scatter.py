@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._paged import _item_coords
+from ._paged import _block_ptr, _cache_rows, _slot, _staging_rows, geometry
 from .quant_gather import _KINDS, NUM_WARPS, align16, tile_rows
 
 
@@ -62,47 +62,30 @@ def _dequant_scatter_kernel(
 ):
     # grid: (min(num_items, max_ctas),); each program strides over the work items
     ROWS: tl.constexpr = BS * H
-    EV: tl.constexpr = 16 // (4 if OUT_KIND == 2 else 2)  # cache elements per 16 bytes
+    EB: tl.constexpr = 4 if OUT_KIND == 2 else 2  # cache element bytes (loaded as int32 / int16 bits)
+    EV: tl.constexpr = 16 // EB  # cache elements per 16 bytes
     r_ar = tl.arange(0, BLOCK_R)
     d_ar = tl.arange(0, BLOCK_D)
     d_ok = d_ar < D
     for w32 in tl.range(tl.program_id(0), num_items, tl.num_programs(0)):
-        w = tl.cast(w32, tl.int64)
-        j, c, i = _item_coords(w, n, C)
-        bid = tl.load(block_ids + i).to(tl.int64)
-        valid = (bid >= 0) & (bid < num_blocks)
+        j, c, i, bid, valid = _slot(w32, block_ids, err_ptr, n, num_blocks, C)
         row_lim = tl.where(valid, ROWS, 0)  # invalid id: nothing is written
-        # counted once per slot: in the first n work items (layer region 0, entry 0)
-        tl.atomic_add(err_ptr, 1, mask=(((bid != -1) & (bid < 0)) | (bid >= num_blocks)) & (w < n))
-        if OUT_KIND == 2:
-            cache = tl.load(ptr_tab + j * C + c).to(tl.pointer_type(tl.int32))
-        else:
-            cache = tl.load(ptr_tab + j * C + c).to(tl.pointer_type(tl.int16))
-        if ALIGN16:
-            cache = tl.multiple_of(cache, 16)
-        cache = cache + tl.where(valid, bid, 0) * stride_b
+        cache = _block_ptr(ptr_tab, j, c, bid, valid, stride_b, EB, C, ALIGN16)
         q_in = q_ptr + j * region_nbytes + c * q_entry_nbytes + i * (ROWS * D)
         s_in = s_ptr + (j * region_nbytes + scale_base_nbytes + c * scale_entry_nbytes) // 4
         for r0 in tl.range(0, ROWS, BLOCK_R):
             rows = r0 + r_ar
-            t = rows // H
-            hh = rows - t * H
+            c_row, hh = _cache_rows(rows, stride_n, stride_h, H, EV, ALIGN16)
             rv = rows < row_lim
             mv = rv[:, None] & d_ok[None, :]
             if PER_BLOCK:
                 s = tl.load(s_in + i * H + hh, mask=rv, other=0.0)
             else:
                 s = tl.load(s_in + i * ROWS + rows, mask=rv, other=0.0)
-            q_row = rows.to(tl.int64) * D
-            if ALIGN16:
-                q_row = tl.multiple_of(q_row, 16)
-            q_off = q_row[:, None] + d_ar[None, :]
+            q_off = _staging_rows(rows, D, ALIGN16)[:, None] + d_ar[None, :]
             q = tl.load(q_in + q_off, mask=mv, other=0).to(tl.int32)
             y = _e4m3_decode(q) * s[:, None]
             nan = ((q & 0x7F) == 0x7F) | (y != y)
-            c_row = t.to(tl.int64) * stride_n + hh.to(tl.int64) * stride_h
-            if ALIGN16:
-                c_row = tl.multiple_of(c_row, EV)
             off = c_row[:, None] + d_ar[None, :]
             _store_from_f32(cache + off, y, nan, mv, OUT_KIND)
 
@@ -119,13 +102,9 @@ def dequant_scatter_triton(staging: torch.Tensor, layout, block_ids: torch.Tenso
     if n == 0 or fmt.num_regions == 0:
         return
     kind, _ = _KINDS[layout.dtype]
-    tab = layout.pointer_table_for(fmt.layers)
-    e = layout.element_size
-    sb, sn, sh = (s // e for s in layout.byte_strides)
+    tab, (sb, sn, sh), num_items, grid = geometry(layout, fmt, max_ctas, layout.element_size)
     stage = staging[: fmt.nbytes]
     block_r, block_d = tile_rows(layout.block_size * layout.num_heads, layout.head_dim)
-    num_items = fmt.num_regions * fmt.num_kv * n
-    grid = (num_items if max_ctas <= 0 else min(num_items, max_ctas),)
     _dequant_scatter_kernel[grid](
         tab, block_ids, stage, stage.view(torch.float32), err,
         n, layout.num_blocks, num_items, sb, sn, sh,

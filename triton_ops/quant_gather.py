@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._paged import _item_coords, aligned16, word_bytes
+from ._paged import _block_ptr, _cache_rows, _slot, _staging_rows, aligned16, geometry, word_bytes
 
 # Elements per program tile (rows x padded head dim). 4096 fp32 temporaries = 16 KiB of registers
 # per program at 4 warps. NOT yet measured on a GPU.
@@ -102,26 +102,16 @@ def _quant_gather_kernel(
 ):
     # grid: (min(num_items, max_ctas),); each program strides over the work items
     ROWS: tl.constexpr = BS * H
-    EV: tl.constexpr = 16 // (4 if IN_KIND == 2 else 2)  # cache elements per 16 bytes
+    EB: tl.constexpr = 4 if IN_KIND == 2 else 2  # cache element bytes (loaded as int32 / int16 bits)
+    EV: tl.constexpr = 16 // EB  # cache elements per 16 bytes
     r_ar = tl.arange(0, BLOCK_R)
     d_ar = tl.arange(0, BLOCK_D)
     d_ok = d_ar < D
     for w32 in tl.range(tl.program_id(0), num_items, tl.num_programs(0)):
-        w = tl.cast(w32, tl.int64)
-        j, c, i = _item_coords(w, n, C)
-        bid = tl.load(block_ids + i).to(tl.int64)
-        valid = (bid >= 0) & (bid < num_blocks)
+        j, c, i, bid, valid = _slot(w32, block_ids, err_ptr, n, num_blocks, C)
         row_lim = tl.where(valid, ROWS, 0)  # invalid id: no cache row is read, zeros are written
         tok_lim = tl.where(valid, BS, 0)
-        # counted once per slot: in the first n work items (layer region 0, entry 0)
-        tl.atomic_add(err_ptr, 1, mask=(((bid != -1) & (bid < 0)) | (bid >= num_blocks)) & (w < n))
-        if IN_KIND == 2:
-            cache = tl.load(ptr_tab + j * C + c).to(tl.pointer_type(tl.int32))
-        else:
-            cache = tl.load(ptr_tab + j * C + c).to(tl.pointer_type(tl.int16))
-        if ALIGN16:
-            cache = tl.multiple_of(cache, 16)
-        cache = cache + tl.where(valid, bid, 0) * stride_b
+        cache = _block_ptr(ptr_tab, j, c, bid, valid, stride_b, EB, C, ALIGN16)
         q_out = q_ptr + j * region_nbytes + c * q_entry_nbytes + i * (ROWS * D)
         s_out = s_ptr + (j * region_nbytes + scale_base_nbytes + c * scale_entry_nbytes) // 4
         if PER_BLOCK:
@@ -149,29 +139,19 @@ def _quant_gather_kernel(
                     mv = (t < tok_lim)[:, None] & d_ok[None, :]
                     x = _load_f32(cache + off, mv, IN_KIND)
                     code = _e4m3_code(tl.div_rn(x, tl.zeros_like(x) + s))
-                    q_row = (t * H + h).to(tl.int64) * D
-                    if ALIGN16:
-                        q_row = tl.multiple_of(q_row, 16)
-                    q_off = q_row[:, None] + d_ar[None, :]
+                    q_off = _staging_rows(t * H + h, D, ALIGN16)[:, None] + d_ar[None, :]
                     tl.store(q_out + q_off, code.to(tl.uint8), mask=(t < BS)[:, None] & d_ok[None, :])
         else:
             s_out = s_out + i * ROWS
             for r0 in tl.range(0, ROWS, BLOCK_R):
                 rows = r0 + r_ar
-                t = rows // H
-                hh = rows - t * H
-                c_row = t.to(tl.int64) * stride_n + hh.to(tl.int64) * stride_h
-                if ALIGN16:
-                    c_row = tl.multiple_of(c_row, EV)
+                c_row, _h = _cache_rows(rows, stride_n, stride_h, H, EV, ALIGN16)
                 off = c_row[:, None] + d_ar[None, :]
                 mv = (rows < row_lim)[:, None] & d_ok[None, :]
                 x = _load_f32(cache + off, mv, IN_KIND)
                 s = _scale_from_amax_bits(tl.max(_abs_bits(x), axis=1))
                 code = _e4m3_code(tl.div_rn(x, s[:, None] + tl.zeros_like(x)))
-                q_row = rows.to(tl.int64) * D
-                if ALIGN16:
-                    q_row = tl.multiple_of(q_row, 16)
-                q_off = q_row[:, None] + d_ar[None, :]
+                q_off = _staging_rows(rows, D, ALIGN16)[:, None] + d_ar[None, :]
                 tl.store(q_out + q_off, code.to(tl.uint8), mask=(rows < ROWS)[:, None] & d_ok[None, :])
                 s_st = tl.where(rows < row_lim, s, 0.0).to(tl.int32, bitcast=True)
                 tl.store(s_out + rows, s_st, mask=rows < ROWS)
@@ -194,14 +174,10 @@ def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor,
     if n == 0 or fmt.num_regions == 0:
         return out
     kind, _ = _KINDS[layout.dtype]
-    tab = layout.pointer_table_for(fmt.layers)
-    e = layout.element_size
-    sb, sn, sh = (s // e for s in layout.byte_strides)
+    tab, (sb, sn, sh), num_items, grid = geometry(layout, fmt, max_ctas, layout.element_size)
     stage = out[: fmt.nbytes]
     per_block = fmt.granularity == "block"
     block_r, block_d = tile_rows(layout.block_size if per_block else layout.block_size * layout.num_heads, layout.head_dim)
-    num_items = fmt.num_regions * fmt.num_kv * n
-    grid = (num_items if max_ctas <= 0 else min(num_items, max_ctas),)
     _quant_gather_kernel[grid](
         tab, block_ids, stage, stage.view(torch.int32), err,
         n, layout.num_blocks, num_items, sb, sn, sh,

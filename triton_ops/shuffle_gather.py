@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._paged import _item_coords
+from ._paged import _block_ptr, _cache_rows, _slot, _staging_rows, geometry
 from .quant_gather import NUM_WARPS, align16, tile_rows
 
 
@@ -38,31 +38,16 @@ def _shuffle_gather_kernel(
     d_ar = tl.arange(0, BLOCK_D)
     d_ok = d_ar < D
     for w32 in tl.range(tl.program_id(0), num_items, tl.num_programs(0)):
-        w = tl.cast(w32, tl.int64)
-        j, c, i = _item_coords(w, n, C)
-        bid = tl.load(block_ids + i).to(tl.int64)
-        valid = (bid >= 0) & (bid < num_blocks)
+        j, c, i, bid, valid = _slot(w32, block_ids, err_ptr, n, num_blocks, C)
         row_lim = tl.where(valid, ROWS, 0)  # invalid id: no cache row is read, zeros are written
-        # counted once per slot: in the first n work items (layer region 0, entry 0)
-        tl.atomic_add(err_ptr, 1, mask=(((bid != -1) & (bid < 0)) | (bid >= num_blocks)) & (w < n))
-        cache = tl.load(ptr_tab + j * C + c).to(tl.pointer_type(tl.int16))
-        if ALIGN16:
-            cache = tl.multiple_of(cache, 16)
-        cache = cache + tl.where(valid, bid, 0) * stride_b
+        cache = _block_ptr(ptr_tab, j, c, bid, valid, stride_b, 2, C, ALIGN16)
         hi_out = out_ptr + j * region_nbytes + c * entry_nbytes + i * (ROWS * D)
         for r0 in tl.range(0, ROWS, BLOCK_R):
             rows = r0 + r_ar
-            t = rows // H
-            hh = rows - t * H
-            c_row = t.to(tl.int64) * stride_n + hh.to(tl.int64) * stride_h
-            if ALIGN16:
-                c_row = tl.multiple_of(c_row, 8)  # 8 16-bit elements = 16 bytes
+            c_row, _h = _cache_rows(rows, stride_n, stride_h, H, 8, ALIGN16)  # 8 16-bit elements = 16 bytes
             off = c_row[:, None] + d_ar[None, :]
             v = tl.load(cache + off, mask=(rows < row_lim)[:, None] & d_ok[None, :], other=0).to(tl.int32)
-            s_row = rows.to(tl.int64) * D
-            if ALIGN16:
-                s_row = tl.multiple_of(s_row, 16)
-            s_off = s_row[:, None] + d_ar[None, :]
+            s_off = _staging_rows(rows, D, ALIGN16)[:, None] + d_ar[None, :]
             m = (rows < ROWS)[:, None] & d_ok[None, :]
             tl.store(hi_out + s_off, ((v >> 8) & 0xFF).to(tl.uint8), mask=m)
             tl.store(hi_out + plane_nbytes + s_off, (v & 0xFF).to(tl.uint8), mask=m)
@@ -75,12 +60,9 @@ def shuffle_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tenso
     n = fmt.num_blocks
     if n == 0 or fmt.num_regions == 0:
         return out
-    tab = layout.pointer_table_for(fmt.layers)
-    sb, sn, sh = (s // 2 for s in layout.byte_strides)
+    tab, (sb, sn, sh), num_items, grid = geometry(layout, fmt, max_ctas, 2)
     rows = layout.block_size * layout.num_heads
     block_r, block_d = tile_rows(rows, layout.head_dim)
-    num_items = fmt.num_regions * fmt.num_kv * n
-    grid = (num_items if max_ctas <= 0 else min(num_items, max_ctas),)
     _shuffle_gather_kernel[grid](
         tab, block_ids, out, err, n, layout.num_blocks, num_items, sb, sn, sh,
         fmt.region_nbytes, fmt.entry_nbytes, fmt.entry_nbytes // 2,
