@@ -480,6 +480,42 @@ def _check_aligned(buf: torch.Tensor, name: str) -> None:
           f"address {buf.data_ptr():#x}")
 
 
+# (direction, scheme) -> backend -> (module, function). Gathers take (layout, ids, fmt, out, err,
+# cap), scatters (staging, layout, ids, fmt, err, cap); the torch references ignore err and cap.
+_KERNELS = {
+    ("gather", "fp8"): {"triton": ("kvkernels.triton_ops.quant_gather", "quant_gather_triton"),
+                        "cuda": ("kvkernels._cuda", "quant_gather_cuda"), "torch": (__name__, "gather_fp8")},
+    ("gather", "shuffle"): {"triton": ("kvkernels.triton_ops.shuffle_gather", "shuffle_gather_triton"),
+                            "cuda": ("kvkernels._cuda", "shuffle_gather_cuda"), "torch": (__name__, "gather_shuffle")},
+    ("scatter", "fp8"): {"triton": ("kvkernels.triton_ops.dequant_scatter", "dequant_scatter_triton"),
+                         "cuda": ("kvkernels._cuda", "dequant_scatter_cuda"), "torch": (__name__, "scatter_fp8")},
+    ("scatter", "shuffle"): {"triton": ("kvkernels.triton_ops.unshuffle_scatter", "unshuffle_scatter_triton"),
+                             "cuda": ("kvkernels._cuda", "unshuffle_scatter_cuda"), "torch": (__name__, "scatter_shuffle")},
+}
+
+
+def _kernel(direction: str, quant, backend: str):
+    """The implementation of ``direction`` for the scheme on ``backend`` (imported on first use),
+    called with the common signature (see :data:`_KERNELS`)."""
+    import importlib
+
+    mod, name = _KERNELS[(direction, "fp8" if quant == "fp8" else "shuffle")][backend]
+    fn = getattr(importlib.import_module(mod), name)
+    if backend != "torch":
+        return fn
+    if direction == "gather":
+        return lambda layout, ids, fmt, out, err, cap: fn(layout, ids, fmt, out)
+    return lambda staging, layout, ids, fmt, err, cap: fn(staging, layout, ids, fmt)
+
+
+def _setup(layout, block_ids, layers, validate, backend, unique, quant, shuffle, granularity, max_ctas):
+    """Shared checks of gather_quant / scatter_quant: ``(layout, ids, fmt, backend, cap)``."""
+    layout, ids, raw, b = _prepare(layout, block_ids, layers, validate, backend, unique=unique)
+    _check_dtype(layout, quant, shuffle)
+    fmt = QuantStagingFormat.from_staging(raw, granularity) if quant == "fp8" else raw
+    return layout, ids, fmt, b, _caps(max_ctas)
+
+
 def gather_quant(
     layout: PagedLayout,
     block_ids,
@@ -536,10 +572,7 @@ def gather_quant(
         from .ops import gather
 
         return gather(layout, block_ids, out=out, layers=layers, backend=backend, max_ctas=max_ctas, validate=validate)
-    layout, ids, raw, b = _prepare(layout, block_ids, layers, validate, backend, unique=False)
-    _check_dtype(layout, quant, shuffle)
-    cap = _caps(max_ctas)
-    fmt = QuantStagingFormat.from_staging(raw, granularity) if quant == "fp8" else raw
+    layout, ids, fmt, b, cap = _setup(layout, block_ids, layers, validate, backend, False, quant, shuffle, granularity, max_ctas)
     if out is None:
         out = torch.empty(fmt.nbytes, dtype=torch.uint8, device=layout.device)
     else:
@@ -549,20 +582,10 @@ def gather_quant(
     if fmt.nbytes == 0:
         return out
     err = _err_counter(layout.device)
-    if b == "triton":
-        if quant == "fp8":
-            from kvkernels.triton_ops.quant_gather import quant_gather_triton
-
-            return quant_gather_triton(layout, ids, fmt, out, err, cap)
-        from kvkernels.triton_ops.shuffle_gather import shuffle_gather_triton
-
-        return shuffle_gather_triton(layout, ids, fmt, out, err, cap)
-    if b == "cuda":
-        from ._cuda import quant_gather_cuda, shuffle_gather_cuda
-
-        return (quant_gather_cuda if quant == "fp8" else shuffle_gather_cuda)(layout, ids, fmt, out, err, cap)
-    err += ((ids < -1) | (ids >= layout.num_blocks)).sum().to(torch.int32)
-    return (gather_fp8 if quant == "fp8" else gather_shuffle)(layout, ids, fmt, out)
+    if b == "torch":
+        err += ((ids < -1) | (ids >= layout.num_blocks)).sum().to(torch.int32)
+    _kernel("gather", quant, b)(layout, ids, fmt, out, err, cap)
+    return out
 
 
 def scatter_quant(
@@ -599,31 +622,14 @@ def scatter_quant(
         from .ops import scatter
 
         return scatter(staging, layout, block_ids, layers=layers, backend=backend, max_ctas=max_ctas, validate=validate)
-    layout, ids, raw, b = _prepare(layout, block_ids, layers, validate, backend, unique=True)
-    _check_dtype(layout, quant, shuffle)
-    cap = _caps(max_ctas)
-    fmt = QuantStagingFormat.from_staging(raw, granularity) if quant == "fp8" else raw
+    layout, ids, fmt, b, cap = _setup(layout, block_ids, layers, validate, backend, True, quant, shuffle, granularity, max_ctas)
     _check_buffer(staging, "staging", layout, fmt.nbytes)
     if quant == "fp8":
         _check_aligned(staging, "staging")
     if fmt.nbytes == 0:
         return None
     err = _err_counter(layout.device)
-    if b == "triton":
-        if quant == "fp8":
-            from kvkernels.triton_ops.dequant_scatter import dequant_scatter_triton
-
-            dequant_scatter_triton(staging, layout, ids, fmt, err, cap)
-        else:
-            from kvkernels.triton_ops.unshuffle_scatter import unshuffle_scatter_triton
-
-            unshuffle_scatter_triton(staging, layout, ids, fmt, err, cap)
-        return None
-    if b == "cuda":
-        from ._cuda import dequant_scatter_cuda, unshuffle_scatter_cuda
-
-        (dequant_scatter_cuda if quant == "fp8" else unshuffle_scatter_cuda)(staging, layout, ids, fmt, err, cap)
-        return None
-    err += ((ids < -1) | (ids >= layout.num_blocks)).sum().to(torch.int32)
-    (scatter_fp8 if quant == "fp8" else scatter_shuffle)(staging, layout, ids, fmt)
+    if b == "torch":
+        err += ((ids < -1) | (ids >= layout.num_blocks)).sum().to(torch.int32)
+    _kernel("scatter", quant, b)(staging, layout, ids, fmt, err, cap)
     return None
