@@ -223,7 +223,7 @@ def _scales(x: torch.Tensor, granularity: str) -> torch.Tensor:
     a = torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x))
     amax = a.amax(dim=-1, keepdim=True)
     if granularity == "block":
-        amax = amax.amax(dim=1, keepdim=True)
+        amax = amax.amax(dim=-3, keepdim=True)
     s = amax / FP8_MAX
     return torch.where(s > 0, s, torch.ones_like(s))
 
@@ -237,14 +237,14 @@ def quantize_rows(x: torch.Tensor, granularity: str = "token") -> tuple[torch.Te
     q = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     q = torch.where(torch.isnan(y), torch.full_like(q, 0x7F), q)  # one NaN code whatever the sign
     s = s.squeeze(-1)
-    return q, (s.squeeze(1) if granularity == "block" else s)
+    return q, (s.squeeze(-2) if granularity == "block" else s)
 
 
 def dequantize_rows(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, granularity: str = "token") -> torch.Tensor:
     """Inverse of :func:`quantize_rows`: ``(code * scale)`` in fp32, cast (RNE) to ``dtype``; every
     NaN becomes :data:`CANONICAL_NAN_BITS` (set on the bits: torch's own casts disagree on NaN,
     e.g. its vectorized CPU fp32 -> bf16 path writes ``0xFFFF``)."""
-    s = s.unsqueeze(1) if granularity == "block" else s
+    s = s.unsqueeze(-2) if granularity == "block" else s
     y = _decode_codes(q) * s.unsqueeze(-1)
     out = y.to(dtype)
     ity = torch.int32 if out.element_size() == 4 else torch.int16
@@ -257,7 +257,10 @@ def dequantize_rows(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, granul
 # on CPU it runs these: the same fp32 operations in the same order, in place and on cache-sized
 # slices, with the rare non-finite rows sent to the definitions above. Bit-identical to them
 # (tests/test_quant.py checks it on random, zero, subnormal, inf and NaN rows).
-_CPU_SLICE_ELEMS = 1 << 18  # fp32 temporaries of ~1 MiB stay in the core's cache
+# Elements per set of ops: fp32 temporaries of ~4 MiB. Measured on a llama3-8b chunk in a worker
+# thread (CPU host, 3 runs): 1 layer per set 0.4-0.65 GB/s, 4 layers 1.0-1.2, 8 layers 0.8-1.3,
+# all 32 layers 0.4-0.5 (the temporaries leave the cache).
+_CPU_SLICE_ELEMS = 1 << 20
 
 
 def _quantize_rows_cpu(x: torch.Tensor, granularity: str, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
@@ -265,7 +268,7 @@ def _quantize_rows_cpu(x: torch.Tensor, granularity: str, q_out: torch.Tensor, s
     xf = x.to(torch.float32, copy=True)  # never divide the caller's fp32 cache in place
     amax = xf.abs().amax(dim=-1, keepdim=True)
     if granularity == "block":
-        amax = amax.amax(dim=1, keepdim=True)
+        amax = amax.amax(dim=-3, keepdim=True)
     if not bool(torch.isfinite(amax).all()):  # inf/NaN in a row: the definition's masking
         q, s = quantize_rows(x, granularity)
         q_out.copy_(q)
@@ -275,7 +278,7 @@ def _quantize_rows_cpu(x: torch.Tensor, granularity: str, q_out: torch.Tensor, s
     s.masked_fill_(s == 0, 1.0)  # zero rule (s is never negative here)
     q_out.view(torch.float8_e4m3fn).copy_(xf.div_(s).clamp_(-FP8_MAX, FP8_MAX))  # the cast, into place
     s = s.squeeze(-1)
-    s_out.copy_(s.squeeze(1) if granularity == "block" else s)
+    s_out.copy_(s.squeeze(-2) if granularity == "block" else s)
 
 
 _SCALE_FOLD_MAX = torch.finfo(torch.float32).max / 256
@@ -290,11 +293,60 @@ def _dequantize_rows_cpu(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, g
     definition."""
     if int((q & 0x7F).amax()) == 0x7F or not bool((s.abs() <= _SCALE_FOLD_MAX).all()):
         return dequantize_rows(q, s, dtype, granularity)
-    sb = (s.unsqueeze(1) if granularity == "block" else s).unsqueeze(-1) * 256.0
+    sb = (s.unsqueeze(-2) if granularity == "block" else s).unsqueeze(-1) * 256.0
     q16 = q.to(torch.int16)
     sign = q16.bitwise_and(0x80).bitwise_left_shift_(8)
     half = q16.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(sign).view(torch.float16)
     return half.to(torch.float32).mul_(sb).to(dtype)
+
+
+def _stack_layers(layout: PagedLayout, layers, c: int) -> torch.Tensor | None:
+    """Entry ``c`` of the longest run (>= 2) of ``layers`` that one strided view covers, as a
+    ``[k, num_blocks, bs, H, D]`` tensor (layer stride constant, same storage, shape and strides,
+    e.g. an LMCache chunk or a cross-layer cache); None when there is none."""
+    vs = [layout.views[l][c] for l in layers]
+    if len(vs) < 2:
+        return None
+    v0 = vs[0]
+    es, step = v0.element_size(), vs[1].data_ptr() - v0.data_ptr()
+    if step <= 0 or step % es:
+        return None
+    k = 1
+    while (k < len(vs) and vs[k].data_ptr() - v0.data_ptr() == k * step and vs[k].stride() == v0.stride()
+           and vs[k].untyped_storage().data_ptr() == v0.untyped_storage().data_ptr()):
+        k += 1
+    if k < 2:
+        return None
+    return v0.as_strided((k, *v0.shape), (step // es, *v0.stride()), v0.storage_offset())
+
+
+def _region_sections(out: torch.Tensor, fmt: "QuantStagingFormat", j: int, k: int, c: int):
+    """Codes ``[k, n, bs, H, D]`` (uint8) and scales (fp32 ``[k, n, bs, H]`` or ``[k, n, H]``) of
+    entry ``c`` in regions ``j .. j + k - 1`` of ``out``, as views."""
+    n, bs, hh, d = fmt.num_blocks, fmt.block_size, fmt.num_heads, fmt.head_dim
+    r, layer = fmt.region_nbytes, fmt.layers[j]
+    q = out.as_strided((k, n, bs, hh, d), (r, bs * hh * d, hh * d, d, 1),
+                       out.storage_offset() + fmt.q_offset(layer, c))
+    f32 = out[: fmt.nbytes].view(torch.float32)
+    shape = (k, n, bs, hh) if fmt.granularity == "token" else (k, n, hh)
+    strides = (r // 4, bs * hh, hh, 1) if fmt.granularity == "token" else (r // 4, hh, 1)
+    s = f32.as_strided(shape, strides, f32.storage_offset() + fmt.scale_offset(layer, c) // 4)
+    return q, s
+
+
+def _layer_runs(layout: PagedLayout, fmt: "QuantStagingFormat", c: int, group: bool):
+    """``(j, k, stacked)`` covering the regions in order: runs of ``k`` layers to convert with one
+    set of ops (``stacked``: their view, see :func:`_stack_layers`), else single layers (None).
+    Fewer, larger torch ops matter off the main thread: there each op waits ~50-70 us for its
+    OpenMP team on the 2-vCPU CI host (docs/PERF_NOTES.md)."""
+    per_layer = fmt.num_blocks * fmt.block_size * fmt.num_heads * fmt.head_dim
+    most = max(1, _CPU_SLICE_ELEMS // max(1, per_layer)) if group else 1
+    j = 0
+    while j < fmt.num_regions:
+        stk = _stack_layers(layout, fmt.layers[j : j + most], c) if most > 1 else None
+        k = 1 if stk is None else stk.shape[0]
+        yield j, k, stk
+        j += k
 
 
 def _slices(n: int, row_elems: int):
@@ -360,8 +412,14 @@ def _gather_fp8_cpu(layout: PagedLayout, ids, valid, fmt: QuantStagingFormat, ou
         for a, b in fmt.gaps():
             out[j * fmt.region_nbytes + a : j * fmt.region_nbytes + b].zero_()
     sshape = (n, bs, hh) if fmt.granularity == "token" else (n, hh)
-    for layer in fmt.layers:
-        for c in range(fmt.num_kv):
+    all_valid = bool(valid.all())
+    for c in range(fmt.num_kv):
+        for r, k, stk in _layer_runs(layout, fmt, c, all_valid):
+            if stk is not None:  # k layers, every id valid: one set of ops
+                x = stk[:, int(ids[0])].unsqueeze(1) if n == 1 else stk.index_select(1, ids)
+                _quantize_rows_cpu(x, fmt.granularity, *_region_sections(out, fmt, r, k, c))
+                continue
+            layer = fmt.layers[r]
             qo, so = fmt.q_offset(layer, c), fmt.scale_offset(layer, c)
             q_out = out[qo : qo + fmt.q_nbytes].view(n, bs, hh, d)
             s_out = out[so : so + fmt.scale_nbytes].view(torch.float32).view(sshape)
@@ -390,8 +448,16 @@ def _scatter_fp8_cpu(staging: torch.Tensor, layout: PagedLayout, sel, dst, fmt: 
     n, bs, hh, d = fmt.num_blocks, fmt.block_size, fmt.num_heads, fmt.head_dim
     sshape = (n, bs, hh) if fmt.granularity == "token" else (n, hh)
     identity = sel.numel() == n
-    for layer in fmt.layers:
-        for c in range(fmt.num_kv):
+    for c in range(fmt.num_kv):
+        for r, k, stk in _layer_runs(layout, fmt, c, identity):
+            if stk is not None:  # k layers, every slot restored: one set of ops
+                y = _dequantize_rows_cpu(*_region_sections(staging, fmt, r, k, c), layout.dtype, fmt.granularity)
+                if n == 1:
+                    stk[:, int(dst[0])].copy_(y[:, 0])
+                else:
+                    stk.index_copy_(1, dst, y)
+                continue
+            layer = fmt.layers[r]
             qo, so = fmt.q_offset(layer, c), fmt.scale_offset(layer, c)
             q_all = staging[qo : qo + fmt.q_nbytes].view(n, bs, hh, d)
             s_all = staging[so : so + fmt.scale_nbytes].view(torch.float32).view(sshape)

@@ -238,31 +238,37 @@ def test_reference_fp8_matches_definition(layout, granularity):
     assert torch.equal(sub.cpu(), expected_fp8_staging(lay, IDS, granularity, layers=[1]))
 
 
-@pytest.mark.parametrize("slice_elems", [1, 1 << 18])  # one block per slice / the default
+SLOTS = {"padded": (IDS, DST), "valid": ([5, 2, 2, 7], [1, 6, 0, 3]), "one": ([5], [3])}
+
+
+@pytest.mark.parametrize("slots", sorted(SLOTS))
+@pytest.mark.parametrize("layout", ["vllm-nhd", "cross-layer", "vllm-packed-lbnhc"])  # the last two stack layers
+@pytest.mark.parametrize("slice_elems", [1, 1 << 20])  # one block per set of ops / the default (layers grouped)
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_cpu_fast_paths_match_definitions(monkeypatch, dtype, granularity, slice_elems):
-    """On CPU the torch backend quantizes in place on cache-sized slices and sends non-finite rows
-    to the definition: same bytes as the slot-by-slot definition, both directions, and the fp32
-    cache it reads is left untouched."""
+def test_cpu_fast_paths_match_definitions(monkeypatch, dtype, granularity, slice_elems, layout, slots):
+    """On CPU the torch backend quantizes in place on cache-sized slices (several layers at once
+    when one strided view covers them) and sends non-finite rows to the definition: same bytes as
+    the slot-by-slot definition, both directions, and the fp32 cache it reads is left untouched."""
     from kvkernels import quant
 
     monkeypatch.setattr(quant, "_CPU_SLICE_ELEMS", slice_elems)
-    lay = normal_cache("vllm-nhd", dtype=dtype)
+    ids, dst_ids = SLOTS[slots]
+    lay = normal_cache(layout, dtype=dtype)
     k = lay.views[0][0]
     k[5, 0].zero_()  # zero rule
     k[5, 1].fill_(1e-40 if dtype == torch.float32 else 1e-38)  # subnormal / tiny amax
     k[2, 2, 1, 3] = float("inf")  # definition path for that row (or tile)
-    k[7, 3, 0, 0] = float("nan")
+    lay.views[1][1][7, 3, 0, 0] = float("nan")
     before = [b.clone() for b in cache_bytes(lay)]  # cache_bytes may alias the cache on CPU
-    out = gather_quant(lay, IDS, quant="fp8", granularity=granularity, backend="torch").cpu()
+    out = gather_quant(lay, ids, quant="fp8", granularity=granularity, backend="torch").cpu()
     assert all(torch.equal(x, y) for x, y in zip(before, cache_bytes(lay)))
-    assert torch.equal(out.cpu(), expected_fp8_staging(lay, IDS, granularity))
-    fmt = QuantStagingFormat.for_layout(lay, len(IDS), granularity=granularity)
+    assert torch.equal(out, expected_fp8_staging(lay, ids, granularity))
+    fmt = QuantStagingFormat.for_layout(lay, len(ids), granularity=granularity)
     out[fmt.scale_offset(1, 1) : fmt.scale_offset(1, 1) + 4] = torch.tensor([1e38]).view(torch.uint8)  # 256 * s = inf
-    dst = cache("vllm-nhd", dtype=dtype, fill="zero")
-    scatter_quant(out, dst, DST, quant="fp8", granularity=granularity, backend="torch")
-    n = len(IDS)
+    dst = cache(layout, dtype=dtype, fill="zero")
+    scatter_quant(out, dst, dst_ids, quant="fp8", granularity=granularity, backend="torch")
+    n = len(ids)
     sshape = (n, BS, H) if granularity == "token" else (n, H)
     for layer in range(L):
         for c in range(2):
@@ -270,9 +276,11 @@ def test_cpu_fast_paths_match_definitions(monkeypatch, dtype, granularity, slice
             q = out[qo : qo + fmt.q_nbytes].view(n, BS, H, D)
             s = out[so : so + fmt.scale_nbytes].view(torch.float32).view(sshape)
             want = dequantize_rows(q, s, dtype, granularity)
-            for i, b in enumerate(DST):
+            for i, b in enumerate(dst_ids):
                 if b >= 0:
                     assert bytes_equal(dst.views[layer][c][b].cpu(), want[i]), (layer, c, i)
+    untouched = [b for b in range(NB) if b not in dst_ids]
+    assert all(not dst.views[l][c][b].any() for l in range(L) for c in range(2) for b in untouched)
 
 
 @pytest.mark.parametrize("dtype", FP8_DTYPES, ids=str)
