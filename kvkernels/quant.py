@@ -320,7 +320,7 @@ def _stack_layers(layout: PagedLayout, layers, c: int) -> torch.Tensor | None:
     return v0.as_strided((k, *v0.shape), (step // es, *v0.stride()), v0.storage_offset())
 
 
-def _region_sections(out: torch.Tensor, fmt: "QuantStagingFormat", j: int, k: int, c: int):
+def _region_sections(out: torch.Tensor, fmt: QuantStagingFormat, j: int, k: int, c: int):
     """Codes ``[k, n, bs, H, D]`` (uint8) and scales (fp32 ``[k, n, bs, H]`` or ``[k, n, H]``) of
     entry ``c`` in regions ``j .. j + k - 1`` of ``out``, as views."""
     n, bs, hh, d = fmt.num_blocks, fmt.block_size, fmt.num_heads, fmt.head_dim
@@ -334,7 +334,7 @@ def _region_sections(out: torch.Tensor, fmt: "QuantStagingFormat", j: int, k: in
     return q, s
 
 
-def _layer_runs(layout: PagedLayout, fmt: "QuantStagingFormat", c: int, group: bool):
+def _layer_runs(layout: PagedLayout, fmt: QuantStagingFormat, c: int, group: bool):
     """``(j, k, stacked)`` covering the regions in order: runs of ``k`` layers to convert with one
     set of ops (``stacked``: their view, see :func:`_stack_layers`), else single layers (None).
     Fewer, larger torch ops matter off the main thread: there each op waits ~50-70 us for its
@@ -419,11 +419,8 @@ def _gather_fp8_cpu(layout: PagedLayout, ids, valid, fmt: QuantStagingFormat, ou
                 x = stk[:, int(ids[0])].unsqueeze(1) if n == 1 else stk.index_select(1, ids)
                 _quantize_rows_cpu(x, fmt.granularity, *_region_sections(out, fmt, r, k, c))
                 continue
-            layer = fmt.layers[r]
-            qo, so = fmt.q_offset(layer, c), fmt.scale_offset(layer, c)
-            q_out = out[qo : qo + fmt.q_nbytes].view(n, bs, hh, d)
-            s_out = out[so : so + fmt.scale_nbytes].view(torch.float32).view(sshape)
-            view = layout.views[layer][c]
+            q_out, s_out = (t[0] for t in _region_sections(out, fmt, r, 1, c))
+            view = layout.views[fmt.layers[r]][c]
             for i, j in _slices(n, bs * hh * d):
                 v = valid[i:j]
                 if bool(v.all()):  # a run of valid ids: no masking pass
@@ -446,7 +443,6 @@ def _scatter_fp8_cpu(staging: torch.Tensor, layout: PagedLayout, sel, dst, fmt: 
     """:func:`scatter_fp8` on CPU, slice by slice (``sel``: staging slots to restore, ``dst``:
     their blocks)."""
     n, bs, hh, d = fmt.num_blocks, fmt.block_size, fmt.num_heads, fmt.head_dim
-    sshape = (n, bs, hh) if fmt.granularity == "token" else (n, hh)
     identity = sel.numel() == n
     for c in range(fmt.num_kv):
         for r, k, stk in _layer_runs(layout, fmt, c, identity):
@@ -457,11 +453,8 @@ def _scatter_fp8_cpu(staging: torch.Tensor, layout: PagedLayout, sel, dst, fmt: 
                 else:
                     stk.index_copy_(1, dst, y)
                 continue
-            layer = fmt.layers[r]
-            qo, so = fmt.q_offset(layer, c), fmt.scale_offset(layer, c)
-            q_all = staging[qo : qo + fmt.q_nbytes].view(n, bs, hh, d)
-            s_all = staging[so : so + fmt.scale_nbytes].view(torch.float32).view(sshape)
-            view = layout.views[layer][c]
+            q_all, s_all = (t[0] for t in _region_sections(staging, fmt, r, 1, c))
+            view = layout.views[fmt.layers[r]][c]
             for i, j in _slices(sel.numel(), bs * hh * d):
                 if identity:  # every slot restored: contiguous slices, no index copies
                     q, s = q_all[i:j], s_all[i:j]
