@@ -58,10 +58,11 @@ def _metadata(dtype=torch.bfloat16, worker_id=0, world_size=1, use_mla=False):
                            chunk_size=T)
 
 
-def _config(path, **kv):
+def _config(path, lmcache_options=None, **kv):
     return LMCacheEngineConfig.from_defaults(chunk_size=T, local_cpu=True, max_local_cpu_size=0.05,
                                              storage_plugins=["kvkernels"],
-                                             extra_config=lmcache_extra_config(str(path), **kv))
+                                             extra_config=lmcache_extra_config(str(path), **kv),
+                                             **(lmcache_options or {}))
 
 
 def _key(h: int, dtype=torch.bfloat16, worker_id=0) -> CacheEngineKey:
@@ -71,8 +72,8 @@ def _key(h: int, dtype=torch.bfloat16, worker_id=0) -> CacheEngineKey:
 class Manager:
     """A StorageManager built from config (LMCache creates the plugin), torn down on close()."""
 
-    def __init__(self, path, dtype=torch.bfloat16, **kv):
-        self.sm = StorageManager(_config(path, **kv), _metadata(dtype), EventManager())
+    def __init__(self, path, dtype=torch.bfloat16, lmcache_options=None, use_mla=False, **kv):
+        self.sm = StorageManager(_config(path, lmcache_options, **kv), _metadata(dtype, use_mla=use_mla), EventManager())
         self.plugin = self.sm.storage_backends.get("kvkernels")
         assert isinstance(self.plugin, KVKernelsBackend), list(self.sm.storage_backends)
         self.cpu = self.sm.storage_backends["LocalCPUBackend"]
@@ -193,6 +194,22 @@ def test_chunk_staging_matches_kvkernels_gather(dtype, tokens):
     part = torch.zeros_like(t)
     staging_to_chunk(one, shape, part, fmt.with_layers([2]), layers=[2])
     assert bytes_equal(part[:, 2], t[:, 2]) and not part[:, 0].any()
+
+
+@pytest.mark.parametrize("order, dims", [("T2D", (T, 2, H * D)), ("2TD", (2, T, H * D)), ("TD", (T, D))])
+def test_layerwise_orders_convert_like_their_paged_layout(order, dims):
+    """A layer-wise object's CPU conversion (strided views) gives the bytes kvkernels.gather gives
+    for its PagedLayout (the path CUDA objects and FP8 take), and converts back."""
+    t = torch.randn(dims).to(torch.bfloat16)
+    shape = ChunkShape.of(t, H, order)
+    assert shape.torch_shape == t.shape and shape.num_layers == 1
+    lay = chunk_layout(t, shape)
+    fmt = kvkernels.StagingFormat.for_layout(lay, 1)
+    ours = chunk_to_staging(t, shape, torch.full((fmt.nbytes,), 0xAB, dtype=torch.uint8), fmt)
+    assert torch.equal(ours, kvkernels.gather(lay, [0], backend="torch"))
+    assert bytes_equal(staging_to_chunk(ours, shape, torch.empty_like(t), fmt), t)
+    with pytest.raises(ValueError, match="order"):
+        ChunkShape.of(torch.zeros(2, L, T, H * D), H).with_order(order)  # L layers cannot be one object
 
 
 @pytest.mark.gpu
@@ -336,6 +353,100 @@ def test_pin_unpin_remove(mgr):
     assert mgr.plugin.unpin(_key(7)) and mgr.plugin.pin_count(_key(7)) == 0
     assert mgr.plugin.remove(_key(7)) and not mgr.plugin.contains(_key(7))
     assert not mgr.plugin.remove(_key(7))
+
+
+# ----------------------------------------------------------------------------- layer-wise mode
+# LMCache's layer-wise mode (use_layerwise) stores one object per (chunk, layer) under a
+# LayerCacheEngineKey: KV_T2D [T, 2, H*D], KV_2TD [2, T, H*D] with blending, KV_MLA_FMT [T, D] for MLA.
+LAYERWISE = {
+    "T2D": ({"use_layerwise": True}, False, MemoryFormat.KV_T2D, (T, 2, H * D)),
+    "2TD": ({"use_layerwise": True, "enable_blending": True}, False, MemoryFormat.KV_2TD, (2, T, H * D)),
+    "TD": ({"use_layerwise": True}, True, MemoryFormat.KV_MLA_FMT, (T, D)),
+}
+
+
+def _layer_objs(m, fmt, shape, seed, dtype=torch.bfloat16):
+    from lmcache.utils import LayerCacheEngineKey
+
+    keys = [LayerCacheEngineKey(MODEL, 1, 0, seed, dtype, layer_id=layer) for layer in range(L)]
+    objs, want = [], []
+    for layer in range(L):
+        obj = m.sm.allocate(torch.Size(shape), dtype, fmt)
+        g = torch.Generator().manual_seed(seed * 100 + layer)
+        obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=g).to(dtype))
+        objs.append(obj)
+        want.append(obj.tensor.clone())
+    return keys, objs, want
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8"])
+@pytest.mark.parametrize("order", sorted(LAYERWISE))
+def test_layerwise_objects_round_trip_in_their_own_format(tmp_path, order, quant):
+    """Per-layer objects are stored (one one-layer entry each), come back from both read paths
+    and after a restart as objects of LMCache's layer-wise format, bytes equal (FP8: within
+    e4m3's step); the entry on disk is the canonical staging (K then V) whatever the order."""
+    options, mla, fmt, shape = LAYERWISE[order]
+    kw = {"quant": quant} if quant != "none" else {}
+    m = Manager(tmp_path / "kv", lmcache_options=options, use_mla=mla, **kw)
+    try:
+        assert m.plugin._layer_order == order
+        keys, objs, want = _layer_objs(m, fmt, shape, seed=3)
+        m.put(keys, objs)
+        assert all(m.plugin.contains(k) for k in keys) and m.plugin.stats()["put_errors"] == 0
+        header = m.plugin.store.header(key_string(keys[1]))
+        assert header.meta.num_layers == 1 and header.meta.num_kv == (1 if mla else 2)
+
+        def check(got):
+            assert len(got) == L
+            for o, w in zip(got, want):
+                assert o is not None and o.get_memory_format() == fmt and tuple(o.tensor.shape) == shape
+                if quant == "none":
+                    assert bytes_equal(o.tensor, w)
+                else:
+                    err = (o.tensor.float() - w.float()).abs()
+                    assert bool((err <= 0.0625 * w.float().abs() + 1e-2).all())
+                o.ref_count_down()
+
+        check(m.plugin.batched_get_blocking(keys))
+        check(m.run(m.plugin.batched_get_non_blocking("lookup", keys)))
+        # LMCache's own layer-wise retrieval: one future per layer over the layer's chunks
+        tasks = list(m.sm.layerwise_batched_get([[k] for k in keys], location="kvkernels"))
+        check([t.result(30)[0] for t in tasks])
+        if quant == "none":  # the entry's bytes are the staging format: K then V, canonical order
+            k_then_v = torch.stack([want[1]], 0) if mla else (
+                want[1].transpose(0, 1) if order == "T2D" else want[1])
+            raw = m.plugin.store.get(key_string(keys[1])).result()
+            n = k_then_v.numel() * k_then_v.element_size()
+            assert torch.equal(raw[:n], k_then_v.contiguous().view(-1).view(torch.uint8))
+    finally:
+        m.close()
+    m2 = Manager(tmp_path / "kv", lmcache_options=options, use_mla=mla, **kw)  # a new process: same entries
+    try:
+        check(m2.plugin.batched_get_blocking(keys))
+    finally:
+        m2.close()
+
+
+def test_layerwise_keys_of_a_whole_chunk_entry_miss_and_plain_keys_still_work(tmp_path):
+    """A layer key whose entry is not one layer (cannot be a layer-wise object) is a miss, not
+    garbage; whole-chunk keys keep their KV_2LTD objects in layer-wise mode."""
+    from lmcache.utils import LayerCacheEngineKey
+
+    m = Manager(tmp_path / "kv", lmcache_options={"use_layerwise": True})
+    try:
+        obj, want = m.chunk(5)
+        m.put([_key(5)], [obj])
+        got = m.plugin.batched_get_blocking([_key(5)])[0]
+        assert got.get_memory_format() == MemoryFormat.KV_2LTD and bytes_equal(got.tensor, want)
+        got.ref_count_down()
+        # an entry of L layers stored under a layer key (not what LMCache writes): not readable as one layer
+        lk = LayerCacheEngineKey(MODEL, 1, 0, 6, torch.bfloat16, layer_id=0)
+        obj, _ = m.chunk(6)
+        m.put([lk], [obj])
+        assert m.plugin.batched_get_blocking([lk]) == [None]
+        assert m.run(m.plugin.batched_get_non_blocking("lookup", [lk])) == []
+    finally:
+        m.close()
 
 
 # ----------------------------------------------------------------------------- durability

@@ -34,7 +34,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
-from lmcache.utils import CacheEngineKey
+from lmcache.utils import CacheEngineKey, LayerCacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
@@ -46,7 +46,12 @@ __all__ = ["KVKernelsBackend", "key_string"]
 
 log = logging.getLogger("kvkernels.integrations.lmcache")
 
-_FORMATS = {2: MemoryFormat.KV_2LTD, 1: MemoryFormat.KV_MLA_FMT}
+# LMCache memory format of each chunk order (convert.ORDERS); "LTD" by K/V entries (2 or 1 = MLA)
+_FORMATS = {("LTD", 2): MemoryFormat.KV_2LTD, ("LTD", 1): MemoryFormat.KV_MLA_FMT, ("T2D", 2): MemoryFormat.KV_T2D,
+            ("2TD", 2): MemoryFormat.KV_2TD, ("TD", 1): MemoryFormat.KV_MLA_FMT}
+# (MemoryFormat, tensor dims) of a chunk LMCache hands over -> its order
+_ORDER_OF = {(MemoryFormat.KV_2LTD, 4): "LTD", (MemoryFormat.KV_MLA_FMT, 4): "LTD", (MemoryFormat.KV_MLA_FMT, 2): "TD",
+             (MemoryFormat.KV_T2D, 3): "T2D", (MemoryFormat.KV_2TD, 3): "2TD"}
 # reads kept in flight per batched get: store queue depth x 4 (bounded staging memory for the
 # reads that need a staging buffer; in-place reads use LMCache's own buffers)
 _READ_WINDOW_PER_THREAD = 4
@@ -104,6 +109,7 @@ class KVKernelsBackend(StoragePluginInterface):
                                     f"`kvkernels.paths`={list(self.settings.paths) if hasattr(self, 'settings') else '?'}: "
                                     f"{type(exc).__name__}: {exc}") from exc
         self._num_heads = self._heads_from_metadata(metadata)
+        self._layer_order = self._layerwise_order(config, metadata)
         self._lock = threading.Lock()
         self._put_tasks: dict[str, int] = {}
         self._pins: dict[str, int] = defaultdict(int)
@@ -159,23 +165,42 @@ class KVKernelsBackend(StoragePluginInterface):
                          dtype=str(shape.dtype).replace("torch.", ""), scheme=scheme, codec=s.compression)
 
     @staticmethod
-    def _shape_of_header(header) -> tuple[ChunkShape, MemoryFormat]:
-        shape = shape_of_header(header)
-        return shape, _FORMATS[shape.num_kv]
+    def _layerwise_order(config, metadata) -> Optional[str]:
+        """The order of LMCache's layer-wise objects under this config, as its cache engine picks
+        their MemoryFormat: ``KV_MLA_FMT`` ``[T, D]`` for MLA, ``KV_2TD`` with blending, else
+        ``KV_T2D``; None when layer-wise mode is off."""
+        if not getattr(config, "use_layerwise", False):
+            return None
+        if getattr(metadata, "use_mla", False):
+            return "TD"
+        return "2TD" if getattr(config, "enable_blending", False) else "T2D"
+
+    def _read_shape(self, key: CacheEngineKey, header) -> tuple[ChunkShape, MemoryFormat]:
+        """Shape and MemoryFormat of the object a read of ``key`` fills: a layer key of layer-wise
+        mode gets LMCache's layer-wise object; ``ValueError`` when the entry does not fit it."""
+        order = self._layer_order if isinstance(key, LayerCacheEngineKey) and self._layer_order else "LTD"
+        shape = shape_of_header(header).with_order(order)
+        return shape, _FORMATS[(shape.order, shape.num_kv)]
 
     def _chunk_shape(self, obj: MemoryObj) -> Optional[ChunkShape]:
         fmt = obj.get_memory_format()
         shapes = getattr(obj.metadata, "shapes", None)
-        if fmt not in (MemoryFormat.KV_2LTD, MemoryFormat.KV_MLA_FMT) or (shapes is not None and len(shapes) > 1):
-            self._warn_once(f"fmt-{fmt}", "kvkernels LMCache plugin: MemoryFormat %s (or a multi-group object) is "
-                            "not supported; such chunks are not stored (lookups miss)", fmt)
-            return None
         t = obj.tensor
-        if t is None or t.dim() != 4 or t.shape[0] != (2 if fmt == MemoryFormat.KV_2LTD else 1):
-            self._warn_once(f"shape-{fmt}", "kvkernels LMCache plugin: unexpected %s tensor %s; not stored", fmt,
+        order = _ORDER_OF.get((fmt, None if t is None else t.dim()))
+        if order is None or (shapes is not None and len(shapes) > 1):
+            self._warn_once(f"fmt-{fmt}", "kvkernels LMCache plugin: MemoryFormat %s with tensor %s (or a multi-group "
+                            "object) is not supported; such chunks are not stored (lookups miss)", fmt,
                             None if t is None else tuple(t.shape))
             return None
-        return ChunkShape.of(t, self._num_heads)
+        try:
+            shape = ChunkShape.of(t, self._num_heads, order)
+        except ValueError:
+            shape = None
+        if shape is None or (order == "LTD" and t.shape[0] != (2 if fmt == MemoryFormat.KV_2LTD else 1)):
+            self._warn_once(f"shape-{fmt}", "kvkernels LMCache plugin: unexpected %s tensor %s; not stored", fmt,
+                            tuple(t.shape))
+            return None
+        return shape
 
     # ------------------------------------------------------------------ lookups
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
@@ -334,7 +359,7 @@ class KVKernelsBackend(StoragePluginInterface):
                         type(exc).__name__, exc)
         return outcome == "ok"
 
-    def _read_many(self, kss: List[str], objs: List[Optional[MemoryObj]]) -> List[bool]:
+    def _read_many(self, kss: List[str], objs: List[Optional[MemoryObj]], orders: List[str]) -> List[bool]:
         """Read several entries, ``_read_window`` in flight, finished in completion order."""
         ok = [False] * len(kss)
 
@@ -342,7 +367,7 @@ class KVKernelsBackend(StoragePluginInterface):
             if objs[i] is None:
                 return None
             try:
-                return self.io.start_read(kss[i], objs[i].tensor)
+                return self.io.start_read(kss[i], objs[i].tensor, order=orders[i])
             except Exception as exc:  # a bad header, a closed store: a miss, never a leak
                 log.warning("kvkernels LMCache plugin: %s unreadable: %s: %s", kss[i], type(exc).__name__, exc)
                 return None
@@ -361,19 +386,21 @@ class KVKernelsBackend(StoragePluginInterface):
         self._count("gets", len(keys))
         kss = [key_string(k) for k in keys]
         objs: List[Optional[MemoryObj]] = []
-        for ks in kss:
+        orders: List[str] = []
+        for key, ks in zip(keys, kss):
             header = self.store.header(ks)
-            obj = None
+            obj, order = None, "LTD"
             if header is not None:
                 try:
-                    shape, mfmt = self._shape_of_header(header)
-                    obj = self._allocate(shape, mfmt)
+                    shape, mfmt = self._read_shape(key, header)
+                    obj, order = self._allocate(shape, mfmt), shape.order
                 except ValueError as exc:
                     log.warning("kvkernels LMCache plugin: %s unreadable: %s", ks, exc)
             else:
                 self._count("misses")
             objs.append(obj)
-        ok = self._read_many(kss, objs)
+            orders.append(order)
+        ok = self._read_many(kss, objs, orders)
         out: List[Optional[MemoryObj]] = []
         for obj, good in zip(objs, ok):
             if obj is not None and not good:
@@ -397,12 +424,13 @@ class KVKernelsBackend(StoragePluginInterface):
             self._count("gets", len(keys))
             kss = [key_string(k) for k in keys]
             objs: list = []
-            for ks in kss:
+            orders: list = []
+            for key, ks in zip(keys, kss):
                 header = self.store.header(ks)
                 if header is None:
                     break
                 try:
-                    shape, mfmt = self._shape_of_header(header)
+                    shape, mfmt = self._read_shape(key, header)
                 except ValueError:
                     break
                 obj = self._allocate(shape, mfmt, busy_loop=False)  # never spin on the event loop
@@ -411,8 +439,9 @@ class KVKernelsBackend(StoragePluginInterface):
                               "returning %d of %d chunks", lookup_id, len(objs), len(keys))
                     break
                 objs.append(obj)
+                orders.append(shape.order)
             loop = asyncio.get_running_loop()
-            ok = await loop.run_in_executor(self._read_pool, self._read_many, kss[: len(objs)], objs)
+            ok = await loop.run_in_executor(self._read_pool, self._read_many, kss[: len(objs)], objs, orders)
             result: list[MemoryObj] = []
             broken = False
             for obj, good in zip(objs, ok):
@@ -438,7 +467,7 @@ class KVKernelsBackend(StoragePluginInterface):
         header = self.store.header(ks)
         if header is None:
             return None
-        shape, _ = self._shape_of_header(header)
+        shape = shape_of_header(header)
         layers = normalize_layers(layers, shape.num_layers)
         full = torch.empty(shape.torch_shape, dtype=shape.dtype)
         st = self.io.start_read(ks, full, layers=layers)

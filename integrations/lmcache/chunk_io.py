@@ -142,9 +142,9 @@ class ChunkIO:
         self.bufs = BufferPool(keep)
 
     # ------------------------------------------------------------------ helpers
-    def _inplace(self, t: torch.Tensor, meta) -> bool:
+    def _inplace(self, t: torch.Tensor, meta, shape: ChunkShape) -> bool:
         return (self.inplace and t.device.type == "cpu" and t.is_contiguous() and meta.codec == "none"
-                and meta.scheme == "raw")
+                and meta.scheme == "raw" and shape.contiguous_layers)
 
     @staticmethod
     def regions(t: torch.Tensor, shape: ChunkShape, layers=None) -> list[list[torch.Tensor]]:
@@ -163,7 +163,7 @@ class ChunkIO:
         quantized) into a staging buffer, which goes back to the pool when the write is done.
         May block on the store's back pressure (``max_inflight_bytes``).
         """
-        if self._inplace(t, meta):
+        if self._inplace(t, meta, shape):
             return self.store.put(key, self.regions(t, shape), meta), True
         fmt = meta.fmt
         gran = fp8_granularity(meta.scheme)
@@ -196,22 +196,24 @@ class ChunkIO:
         return fut, False
 
     # ------------------------------------------------------------------ get
-    def start_read(self, key: str, out: torch.Tensor, layers=None) -> Optional[PendingRead]:
+    def start_read(self, key: str, out: torch.Tensor, layers=None, order: str = "LTD") -> Optional[PendingRead]:
         """Start reading ``key`` (``layers``: default all) for chunk ``out``; None when absent.
 
-        Raw entries whose regions hold exactly ``K[l]|V[l]`` are read straight into ``out``
-        (vectored, no staging buffer) when ``out`` is a contiguous CPU tensor of the entry's
-        shape and dtype; others go through a pooled staging buffer. Raises ``ValueError`` for an
-        entry that is not one chunk.
+        ``order``: how ``out`` holds the entry (:data:`~.convert.ORDERS`; a layer-wise object
+        of one layer can take any of them). Raw entries whose regions hold exactly ``K[l]|V[l]``
+        are read straight into ``out`` (vectored, no staging buffer) when ``out`` is a contiguous
+        CPU tensor of the entry's shape and dtype whose layers are contiguous; others go through a
+        pooled staging buffer. Raises ``ValueError`` for an entry that is not one chunk or does
+        not fit ``order``.
         """
         header = self.store.header(key)
         if header is None:
             return None
-        shape = shape_of_header(header)
+        shape = shape_of_header(header).with_order(order)
         fmt = header.meta.fmt if layers is None else header.meta.fmt.with_layers(layers)
         payload = shape.payload_elems * shape.element_size
         sel = [r for r in header.regions if r.layer in fmt.layers]
-        if (self._inplace(out, header.meta) and out.shape == shape.torch_shape and out.dtype == shape.dtype
+        if (self._inplace(out, header.meta, shape) and out.shape == shape.torch_shape and out.dtype == shape.dtype
                 and all(r.stored == payload for r in sel)):
             fut = self.store.get(key, out=self.regions(out, shape, fmt.layers), layers=layers)
             return PendingRead(header, shape, fmt, None, fut)
