@@ -220,8 +220,9 @@ def test_created_by_lmcache_plugin_factory(l1, tmp_path):
     ({"capcity_bytes": 10}, "capcity_bytes"),          # a typo is an error, not ignored
     ({"kvkernels.paths": "/x"}, "without the `kvkernels.` prefix"),
     ({"per_worker_subdir": True}, "does not apply in MP mode"),
-    ({"quant": "fp8"}, "quant"),                          # in-process plugin settings the adapter does not do
-    ({"inplace_io": False}, "inplace_io"),
+    ({"quant": "int4"}, "adapter_params.quant"),
+    ({"num_kv_heads": 0}, "adapter_params.num_kv_heads"),
+    ({"inplace_io": False}, "inplace_io"),                # an in-process plugin setting the adapter does not do
 ])
 def test_bad_config_raises_naming_the_key(l1, tmp_path, params, key):
     spec = _spec(tmp_path / "kv")
@@ -329,6 +330,63 @@ def test_zstd_round_trip(l1, tmp_path):
         dst = l1.alloc(1, fill=0)
         assert _load(a, [_key(40)], dst) == [0]
         assert bytes_equal(_bytes(dst[0]), ref)
+    finally:
+        a.close()
+
+
+def _normal(objs, seed):
+    """Fill bf16 objects with N(0, 1) values per head, each head at its own scale (random bytes
+    would be mostly NaN / huge for an accuracy check)."""
+    g = torch.Generator().manual_seed(seed)
+    for o in objs:
+        t = o.tensor.view(2, L, T, H, D)
+        t.copy_((torch.randn(t.shape, generator=g) * torch.tensor([0.05, 20.0]).view(1, 1, 1, H, 1)).bfloat16())
+
+
+@pytest.mark.parametrize("heads, granularity", [(None, "token"), (H, "token"), (H, "block")])
+def test_fp8_round_trip(l1, tmp_path, heads, granularity):
+    """quant: fp8 stores e4m3 codes + fp32 scales (about half the bytes) and loads dequantize into
+    the L1 object. num_kv_heads gives each head its own scale; without it one scale spans the
+    token's row (all heads), which costs the small-magnitude head its precision."""
+    params = {"quant": "fp8", "quant_granularity": granularity, **({"num_kv_heads": heads} if heads else {})}
+    a = _make(l1, tmp_path / "kv", **params)
+    try:
+        src = l1.alloc(1, fill=0)
+        _normal(src, 7)
+        ref = src[0].tensor.float().clone()
+        assert _store(a, [_key(70)], src).is_successful()
+        h = a.store.header(object_key_string(_key(70)))
+        assert h.meta.scheme == f"fp8-{granularity}" and h.meta.num_heads == (heads or 1)
+        assert sum(r.stored for r in h.regions) < src[0].get_size()  # 4 KiB-rounded regions: 0.75x at this toy size
+        dst = l1.alloc(1, fill=0)
+        assert _load(a, [_key(70)], dst) == [0]
+        err = (dst[0].tensor.float() - ref).abs().view(2, L, T, H, D)
+        x = ref.view(2, L, T, H, D).abs()
+        # the scale's scope: per head (num_kv_heads) or the whole row; per token or per chunk
+        dims = ([-1] if heads else [-1, -2]) + ([2] if granularity == "block" else [])
+        s = x.amax(dim=dims, keepdim=True) / 448
+        bound = 2.0**-4 * x + 2.0**-10 * s + 2.0**-8 * x  # e4m3 half step, subnormal half step, bf16 rounding
+        assert bool((err <= bound * 1.001 + 1e-30).all())
+        small = float(err[..., 0, :].max() / x[..., 0, :].max())
+        assert small < 0.07 if heads else small < 0.5  # one row scale costs the small head its precision
+    finally:
+        a.close()
+    b = _make(l1, tmp_path / "kv")  # a restart without the setting still decodes by the header
+    try:
+        dst = l1.alloc(1, fill=0)
+        assert _load(b, [_key(70)], dst) == [0]
+        assert float((dst[0].tensor.float() - ref).abs().max()) <= 20.0 * 5 * 0.0625
+    finally:
+        b.close()
+
+
+def test_num_kv_heads_must_divide_the_hidden_size(l1, tmp_path):
+    a = _make(l1, tmp_path / "kv", quant="fp8", num_kv_heads=3)  # hidden = 2 * 64 = 128
+    try:
+        src = l1.alloc(1, seed=3)
+        assert not _store(a, [_key(3)], src).is_successful()
+        assert a.report_status()["counters"]["store_errors"] == 1
+        assert not a.store.contains(object_key_string(_key(3)))
     finally:
         a.close()
 

@@ -355,6 +355,20 @@ def test_pin_unpin_remove(mgr):
     assert not mgr.plugin.remove(_key(7))
 
 
+def test_num_kv_heads_overrides_the_metadata_for_fp8_scales(tmp_path):
+    m = Manager(tmp_path / "kv", quant="fp8", num_kv_heads=1)  # metadata says H = 2
+    try:
+        obj, want = m.chunk(9)
+        m.put([_key(9)], [obj])
+        h = m.plugin.store.header(key_string(_key(9)))
+        assert (h.meta.num_heads, h.meta.head_dim, h.meta.scheme) == (1, H * D, "fp8-token")
+        got = m.plugin.get_blocking(_key(9))
+        assert bool(((got.tensor.float() - want.float()).abs() <= 0.07 * want.float().abs().amax(-1, keepdim=True)).all())
+        got.ref_count_down()
+    finally:
+        m.close()
+
+
 # ----------------------------------------------------------------------------- layer-wise mode
 # LMCache's layer-wise mode (use_layerwise) stores one object per (chunk, layer) under a
 # LayerCacheEngineKey: KV_T2D [T, 2, H*D], KV_2TD [2, T, H*D] with blending, KV_MLA_FMT [T, D] for MLA.

@@ -108,7 +108,7 @@ class KVKernelsBackend(StoragePluginInterface):
             raise PluginConfigError(f"kvkernels LMCache plugin: cannot open the store at "
                                     f"`kvkernels.paths`={list(self.settings.paths) if hasattr(self, 'settings') else '?'}: "
                                     f"{type(exc).__name__}: {exc}") from exc
-        self._num_heads = self._heads_from_metadata(metadata)
+        self._num_heads = self.settings.num_kv_heads or self._heads_from_metadata(metadata)
         self._layer_order = self._layerwise_order(config, metadata)
         self._lock = threading.Lock()
         self._put_tasks: dict[str, int] = {}

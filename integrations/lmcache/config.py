@@ -33,6 +33,8 @@ KEYS = {
     "byteshuffle": ("bool", False, "split bytes into planes before the codec (helps zstd on bf16)"),
     "quant": ("str", "none", "none | fp8: store e4m3 codes + fp32 scales (lossy, ~0.52x the bytes; docs/quant.md)"),
     "quant_granularity": ("str", "token", "fp8 scales per (token, head) or per (block, head): token | block"),
+    "num_kv_heads": ("int", None, "KV heads in a row of hidden size, for per-head fp8 scales (default: LMCache's "
+                                  "metadata in-process; in MP mode one scale per token row)"),
     "put_threads": ("int", 2, "threads submitting chunks to the store (and converting them when a copy is needed)"),
     "inplace_io": ("bool", True, "raw CPU chunks: vectored I/O straight from/into LMCache's memory (no copy)"),
     "per_worker_subdir": ("bool", True, "store under <path>/worker<id>of<world> (one store per process)"),
@@ -92,6 +94,7 @@ class PluginSettings:
     byteshuffle: bool = False
     quant: str = "none"
     quant_granularity: str = "token"
+    num_kv_heads: int | None = None
     put_threads: int = 2
     inplace_io: bool = True
     per_worker_subdir: bool = True
@@ -144,7 +147,7 @@ def parse_extra_config(extra: dict | None) -> PluginSettings:
         if not isinstance(e, str) or e.lower() not in _ENGINES:
             raise _err("engine", f"one of {_ENGINES}", e)
         kw["engine"] = e.lower()
-    for k in ("io_threads", "max_inflight_bytes", "put_threads"):
+    for k in ("io_threads", "max_inflight_bytes", "put_threads", "num_kv_heads"):
         if get(k) is not None:
             kw[k] = _as_int(k, get(k))
     for k in ("read_priority", "verify", "fsync", "byteshuffle", "per_worker_subdir", "inplace_io"):

@@ -58,7 +58,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from .chunk_io import ChunkIO, run_windowed
+from .chunk_io import FP8_SOURCE_DTYPES, ChunkIO, run_windowed
 from .config import KEYS, PREFIX, PluginConfigError, PluginSettings, parse_extra_config
 from .convert import ChunkShape
 
@@ -79,7 +79,7 @@ KEY_PREFIX = "lmcache-mp:"
 # never silently ignored. ``per_worker_subdir`` has no meaning in MP mode (one server process
 # stores every worker's objects; the worker's rank is part of every ObjectKey).
 _IMPLEMENTED = ("paths", "capacity_bytes", "engine", "io_threads", "max_inflight_bytes", "read_priority", "verify",
-                "fsync", "compression", "byteshuffle", "put_threads")
+                "fsync", "compression", "byteshuffle", "put_threads", "quant", "quant_granularity", "num_kv_heads")
 ADAPTER_KEYS = {k: KEYS[k] for k in _IMPLEMENTED if k in KEYS}
 _READ_WINDOW_PER_THREAD = 2
 
@@ -192,8 +192,10 @@ class _Plan:
 
 
 def _meta_key(m) -> tuple:
-    """The fields of an EntryMeta that must match between an entry and a destination buffer."""
-    return (tuple(m.layers), m.num_blocks, m.block_size, m.num_heads, m.head_dim, m.element_size, m.num_kv,
+    """The fields of an EntryMeta that must match between an entry and a destination buffer (the
+    hidden size, not its split into heads: that only shapes FP8 scales, and decoding follows the
+    entry's header)."""
+    return (tuple(m.layers), m.num_blocks, m.block_size, m.num_heads * m.head_dim, m.element_size, m.num_kv,
             m.num_layers, m.dtype)
 
 
@@ -317,11 +319,16 @@ class KVKernelsL2Adapter(L2AdapterInterface):
             dims = shp if len(shp) == 4 and shp[0] in (1, 2) else (1, *shp) if len(shp) == 3 else None
             if dims is not None and min(dims) > 0:
                 kv, L, T, HD = dims
-                cs = ChunkShape(kv, L, T, 1, HD, dtypes[0])
-                meta = EntryMeta(layers=tuple(range(L)), num_blocks=1, block_size=T, num_heads=1, head_dim=HD,
-                                 element_size=cs.element_size, num_kv=kv, num_layers=L,
-                                 dtype=str(dtypes[0]).replace("torch.", ""),
-                                 scheme="shuffle" if s.byteshuffle else "raw", codec=s.compression)
+                heads = s.num_kv_heads if s.num_kv_heads and kv == 2 else 1
+                if HD % heads:
+                    raise ValueError(f"hidden size {HD} is not a multiple of adapter_params.num_kv_heads={heads}")
+                cs = ChunkShape(kv, L, T, heads, HD // heads, dtypes[0])
+                scheme = "shuffle" if s.byteshuffle else "raw"
+                if s.quant == "fp8" and dtypes[0] in FP8_SOURCE_DTYPES:
+                    scheme = f"fp8-{s.quant_granularity}"  # 8-bit objects are stored as they are
+                meta = EntryMeta(layers=tuple(range(L)), num_blocks=1, block_size=T, num_heads=heads,
+                                 head_dim=HD // heads, element_size=cs.element_size, num_kv=kv, num_layers=L,
+                                 dtype=str(dtypes[0]).replace("torch.", ""), scheme=scheme, codec=s.compression)
                 return _Plan(meta, cs, size)
         if size <= 0:
             raise ValueError("empty memory object")
