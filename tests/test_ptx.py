@@ -27,3 +27,18 @@ def test_aligned_case_uses_16_byte_loads_and_stores(op):
 def test_unaligned_case_still_compiles():
     insns = _insns("gather")
     assert any(i.startswith("ld.global") for i in insns)
+
+
+def test_kernels_fit_in_registers_without_spills():
+    """Every Triton kernel variant compiled for sm_90 keeps its state in registers: no local
+    memory, no stack (spills would put the copy's tiles through L1/L2), at most 128 registers
+    per thread (four 128-thread CTAs per SM at the least) and little shared memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import json; from kvkernels.bench.kernel_resources import triton_rows; print(json.dumps(triton_rows()))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len({row["kernel"] for row in rows}) == 13
+    for row in rows:
+        assert row["local"] == 0 and row["stack"] == 0, row
+        assert row["registers"] <= 128 and row["shared"] <= 16384, row

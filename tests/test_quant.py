@@ -556,44 +556,10 @@ def test_errors():
 
 # ------------------------------------------------------------------------- GPU compile (no GPU)
 PTX_PROBE = r"""
-import json, os, re, sys
-os.environ.pop("TRITON_INTERPRET", None)
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kvkernels.triton_ops.quant_gather import _quant_gather_kernel
-from kvkernels.triton_ops.dequant_scatter import _dequant_scatter_kernel
-from kvkernels.triton_ops.shuffle_gather import _shuffle_gather_kernel
-from kvkernels.triton_ops.unshuffle_scatter import _unshuffle_scatter_kernel
-align = sys.argv[1] == "align16"
-common = ["n", "num_blocks", "num_items", "stride_b", "stride_n", "stride_h"]
-ctypes = ["i32", "i32", "i32", "i64", "i64", "i64"]
-out = {}
-def comp(name, kern, names, types, consts, div16):
-    sig = dict(zip(names, types))
-    sig.update({k: "constexpr" for k in consts})
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div16}  # what Triton specialises
-    k = triton.compile(ASTSource(kern, sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    out[name] = sorted(set(re.findall(r"(?:ld|st|div|cvt)\.[\w.]*", k.asm["ptx"])))
-qn = ["ptr_tab", "block_ids", "q_ptr", "s_ptr", "err_ptr"] + common + [
-    "region_nbytes", "q_entry_nbytes", "scale_base_nbytes", "scale_entry_nbytes"]
-qt = ["*i64", "*i64", "*u8", "*i32", "*i32"] + ctypes + ["i64"] * 4
-div = ["ptr_tab", "q_ptr", "s_ptr", "stride_b", "stride_n", "stride_h"] + qn[-4:]
-for kind in (0, 1, 2):
-    for pb in (False, True):
-        comp(f"quant{kind}{int(pb)}", _quant_gather_kernel, qn, qt, dict(
-            C=2, H=8, BS=16, D=128, IN_KIND=kind, PER_BLOCK=pb, BLOCK_R=32, BLOCK_D=128, ALIGN16=align), div)
-    comp(f"dequant{kind}", _dequant_scatter_kernel, qn, qt[:3] + ["*fp32"] + qt[4:], dict(
-        C=2, H=8, BS=16, D=128, OUT_KIND=kind, PER_BLOCK=False, BLOCK_R=32, BLOCK_D=128, ALIGN16=align), div)
-sn = ["ptr_tab", "block_ids", "out_ptr", "err_ptr"] + common + ["region_nbytes", "entry_nbytes", "plane_nbytes"]
-st = ["*i64", "*i64", "*u8", "*i32"] + ctypes + ["i64"] * 3
-sdiv = ["ptr_tab", "out_ptr", "stride_b", "stride_n", "stride_h"] + sn[-3:]
-sc = dict(C=2, H=8, ROWS=128, D=128, BLOCK_R=32, BLOCK_D=128, ALIGN16=align)
-comp("shuffle", _shuffle_gather_kernel, sn, st, sc, sdiv)
-un = ["stage_ptr" if x == "out_ptr" else x for x in sn]
-comp("unshuffle", _unshuffle_scatter_kernel, un, st, sc, ["stage_ptr" if x == "out_ptr" else x for x in sdiv])
-print(json.dumps(out))
+import json, re, sys
+from kvkernels.bench.kernel_resources import compile_triton_variants
+ks = compile_triton_variants(sys.argv[1] == "align16", which=("quant", "shuffle"))
+print(json.dumps({name: sorted(set(re.findall(r"(?:ld|st|div|cvt)\.[\w.]*", k.asm["ptx"]))) for name, k in ks.items()}))
 """
 
 
