@@ -18,7 +18,7 @@ import torch
 
 from .models import MODELS, get_model, make_cache
 
-BENCHES = ("gather", "store", "compress", "pipeline", "lmcache")
+BENCHES = ("gather", "store", "compress", "pipeline", "lmcache", "resources")
 
 
 def _cmd_info(args) -> int:

@@ -34,7 +34,7 @@ def test_kernels_fit_in_registers_without_spills():
     memory, no stack (spills would put the copy's tiles through L1/L2), at most 128 registers
     per thread (four 128-thread CTAs per SM at the least) and little shared memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import json; from kvkernels.bench.kernel_resources import triton_rows; print(json.dumps(triton_rows()))"
+    code = "import json; from kvkernels.bench.bench_resources import triton_rows; print(json.dumps(triton_rows()))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(r.stdout.strip().splitlines()[-1])

@@ -557,7 +557,7 @@ def test_errors():
 # ------------------------------------------------------------------------- GPU compile (no GPU)
 PTX_PROBE = r"""
 import json, re, sys
-from kvkernels.bench.kernel_resources import compile_triton_variants
+from kvkernels.bench.bench_resources import compile_triton_variants
 ks = compile_triton_variants(sys.argv[1] == "align16", which=("quant", "shuffle"))
 print(json.dumps({name: sorted(set(re.findall(r"(?:ld|st|div|cvt)\.[\w.]*", k.asm["ptx"]))) for name, k in ks.items()}))
 """

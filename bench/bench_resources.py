@@ -7,10 +7,10 @@ head_dim 128, block size 16, 16-byte aligned pointers and strides) and read back
 what ``tests/test_quant.py`` and ``tests/test_ptx.py`` inspect in PTX. The CUDA backend's
 figures come from nvcc (``tests/test_csrc.py::test_resource_usage_report``, docs/csrc.md).
 
-    python -m kvkernels.bench.kernel_resources [--out DIR]     # table + JSON
+    kvkernels bench resources [--out DIR]      # table + kernel_resources.json
 
-Run in a subprocess without ``TRITON_INTERPRET`` (the interpreter's decorated kernels cannot be
-compiled).
+Without ``TRITON_INTERPRET``: the interpreter's decorated kernels cannot be compiled, so with it
+set the command re-runs itself in a subprocess without it.
 """
 
 from __future__ import annotations
@@ -142,6 +142,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None, help="directory for kernel_resources.json")
     a = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET"):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        return subprocess.run([sys.executable, "-m", "kvkernels.bench.bench_resources", *(argv or sys.argv[1:])],
+                              env=env).returncode
     rows = triton_rows()
     print(f"{'backend':7s} {'arch':7s} {'regs':>4s} {'smem':>6s} {'stack':>5s} {'local':>5s}  kernel")
     for r in rows:
