@@ -65,7 +65,7 @@ def _drop_tree(root: str) -> None:
                 os.close(fd)
 
 
-def _make(kind: str, root: str, shape, pool_gb: float, loop, disk_gb: float):
+def _make(kind: str, root: str, shape, pool_gb: float, loop, disk_gb: float, layerwise: bool = False):
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.metadata import LMCacheMetadata
     from lmcache.v1.storage_backend import CreateStorageBackends
@@ -73,7 +73,7 @@ def _make(kind: str, root: str, shape, pool_gb: float, loop, disk_gb: float):
     from kvkernels.integrations.lmcache import lmcache_extra_config
 
     L, T, H, D, dtype = shape
-    kw = dict(chunk_size=T, local_cpu=True, max_local_cpu_size=pool_gb)
+    kw = dict(chunk_size=T, local_cpu=True, max_local_cpu_size=pool_gb, use_layerwise=layerwise)
     if kind in VARIANTS:
         extra = lmcache_extra_config(os.path.join(root, kind), **VARIANTS[kind])
         cfg = LMCacheEngineConfig.from_defaults(storage_plugins=["kvkernels"], extra_config=extra, **kw)
@@ -335,6 +335,98 @@ def run(*, directory=None, chunks=32, reps=3, out_dir="bench_results", tiny=Fals
     return rows
 
 
+class _LayerBench:
+    """Layer-wise mode (``use_layerwise``): each chunk is stored as one ``KV_T2D`` object
+    ``[T, 2, H*D]`` per layer under a ``LayerCacheEngineKey`` (1 MiB each for llama3-8b), and read
+    back layer by layer, as LMCache's layer-wise store / retrieve do. Completion of a store is
+    each object's ``on_complete_callback`` (not polling, which would cost CPU in this process)."""
+
+    def __init__(self, kind, root, shape, n_chunks, reps, loop):
+        L, T, H, D, dtype = shape
+        self.kind, self.shape, self.n = kind, shape, n_chunks
+        self.obj_bytes = T * 2 * H * D * torch.empty((), dtype=dtype).element_size()
+        pool_gb = (n_chunks * L * 2 + 8) * self.obj_bytes / 2**30
+        disk_gb = 2 * (reps + 1) * n_chunks * L * self.obj_bytes / 2**30
+        self.backends, self.be, self.cpu, self.path = _make(kind, root, shape, pool_gb, loop, disk_gb, layerwise=True)
+        self.src = torch.randn(T, 2, H * D, generator=torch.Generator().manual_seed(0)).to(dtype)
+        self.store_s, self.retr_s = [], []
+
+    def rep(self, rep: int) -> None:
+        from lmcache.utils import LayerCacheEngineKey
+        from lmcache.v1.memory_management import MemoryFormat
+
+        L, T, H, D, dtype = self.shape
+        keys = [[LayerCacheEngineKey("bench/llama3-8b", 1, 0, rep * 1_000_000 + c, dtype, layer_id=layer)
+                 for c in range(self.n)] for layer in range(L)]
+        flat = [k for per_layer in keys for k in per_layer]
+        objs = [self.cpu.allocate(torch.Size([T, 2, H * D]), dtype, MemoryFormat.KV_T2D) for _ in flat]
+        for i, o in enumerate(objs):
+            o.tensor.copy_(self.src)
+            o.tensor.view(-1)[0] = i % 256
+        done = threading.Semaphore(0)
+        t0 = time.perf_counter()
+        for layer in range(L):  # one call per layer, as the model finishes it
+            self.be.batched_submit_put_task(keys[layer], objs[layer * self.n:(layer + 1) * self.n],
+                                            on_complete_callback=lambda k: done.release())
+        for o in objs:
+            o.ref_count_down()
+        for _ in flat:
+            if not done.acquire(timeout=120):
+                raise TimeoutError(f"{self.kind}: layer objects never completed")
+        self.store_s.append(time.perf_counter() - t0)
+        _wait_visible(self.be, flat)
+        time.sleep(0.05)
+        _drop_tree(self.path)
+        t0 = time.perf_counter()
+        got = [self.be.batched_get_blocking(keys[layer]) for layer in range(L)]
+        self.retr_s.append(time.perf_counter() - t0)
+        bad = 0
+        for layer, row in enumerate(got):
+            for c, o in enumerate(row):
+                i = layer * self.n + c
+                bad += o is None or o.get_memory_format() != MemoryFormat.KV_T2D or float(o.tensor.view(-1)[0]) != i % 256
+                if o is not None:
+                    o.ref_count_down()
+        if bad:
+            raise RuntimeError(f"{self.kind}: {bad} layer objects came back wrong or missing")
+        for k in flat:
+            self.be.remove(k)
+
+    def row(self, dd=None) -> dict:
+        L = self.shape[0]
+        n_obj = self.n * L
+        total = n_obj * self.obj_bytes
+        return {"backend": self.kind, "chunks": self.n, "objects": n_obj, "object_mb": round(self.obj_bytes / 2**20, 2),
+                "store_gbps": total / statistics.median(self.store_s) / 1e9,
+                "retrieve_gbps": total / statistics.median(self.retr_s) / 1e9,
+                "store_ms_per_object": 1e3 * statistics.median(self.store_s) / n_obj,
+                "retrieve_ms_per_object": 1e3 * statistics.median(self.retr_s) / n_obj,
+                "store_gbps_reps": [round(total / x / 1e9, 3) for x in self.store_s],
+                "retrieve_gbps_reps": [round(total / x / 1e9, 3) for x in self.retr_s]}
+
+    close = _Bench.close
+
+
+def run_layerwise(*, directory=None, chunks=8, reps=5, out_dir="bench_results", tiny=False,
+                  backends=("kvkernels", "kvkernels-nofsync", "LocalDiskBackend", "LocalDiskBackend-odirect")):
+    """Layer-wise mode: store and retrieve of per-layer ``KV_T2D`` objects (rounds rotate)."""
+    layers, tokens, heads, head_dim = (4, 32, 2, 64) if tiny else (32, 256, 8, 128)
+    if tiny:
+        chunks, reps = 2, 1
+    shape = (layers, tokens, heads, head_dim, torch.bfloat16)
+    with _session(directory, reps, shape) as (directory, loop, meta, benches):
+        meta["mode"] = "layer-wise (use_layerwise): one KV_T2D object per (chunk, layer)"
+        for kind in backends:
+            benches.append(_LayerBench(kind, directory, shape, chunks, reps, loop))
+        _rounds(benches, reps, lambda b, rep: b.rep(rep))
+        rows = [b.row() for b in benches]
+    print(common.format_table(rows, ["backend", "objects", "object_mb", "store_gbps", "retrieve_gbps",
+                                     "store_ms_per_object", "retrieve_ms_per_object"]))
+    paths = common.write_results(rows, meta, out_dir, STEM + "_layerwise")
+    print("# wrote " + ", ".join(paths.values()))
+    return rows
+
+
 def run_restore(*, directory=None, chunks=32, reps=8, out_dir="bench_results", tiny=False,
                 backends=("kvkernels", "kvkernels-nofsync", "LocalDiskBackend", "LocalDiskBackend-odirect")) -> list[dict]:
     """Restore of KV written earlier: each backend stores one batch once, then cold
@@ -368,7 +460,12 @@ def main(argv=None):
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--restore", action="store_true",
                    help="only the restore of KV stored once (cold reads, rounds rotate over the backends)")
+    p.add_argument("--layerwise", action="store_true",
+                   help="layer-wise mode: one KV_T2D object per (chunk, layer), --chunks 8 by default")
     a = p.parse_args(argv)
+    if a.layerwise:
+        return run_layerwise(directory=a.dir, chunks=a.chunks if a.chunks != 32 else 8, reps=a.reps, out_dir=a.out,
+                             tiny=a.tiny)
     if a.restore:
         return run_restore(directory=a.dir, chunks=a.chunks, reps=a.reps, out_dir=a.out, tiny=a.tiny)
     return run(directory=a.dir, chunks=a.chunks, reps=a.reps, out_dir=a.out, tiny=a.tiny, dd=not a.no_dd,

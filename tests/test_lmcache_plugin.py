@@ -731,6 +731,9 @@ def test_bench_tiny(tmp_path):
     assert os.path.exists(tmp_path / "out" / "bench_lmcache.csv")
     rows = bench_lmcache.main(["--tiny", "--restore", "--dir", str(tmp_path / "b2"), "--out", str(tmp_path / "out")])
     assert all(r["retrieve_gbps"] > 0 for r in rows) and os.path.exists(tmp_path / "out" / "bench_lmcache_restore.json")
+    rows = bench_lmcache.main(["--tiny", "--layerwise", "--dir", str(tmp_path / "b3"), "--out", str(tmp_path / "out")])
+    assert all(r["store_gbps"] > 0 and r["retrieve_gbps"] > 0 for r in rows) and len(rows) == 4
+    assert os.path.exists(tmp_path / "out" / "bench_lmcache_layerwise.json")
 
 
 def test_foreign_entry_under_a_key_is_a_miss(mgr):

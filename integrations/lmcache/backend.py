@@ -110,6 +110,7 @@ class KVKernelsBackend(StoragePluginInterface):
                                     f"{type(exc).__name__}: {exc}") from exc
         self._num_heads = self.settings.num_kv_heads or self._heads_from_metadata(metadata)
         self._layer_order = self._layerwise_order(config, metadata)
+        self._metas: dict = {}
         self._lock = threading.Lock()
         self._put_tasks: dict[str, int] = {}
         self._pins: dict[str, int] = defaultdict(int)
@@ -149,6 +150,12 @@ class KVKernelsBackend(StoragePluginInterface):
             self.counters[name] += n
 
     def _meta_for(self, shape: ChunkShape):
+        meta = self._metas.get(shape)
+        if meta is None:  # one per chunk shape: built and validated once
+            meta = self._metas[shape] = self._new_meta(shape).validate()
+        return meta
+
+    def _new_meta(self, shape: ChunkShape):
         from kvkernels.io import EntryMeta
 
         s = self.settings
@@ -182,10 +189,9 @@ class KVKernelsBackend(StoragePluginInterface):
         shape = shape_of_header(header).with_order(order)
         return shape, _FORMATS[(shape.order, shape.num_kv)]
 
-    def _chunk_shape(self, obj: MemoryObj) -> Optional[ChunkShape]:
+    def _chunk_shape(self, obj: MemoryObj, t: Optional[torch.Tensor]) -> Optional[ChunkShape]:
         fmt = obj.get_memory_format()
         shapes = getattr(obj.metadata, "shapes", None)
-        t = obj.tensor
         order = _ORDER_OF.get((fmt, None if t is None else t.dim()))
         if order is None or (shapes is not None and len(shapes) > 1):
             self._warn_once(f"fmt-{fmt}", "kvkernels LMCache plugin: MemoryFormat %s with tensor %s (or a multi-group "
@@ -279,7 +285,8 @@ class KVKernelsBackend(StoragePluginInterface):
             if self.store.contains(ks):
                 self._count("put_skipped")
                 continue
-            shape = self._chunk_shape(obj)
+            t = obj.tensor  # LMCache builds a new view on every access: once per object
+            shape = self._chunk_shape(obj, t)
             if shape is None:
                 self._count("put_skipped")
                 continue
@@ -291,7 +298,7 @@ class KVKernelsBackend(StoragePluginInterface):
             obj.ref_count_up()
             fut: Future = Future()
             try:
-                self._put_pool.submit(self._put_one, key, ks, obj, shape, on_complete_callback, fut)
+                self._put_pool.submit(self._put_one, key, ks, obj, t, shape, on_complete_callback, fut)
             except BaseException:
                 obj.ref_count_down()
                 with self._lock:
@@ -300,14 +307,14 @@ class KVKernelsBackend(StoragePluginInterface):
             futures.append(fut)
         return futures
 
-    def _put_one(self, key, ks: str, obj: MemoryObj, shape: ChunkShape, callback, fut: Future) -> None:
+    def _put_one(self, key, ks: str, obj: MemoryObj, t: torch.Tensor, shape: ChunkShape, callback, fut: Future) -> None:
         """Submit one chunk to the store (on a plugin thread: the store's back pressure may block).
 
         Raw chunks are written in place (our reference is held until the bytes are on disk);
         converted ones (FP8, codec, CUDA) give LMCache its memory back right after the copy.
         """
         try:
-            sfut, holds = self.io.put(ks, obj.tensor, shape, self._meta_for(shape))
+            sfut, holds = self.io.put(ks, t, shape, self._meta_for(shape))
         except BaseException as exc:
             self._put_done(key, ks, obj, callback, fut, None, exc)
             return

@@ -93,7 +93,7 @@ class ChunkShape:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def payload_elems(self) -> int:
