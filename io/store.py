@@ -178,8 +178,8 @@ class KVStore:
         # puts end (header, fdatasync, rename, directory fsync) on these threads, off the workers
         self._committer = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="kvk-store-commit")
         self._closed = False
-        self._stats = {k: 0 for k in ("puts", "put_errors", "gets", "hits", "misses", "corrupt", "replaced_reads", "evictions",
-                                      "bytes_written", "bytes_read")}
+        self._stats = {k: 0 for k in ("puts", "put_errors", "gets", "hits", "misses", "corrupt", "replaced_reads",
+                                      "evictions", "bytes_written", "bytes_read")}
         self._stats.update(write_s=0.0, read_s=0.0)
         self.recovery = self._recover()
         self._workers = [threading.Thread(target=self._worker, name=f"kvk-store-{i}", daemon=True)
@@ -556,17 +556,20 @@ class KVStore:
 
         Either the file is corrupt (or gone), or a put of the same key replaced it while it was
         being read (reads open the entry's path, which the put's rename gives the new version, and
-        which a remove of that new version unlinks). A replaced entry is no corruption: when the new version has the same description and region
-        sizes (the caller's ``header()`` and destinations still hold) the read is retried on it,
-        up to :data:`READ_RETRIES` times; otherwise (other sizes, or no version indexed any more)
-        the get is a miss (``KeyError``).
+        which a remove of that new version unlinks). A replaced entry is no corruption: when the
+        new version is indexed with the same description and region sizes (the caller's
+        ``header()`` and destinations still hold) the read is retried on it, up to
+        :data:`READ_RETRIES` times; otherwise (other sizes, a version still being published, or
+        none indexed any more) the get is a miss (``KeyError``).
         """
         with self._lock:
             cur = self._index.get(digest)
             replaced = cur is not ent or digest in self._publishing  # ent is no longer the indexed version
             if replaced:
                 self._stats["replaced_reads"] += 1
-                same = cur is not None and attempt < READ_RETRIES and cur.header.meta == ent.header.meta
+                # (cur is ent while the new version is renamed but not yet indexed: nothing to retry on)
+                same = (cur is not None and cur is not ent and attempt < READ_RETRIES
+                        and cur.header.meta == ent.header.meta)
                 if same:
                     have = {r.layer: r for r in cur.header.regions}
                     new = [have.get(r.layer) for r in sel]
@@ -580,7 +583,11 @@ class KVStore:
             raise self._corrupt(digest, ent, why)
         if cur is None:
             raise KeyError(f"{ent.path}: replaced or removed while being read ({why})")
-        return _Later(self._submit(0, lambda: self._do_get(digest, cur, sel, dests, out, attempt + 1)))
+        try:
+            return _Later(self._submit(0, lambda: self._do_get(digest, cur, sel, dests, out, attempt + 1)))
+        except BaseException:  # the store is closing: give the reader back
+            self._release_reader(cur)
+            raise
 
     def _fan_out(self, digest: bytes, ent: _Entry, sel, dests, groups, out, attempt: int = 0) -> Future:
         """One get as parallel group reads (each verifies its own regions); the returned future
@@ -663,7 +670,8 @@ class KVStore:
         except (EOFError, FileNotFoundError) as exc:  # a fanned-out group read came up short
             return self._read_failed(digest, ent, sel, dests, out, attempt, _short_read(exc))
         if bad:
-            return self._read_failed(digest, ent, sel, dests, out, attempt, f"region of layer {bad[0]}: checksum mismatch")
+            why = f"region of layer {bad[0]}: checksum mismatch"
+            return self._read_failed(digest, ent, sel, dests, out, attempt, why)
         return self._got(sel, out, t0)
 
     def _corrupt(self, digest: bytes, ent: _Entry, why: str) -> CorruptEntryError:
