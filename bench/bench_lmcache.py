@@ -127,7 +127,7 @@ class _Bench:
     def __init__(self, kind, root, shape, n_chunks, reps, loop):
         L, T, H, D, dtype = shape
         self.kind, self.shape, self.n = kind, shape, n_chunks
-        self.chunk_bytes = 2 * L * T * H * D * torch.empty((), dtype=dtype).element_size()
+        self.chunk_bytes = 2 * L * T * H * D * dtype.itemsize
         pool_gb = (n_chunks * 2 + 4) * self.chunk_bytes / 2**30
         disk_gb = 2 * (reps + 1) * (n_chunks + 1) * self.chunk_bytes / 2**30
         self.backends, self.be, self.cpu, self.path = _make(kind, root, shape, pool_gb, loop, disk_gb)
@@ -363,7 +363,7 @@ class _LayerBench:
     def __init__(self, kind, root, shape, n_chunks, reps, loop):
         L, T, H, D, dtype = shape
         self.kind, self.shape, self.n = kind, shape, n_chunks
-        self.obj_bytes = T * 2 * H * D * torch.empty((), dtype=dtype).element_size()
+        self.obj_bytes = T * 2 * H * D * dtype.itemsize
         pool_gb = (n_chunks * L * 2 + 8) * self.obj_bytes / 2**30
         disk_gb = 2 * (reps + 1) * n_chunks * L * self.obj_bytes / 2**30
         self.backends, self.be, self.cpu, self.path = _make(kind, root, shape, pool_gb, loop, disk_gb, layerwise=True)
@@ -423,46 +423,56 @@ class _LayerBench:
     close = _Bench.close
 
 
-def run_layerwise(*, directory=None, chunks=8, reps=5, out_dir="bench_results", tiny=False,
-                  backends=("kvkernels", "kvkernels-nofsync", "LocalDiskBackend", "LocalDiskBackend-odirect")):
-    """Layer-wise mode: store and retrieve of per-layer ``KV_T2D`` objects (rounds rotate)."""
-    layers, tokens, heads, head_dim = (4, 32, 2, 64) if tiny else (32, 256, 8, 128)
+_FOUR_BACKENDS = ("kvkernels", "kvkernels-nofsync", "LocalDiskBackend", "LocalDiskBackend-odirect")
+
+
+def _run_mode(mode: str, stem: str, columns, make, step, *, directory, chunks, reps, out_dir, tiny, tiny_chunks,
+              backends) -> list[dict]:
+    """One batch mode: ``make(kind, directory, shape, chunks, reps, loop)`` per backend, ``step(bench, rep)``
+    in rotating rounds, then a table and CSV/JSON of ``bench.row()``."""
+    shape = (*((4, 32, 2, 64) if tiny else (32, 256, 8, 128)), torch.bfloat16)
     if tiny:
-        chunks, reps = 2, 1
-    shape = (layers, tokens, heads, head_dim, torch.bfloat16)
+        chunks, reps = tiny_chunks, 1
     with _session(directory, reps, shape) as (directory, loop, meta, benches):
-        meta["mode"] = "layer-wise (use_layerwise): one KV_T2D object per (chunk, layer)"
+        meta["mode"] = mode
         for kind in backends:
-            benches.append(_LayerBench(kind, directory, shape, chunks, reps, loop))
-        _rounds(benches, reps, lambda b, rep: b.rep(rep))
+            benches.append(make(kind, directory, shape, chunks, reps, loop))
+        _rounds(benches, reps, step)
         rows = [b.row() for b in benches]
-    print(common.format_table(rows, ["backend", "objects", "object_mb", "store_gbps", "retrieve_gbps",
-                                     "store_ms_per_object", "retrieve_ms_per_object"]))
-    paths = common.write_results(rows, meta, out_dir, STEM + "_layerwise")
+    print(common.format_table(rows, list(columns)))
+    paths = common.write_results(rows, meta, out_dir, stem)
     print("# wrote " + ", ".join(paths.values()))
     return rows
+
+
+def run_layerwise(*, directory=None, chunks=8, reps=5, out_dir="bench_results", tiny=False, backends=_FOUR_BACKENDS):
+    """Layer-wise mode: store and retrieve of per-layer ``KV_T2D`` objects (rounds rotate)."""
+    return _run_mode("layer-wise (use_layerwise): one KV_T2D object per (chunk, layer)", STEM + "_layerwise",
+                     ["backend", "objects", "object_mb", "store_gbps", "retrieve_gbps", "store_ms_per_object",
+                      "retrieve_ms_per_object"], _LayerBench, lambda b, rep: b.rep(rep), directory=directory,
+                     chunks=chunks, reps=reps, out_dir=out_dir, tiny=tiny, tiny_chunks=2, backends=backends)
+
+
+class _RestoreBench(_Bench):
+    """A :class:`_Bench` that stores one batch when built; its rows are the cold restores."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.fill()
+
+    def row(self, dd=None) -> dict:
+        return self.cold_row()
 
 
 def run_restore(*, directory=None, chunks=32, reps=8, out_dir="bench_results", tiny=False,
-                backends=("kvkernels", "kvkernels-nofsync", "LocalDiskBackend", "LocalDiskBackend-odirect")) -> list[dict]:
+                backends=_FOUR_BACKENDS) -> list[dict]:
     """Restore of KV written earlier: each backend stores one batch once, then cold
     ``batched_get_blocking`` rounds rotate over the backends (no writes in between, so the disk's
     write-back does not slow one backend's reads). Rows: median GB/s and process CPU in cores."""
-    layers, tokens, heads, head_dim = (4, 32, 2, 64) if tiny else (32, 256, 8, 128)
-    if tiny:
-        chunks, reps = 4, 1
-    shape = (layers, tokens, heads, head_dim, torch.bfloat16)
-    with _session(directory, reps, shape) as (directory, loop, meta, benches):
-        meta["mode"] = "restore of stored KV, cold"
-        for kind in backends:
-            benches.append(_Bench(kind, directory, shape, chunks, reps, loop))
-            benches[-1].fill()
-        _rounds(benches, reps, lambda b, rep: b.cold_retrieve())
-        rows = [b.cold_row() for b in benches]
-    print(common.format_table(rows, ["backend", "chunks", "chunk_mb", "retrieve_gbps", "cpu_cores"]))
-    paths = common.write_results(rows, meta, out_dir, STEM + "_restore")
-    print("# wrote " + ", ".join(paths.values()))
-    return rows
+    return _run_mode("restore of stored KV, cold", STEM + "_restore",
+                     ["backend", "chunks", "chunk_mb", "retrieve_gbps", "cpu_cores"], _RestoreBench,
+                     lambda b, rep: b.cold_retrieve(), directory=directory, chunks=chunks, reps=reps,
+                     out_dir=out_dir, tiny=tiny, tiny_chunks=4, backends=backends)
 
 
 def main(argv=None):

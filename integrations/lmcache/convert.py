@@ -15,7 +15,7 @@ CPU dev box); both give the same bytes (tests/test_lmcache_plugin.py checks it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -69,8 +69,7 @@ class ChunkShape:
             check(self.num_layers == 1, "order", f"a one-layer entry for {order!r}", f"{self.num_layers} layers")
             check(self.num_kv == (1 if order == "TD" else 2), "order", f"an entry fitting {order!r}",
                   f"num_kv={self.num_kv}")
-        return ChunkShape(self.num_kv, self.num_layers, self.num_tokens, self.num_heads, self.head_dim, self.dtype,
-                          order)
+        return replace(self, order=order)
 
     @property
     def torch_shape(self) -> torch.Size:
