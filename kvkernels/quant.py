@@ -224,7 +224,9 @@ def _scales(x: torch.Tensor, granularity: str) -> torch.Tensor:
     amax = a.amax(dim=-1, keepdim=True)
     if granularity == "block":
         amax = amax.amax(dim=-3, keepdim=True)
-    s = amax / FP8_MAX
+    # divided by a tensor on amax's device: torch's CUDA division by a Python scalar multiplies by
+    # its reciprocal (off by one ulp from the IEEE quotient for some amax; seen on the H100)
+    s = amax / torch.full((), FP8_MAX, dtype=amax.dtype, device=amax.device)
     return torch.where(s > 0, s, torch.ones_like(s))
 
 
