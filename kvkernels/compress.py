@@ -408,31 +408,12 @@ def _zstd_decompress_cpu(region: torch.Tensor, raw: int, dst: torch.Tensor, j: i
 
 
 # ---------------------------------------------------------------------------------- GPU (nvCOMP)
-class _TorchBuffer:
-    """Device memory from torch's caching allocator, handed to nvCOMP (it needs ``.ptr``)."""
-
-    __slots__ = ("t", "ptr")
-
-    def __init__(self, nbytes: int, stream) -> None:
-        s = torch.cuda.ExternalStream(stream.ptr) if stream is not None and getattr(stream, "ptr", 0) else None
-        if s is not None:
-            with torch.cuda.stream(s):
-                self.t = torch.empty(max(1, nbytes), dtype=torch.uint8, device="cuda")
-        else:
-            self.t = torch.empty(max(1, nbytes), dtype=torch.uint8, device="cuda")
-        self.ptr = self.t.data_ptr()
-
-
-_ALLOC_SET = False
-
-
 def _nvcomp_ready():
-    global _ALLOC_SET
-    nvcomp = _nvcomp()
-    if not _ALLOC_SET:
-        nvcomp.set_device_allocator(lambda nbytes, stream: _TorchBuffer(nbytes, stream))
-        _ALLOC_SET = True
-    return nvcomp
+    """nvCOMP with its own device allocator (cudaMalloc) for its scratch; every output buffer is a
+    torch tensor passed in (``out=``), so nothing nvCOMP allocates outlives a call. (torch's caching
+    allocator through ``set_device_allocator`` was tried on the H100: with the DLPack import of
+    nvCOMP's outputs it corrupted the host heap; not retried since.)"""
+    return _nvcomp()
 
 
 _CODEC_CACHE: dict = {}
@@ -450,15 +431,43 @@ def _codec(nvcomp, codec: str, stream_ptr: int, device: int, element_size: int, 
         if codec == "ans" and element_size == 2 and not shuffled:
             kw["data_type"] = "<f2"
         if codec == "lz4" and element_size in (2, 4) and not shuffled:
-            kw["data_type"] = "<f2" if element_size == 2 else "<f4"
+            # LZ4 takes integer element types only ("Illegal data type" for '<f2', seen on the H100)
+            kw["data_type"] = "<u2" if element_size == 2 else "<u4"
             kw["bitshuffle_mode"] = nvcomp.BitshuffleMode.NVCOMP_BITSHUFFLE_MSB_FIRST
         c = _CODEC_CACHE[key] = nvcomp.Codec(**kw)
     return c
 
 
-def _u8(arr) -> torch.Tensor:
-    t = torch.from_dlpack(arr)
-    return t.reshape(-1).view(torch.uint8) if t.dtype != torch.uint8 else t.reshape(-1)
+def _encode_into(c, nvcomp, base: torch.Tensor, offs: list[int], sizes: list[int], chunk: int, ptr: int,
+                 s) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Encode ``base[offs[i] : offs[i] + sizes[i]]`` (one batch) into one torch-owned buffer: each
+    entry gets nvCOMP's maximum compressed size (rounded to its alignment). Returns the buffer,
+    entry starts and compressed lengths (a host sync). nvCOMP's own output arrays are never
+    imported with ``torch.from_dlpack``: on the H100 (torch 2.11, nvCOMP 6.0) that corrupted the
+    host heap."""
+    align = max(16, int(c.get_required_compression_alignment()))
+
+    def bound(nbytes: int) -> int:
+        probe = torch.empty(nbytes, dtype=torch.uint8, device=base.device)
+        return int(c.get_max_comp_buffer_size(nvcomp.as_array(probe, ptr)))
+
+    # nvCOMP checks every output against the bound of a whole chunk, also for a smaller entry
+    # (seen on the H100: zstd wanted 65547 bytes for a 57344-byte frame with 64 KiB chunks)
+    chunk_bound = bound(chunk)
+    caps: dict[int, int] = {}
+    for n in set(sizes):
+        m = max(bound(n), chunk_bound)
+        caps[n] = (m + align - 1) // align * align
+    starts, tot = [], 0
+    for n in sizes:
+        starts.append(tot)
+        tot += caps[n]
+    with torch.cuda.stream(s):
+        buf = torch.empty(max(tot, align), dtype=torch.uint8, device=base.device)
+    out = nvcomp.as_arrays(buf, starts, [caps[n] for n in sizes], ptr)
+    enc = c.encode(nvcomp.as_arrays(base, offs, sizes, ptr), out=out)
+    lens = [int(x) for x in enc.buffer_sizes]  # host sync: the compressed sizes
+    return buf, starts, lens
 
 
 def _gpu_compress(codec: str, fmt, stream, chunk: int, shuffled: bool, base: torch.Tensor, offsets: list[int],
@@ -473,21 +482,23 @@ def _gpu_compress(codec: str, fmt, stream, chunk: int, shuffled: bool, base: tor
         # one RAW zstd frame per (region, frame), every region in one batch
         offs = [o + fo for o in offsets for fo, _ in frames]
         sizes = [fn for _ in offsets for _, fn in frames]
-        enc = c.encode(nvcomp.as_arrays(base, offs, sizes, ptr))
-        lens = [int(x) for x in enc.buffer_sizes]  # host sync: the compressed sizes
+        buf, starts, lens = _encode_into(c, nvcomp, base, offs, sizes, chunk, ptr, s)
         nper = len(frames)
         out = []
         with torch.cuda.stream(s):
             for j in range(len(offsets)):
                 ls = lens[j * nper:(j + 1) * nper]
-                fr = [_u8(enc[j * nper + i])[: ls[i]] for i in range(nper)]
-                table = _frame_table(chunk, n, [(l, fn) for l, (_, fn) in zip(ls, frames)])
+                st = starts[j * nper:(j + 1) * nper]
+                fr = [buf[a: a + ln] for a, ln in zip(st, ls)]
+                table = _frame_table(chunk, n, [(ln, fn) for ln, (_, fn) in zip(ls, frames)])
                 t = torch.frombuffer(bytearray(table), dtype=torch.uint8).to(base.device)
                 out.append(torch.cat([t, *fr]))
         return out
-    enc = c.encode(nvcomp.as_arrays(base, offsets, [n] * len(offsets), ptr))
-    lens = [int(x) for x in enc.buffer_sizes]  # host sync: the compressed sizes
-    return [_u8(enc[j])[: lens[j]] for j in range(len(offsets))]
+    buf, starts, lens = _encode_into(c, nvcomp, base, offsets, [n] * len(offsets), chunk, ptr, s)
+    # views of the one output buffer, each at an aligned start (nvCOMP's decoders need 8-16 byte
+    # aligned input): no copy; the buffer (worst-case sized, about the raw size) lives as long as
+    # any region does
+    return [buf[a: a + ln] for a, ln in zip(starts, lens)]
 
 
 def _gpu_decompress(regions: list[torch.Tensor], codec: str, fmt, out: torch.Tensor, stream, chunk_hint: int) -> None:
@@ -522,7 +533,9 @@ def _gpu_decompress(regions: list[torch.Tensor], codec: str, fmt, out: torch.Ten
         else:
             dst_offs = [j * fmt.region_nbytes for j in range(len(regions))]
             dst_sizes = [n] * len(regions)
-            src_batch = nvcomp.as_arrays(list(regions), ptr)
+            # nvCOMP's decoders need 8-16 byte aligned input: regions sliced out of a larger
+            # buffer at other offsets are copied to 16-byte aligned ones first
+            src_batch = nvcomp.as_arrays([r if r.data_ptr() % 16 == 0 else r.clone() for r in regions], ptr)
     c = _codec(nvcomp, codec, ptr, dev, 1, chunk, True)
     try:
         dec = c.decode(src_batch, out=nvcomp.as_arrays(out, dst_offs, dst_sizes, ptr))
