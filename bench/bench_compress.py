@@ -106,6 +106,7 @@ def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool
             rows.append({"input": vname, "codec": c, "method": f"{vname}+{c}", "ratio": packed.ratio,
                          "vs_raw_bf16": raw_total / packed.nbytes, "enc_gbps": common.gbps(payload, enc),
                          "dec_gbps": common.gbps(payload, dec), "bytes": packed.nbytes})
+            common.progress(rows[-1])
     meta = common.env_record()
     meta.update({"sample": name, "regions": fmt.num_regions, "payload_nbytes_per_region": fmt.payload_nbytes,
                  "dtype": str(dtype), "codecs": codecs, "zstandard": _ver("zstandard"),

@@ -106,6 +106,7 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
         peak = peaks.get(peak_key)
         rows.append({**base, "method": method, "ms": ms, "gbps": bw,
                      "pct_peak": (100.0 * bw / peak) if peak else None, "peak": peak_key})
+        common.progress(rows[-1])
 
     add(f"kvk-gather[{backend}]",
         common.time_ms(lambda: kvkernels.gather(lay, ids, out=out, backend=backend, validate=False), device=device),

@@ -156,6 +156,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         rows.append({**base, "direction": direction, "method": method, "compute_ms": comp, "wall_ms": wall,
                      "slowdown_pct": 100.0 * (comp / c_ms - 1.0) if method != "transfer-alone" else None,
                      "gbps": bw, "pct_copy_peak": 100.0 * bw / peak if peak else None})
+        common.progress(rows[-1])
         return wall
 
     rows.append({**base, "direction": "-", "method": "compute-alone", "compute_ms": c_ms, "wall_ms": c_wall})

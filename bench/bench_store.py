@@ -125,6 +125,7 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
         peak = ceil[peak_key]
         rows.append({"method": method, "entry_mb": round(nbytes / 1e6, 2), "gbps": gbps,
                      "pct_dd": 100.0 * gbps / peak if peak else None, "ceiling": peak_key, **extra})
+        common.progress(rows[-1])
 
     root = os.path.join(directory, "store")
     try:

@@ -14,10 +14,21 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from typing import Callable
 
 import torch
+
+
+_T0 = time.perf_counter()
+
+
+def progress(row: dict) -> None:
+    """One line per measured row on stderr, as it is measured: a run cut off by a time cap still
+    shows how far it got (the tables and files are written at the end)."""
+    keep = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
+    print(f"[bench +{time.perf_counter() - _T0:6.1f}s] {keep}", file=sys.stderr, flush=True)
 
 
 def env_record() -> dict:

@@ -76,9 +76,21 @@ LAYOUTS = {
 def random_fill_(t: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Fill a *contiguous* tensor with random bytes (every bit pattern, NaNs included)."""
     b = t.view(torch.uint8) if t.element_size() == 1 else t.view(-1).view(torch.uint8)
+    if t.device.type == "cuda" and b.numel() > _HOST_FILL_MAX:
+        # benchmark-sized caches (GBs): drawn on the device, seeded from the host generator, in
+        # place (a host draw of 18 GB takes minutes); small tensors keep the host draw, whose bytes
+        # are the same on every device
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        g = torch.Generator(device=t.device).manual_seed(seed)
+        for piece in b.split(_HOST_FILL_MAX):
+            piece.random_(0, 256, generator=g)
+        return t
     src = torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=generator)
     b.copy_(src.to(t.device))
     return t
+
+
+_HOST_FILL_MAX = 1 << 28  # bytes
 
 
 def _alloc(shape, dtype, device, fill, gen):
