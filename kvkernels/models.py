@@ -90,7 +90,7 @@ def random_fill_(t: torch.Tensor, generator: torch.Generator | None = None) -> t
     return t
 
 
-_HOST_FILL_MAX = 1 << 28  # bytes
+_HOST_FILL_MAX = 1 << 24  # bytes: above this (per tensor; a llama3-8b layer of 4096 blocks is 256 MiB) the draw is on the device
 
 
 def _alloc(shape, dtype, device, fill, gen):
