@@ -238,6 +238,22 @@ class LayerPipeline:
         for a in range(0, n, self.chunk_blocks):
             yield a, min(n, a + self.chunk_blocks)
 
+    def _pieces(self, f: StagingFormat, cfmt: StagingFormat, layer: int, a: int) -> list[tuple[int, int, int]]:
+        """``(host offset, slot offset, nbytes)`` of the copies that move blocks ``a..`` of ``layer``
+        between the host entry (format ``f``) and a slot (format ``cfmt``): one per K/V entry,
+        merged where both sides are contiguous (a whole layer in one slot: one copy). Each DMA
+        costs a fixed setup; on the H100 32 per-layer pairs of 8.4 MB copies reached 75 % of one
+        large copy."""
+        out: list[list[int]] = []
+        for c in range(self.layout.num_kv):
+            h = f.entry_offset(layer, c) + a * f.chunk_nbytes
+            d = c * cfmt.entry_nbytes
+            if out and out[-1][0] + out[-1][2] == h and out[-1][1] + out[-1][2] == d:
+                out[-1][2] += cfmt.entry_nbytes
+            else:
+                out.append([h, d, cfmt.entry_nbytes])
+        return [tuple(x) for x in out]
+
     def _take_slot(self, direction: str) -> int:
         s = self._slot_next[direction]
         self._slot_next[direction] = (s + 1) % self.num_slots
@@ -296,7 +312,6 @@ class LayerPipeline:
         ready = self._event()
         ready.record(self._compute_stream())  # layer's KV is final here
         self.pack_stream.wait_event(ready)
-        C = self.layout.num_kv
         for key, block_ids in saves.items():
             ids = self._ids(block_ids, f"saves[{key!r}]")
             ent = self._entry_for_save(key, ids.numel())
@@ -315,10 +330,8 @@ class LayerPipeline:
                     packed.record(self.pack_stream if self.cuda else None)
                 self.d2h_stream.wait_event(packed)
                 with self._stream(self.d2h_stream):
-                    for c in range(C):
-                        dst = f.entry_offset(layer, c) + a * f.chunk_nbytes
-                        src = c * cfmt.entry_nbytes
-                        ent.buf[dst : dst + cfmt.entry_nbytes].copy_(slot[src : src + cfmt.entry_nbytes], non_blocking=True)
+                    for dst, src, nb in self._pieces(f, cfmt, layer, a):
+                        ent.buf[dst : dst + nb].copy_(slot[src : src + nb], non_blocking=True)
                     self._slot_free["save"][s].record(self.d2h_stream if self.cuda else None)
             ent.layers_done.add(layer)
             if len(ent.layers_done) == self.layout.num_layers:
@@ -428,7 +441,6 @@ class LayerPipeline:
         if layer >= self.layout.num_layers:
             return
         self._next_load_layer += 1
-        C = self.layout.num_kv
         for ent, ids in self._loads:
             f = ent.fmt
             for a, b in self._chunks(f.num_blocks):
@@ -437,10 +449,8 @@ class LayerPipeline:
                 cfmt = StagingFormat.for_layout(self.layout, b - a, (layer,))
                 self.h2d_stream.wait_event(self._slot_free["load"][s])  # its last scatter is done
                 with self._stream(self.h2d_stream):
-                    for c in range(C):
-                        src = f.entry_offset(layer, c) + a * f.chunk_nbytes
-                        dst = c * cfmt.entry_nbytes
-                        slot[dst : dst + cfmt.entry_nbytes].copy_(ent.buf[src : src + cfmt.entry_nbytes], non_blocking=True)
+                    for src, dst, nb in self._pieces(f, cfmt, layer, a):
+                        slot[dst : dst + nb].copy_(ent.buf[src : src + nb], non_blocking=True)
                     copied = self._event()
                     copied.record(self.h2d_stream if self.cuda else None)
                 self.pack_stream.wait_event(copied)

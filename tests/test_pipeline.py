@@ -87,6 +87,24 @@ def test_offload_then_restore_into_other_blocks(layout, slot_blocks):
                 assert bytes_equal(got[l][c], exp[l][c]), (layout, l, c)
 
 
+@pytest.mark.parametrize("layout", ["vllm-nhd", "mla"])
+def test_whole_layer_in_one_slot_moves_in_one_copy(layout):
+    # one DMA per layer when the slot holds the whole layer (K and V contiguous on both sides), one
+    # per entry when the layer is chunked; the round trip above covers the bytes
+    from kvkernels import StagingFormat
+
+    lay = cache(layout)
+    per_block = lay.num_kv * lay.chunk_nbytes
+    f = StagingFormat.for_layout(lay, 5)
+    with LayerPipeline(lay, host_bytes=1 << 20, slot_bytes=64 * per_block) as pipe:
+        whole = pipe._pieces(f, StagingFormat.for_layout(lay, 5, (1,)), 1, 0)
+        assert whole == [(f.entry_offset(1, 0), 0, lay.num_kv * f.entry_nbytes)]
+    with LayerPipeline(lay, host_bytes=1 << 20, slot_bytes=2 * per_block) as pipe:
+        part = pipe._pieces(f, StagingFormat.for_layout(lay, 2, (1,)), 1, 2)
+        assert len(part) == lay.num_kv
+        assert part[0] == (f.entry_offset(1, 0) + 2 * f.chunk_nbytes, 0, StagingFormat.for_layout(lay, 2, (1,)).entry_nbytes)
+
+
 def test_missing_key_reports_load_errors_and_writes_nothing():
     lay = cache()
     before = snapshot(lay, [6, 7])
