@@ -104,7 +104,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
     dst = torch.randperm(pool, device=device)[:n]
     fmt = StagingFormat.for_layout(lay, n)
     payload = fmt.num_regions * fmt.payload_nbytes
-    pipe = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), slot_bytes=16 << 20, max_ctas=16, prefetch_depth=2)
+    pipe = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2)  # default 64 MiB slots
     host = torch.empty(fmt.nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     side = torch.cuda.Stream() if device.type == "cuda" else None
     base = {"model": model, "seq": seq, "block_size": block_size, "chunk_kb": round(lay.chunk_nbytes / 1024, 2),
