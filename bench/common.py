@@ -96,10 +96,14 @@ def measure_peaks(device: torch.device, nbytes: int = 1 << 30) -> dict:
     peaks["d2d_gbps"] = gbps(2 * nbytes, ms)  # read + write
     if device.type == "cuda":
         h = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-        ms = time_ms(lambda: h.copy_(a, non_blocking=True), device=device)
-        peaks["d2h_gbps"] = gbps(nbytes, ms)
-        ms = time_ms(lambda: a.copy_(h, non_blocking=True), device=device)
-        peaks["h2d_gbps"] = gbps(nbytes, ms)
+        # best of three alternating rounds: on the H100 VM one H2D sample right after pinning read
+        # 33.6 GB/s while the pipeline's own restore moved 44-50 GB/s in the same process
+        d2h, h2d = [], []
+        for _ in range(3):
+            d2h.append(gbps(nbytes, time_ms(lambda: h.copy_(a, non_blocking=True), device=device)))
+            h2d.append(gbps(nbytes, time_ms(lambda: a.copy_(h, non_blocking=True), device=device)))
+        peaks["d2h_gbps"], peaks["h2d_gbps"] = max(d2h), max(h2d)
+        peaks["d2h_samples"], peaks["h2d_samples"] = d2h, h2d
         del h
     else:
         peaks["d2h_gbps"] = peaks["h2d_gbps"] = None
