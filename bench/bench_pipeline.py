@@ -11,7 +11,11 @@ For each prompt length and block size, in one run:
 * ``sm-zero-copy[ctas]``: compute + an SM gather writing pinned host directly on a side stream
   (LMCache / SGLang style), full grid and 2 CTAs;
 * ``memcpy-per-chunk``: compute + one ``cudaMemcpyAsync`` per chunk on a side stream (vLLM
-  ``swap_blocks`` style; C++ loop from bench_gather).
+  ``swap_blocks`` style; C++ loop from bench_gather);
+* ``restore-ssd``: the entry on disk (``KVStore`` in a temp dir under ``KVKERNELS_BENCH_DIR``),
+  host copy evicted, page cache dropped: ``prefetch`` (one read into the host pool) + the
+  layer-wise restore, alone and beside the compute, against a ``dd`` O_DIRECT read of the same
+  size on the same disk.
 
 Reported: compute time and slowdown (%), transfer throughput (GB/s, % of the measured one-shot
 D2H / H2D), and wall over max(compute alone, transfer alone). Targets (issue 4): >= 95 % of the
@@ -25,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import torch
@@ -33,13 +39,16 @@ import torch
 try:
     from . import common
     from .bench_gather import _chunk_tables, _dense_chunk, _memcpy_ext
+    from .bench_store import _drop_tree, dd_ceiling
 except ImportError:  # pragma: no cover
     import common  # type: ignore
     from bench_gather import _chunk_tables, _dense_chunk, _memcpy_ext  # type: ignore
+    from bench_store import _drop_tree, dd_ceiling  # type: ignore
 
 import kvkernels
 from kvkernels import StagingFormat
 from kvkernels.models import get_model, make_cache
+from kvkernels.io import KVStore
 from kvkernels.pipeline import LayerPipeline
 
 # (query heads, hidden, ffn) of the proxies; kv heads / head_dim / layers come from the registry
@@ -167,6 +176,8 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
     add("kvk-pipeline", "restore", restore_with_compute)
     rows[-1]["wall_over_max"] = rows[-1]["wall_ms"] / max(c_wall, t_res)
 
+    rows += _ssd_rows(lay, proxy, src, dst, fmt, base, device, c_ms, c_wall, reps)
+
     if device.type == "cuda":
         for cap in (0, 2):
             def zero_copy(cap=cap):
@@ -198,6 +209,67 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
             add("memcpy-per-chunk", "offload", per_chunk)
             rows[-1]["wall_over_max"] = rows[-1]["wall_ms"] / max(c_wall, t_off)
     pipe.close()
+    return rows
+
+
+def _ssd_rows(lay, proxy, src, dst, fmt, base, device, c_ms, c_wall, reps) -> list[dict]:
+    """Restore from SSD: the entry saved through the pipeline into a KVStore (a temp dir on the
+    disk under test, ``KVKERNELS_BENCH_DIR``), its host copy evicted and the page cache dropped,
+    then ``prefetch`` (one large read into the host pool, what a connector does before the step)
+    and the layer-wise restore, alone and beside the compute. The disk ceiling is a ``dd``-style
+    O_DIRECT read of the same size in the same directory."""
+    L = lay.num_layers
+    payload = fmt.num_regions * fmt.payload_nbytes
+    root = tempfile.mkdtemp(prefix="kvk-bench-pipeline-", dir=os.environ.get("KVKERNELS_BENCH_DIR"))
+    rows: list[dict] = []
+    try:
+        dd = dd_ceiling(root, max(fmt.nbytes, 1 << 20), settle_s=0.0 if device.type == "cpu" else 1.0)
+        with KVStore(os.path.join(root, "store")) as store, LayerPipeline(
+            lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2, store=store
+        ) as pipe:
+            for l in range(L):
+                pipe.save_layer(l, {"ssd": src})
+            pipe.wait_for_save()
+            pipe.get_finished()
+            pipe.entries["ssd"].ssd_future.result()  # on disk
+
+            def timed(with_compute: bool):
+                _sync(device)
+                pipe.get_finished()
+                assert pipe.evict("ssd"), "the host copy must go: the read is what is measured"
+                _drop_tree(root)
+
+                # wall: from the prefetch to the last layer; compute: the step itself (compute
+                # stream events from start_load on), as in a server where the read precedes the step
+                t0 = time.perf_counter()
+                ent = pipe.prefetch("ssd", num_blocks=fmt.num_blocks).result()
+                assert ent.state == "ready", ent.error
+                _, comp = _timed(device, lambda: _restore(with_compute))
+                return (time.perf_counter() - t0) * 1e3, comp
+
+            def _restore(with_compute: bool):
+                pipe.start_load({"ssd": dst})
+                for l in range(L):
+                    pipe.wait_for_layer_load(l)
+                    if with_compute:
+                        proxy.layer(l)
+
+            t_alone = None
+            for method, wc in (("transfer-alone", False), ("kvk-pipeline", True)):
+                wall, comp = min(timed(wc) for _ in range(reps))
+                t_alone = wall if t_alone is None else t_alone
+                bw = common.gbps(payload, wall)
+                row = {**base, "direction": "restore-ssd", "method": method, "compute_ms": comp if wc else None,
+                       "wall_ms": wall, "slowdown_pct": 100.0 * (comp / c_ms - 1.0) if wc else None, "gbps": bw,
+                       "pct_copy_peak": None, "pct_dd_read": 100.0 * bw / dd["dd_read_gbps"],
+                       "dd_read_gbps": dd["dd_read_gbps"]}
+                if wc:
+                    row["wall_over_max"] = wall / max(c_wall, t_alone)
+                rows.append(row)
+                common.progress(row)
+            pipe.get_finished()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     return rows
 
 

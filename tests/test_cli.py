@@ -65,8 +65,11 @@ def test_bench_pipeline_tiny(tmp_path):
 
     res = bench_pipeline.run(out_dir=str(tmp_path), tiny=True, plot=False)
     by = {(r["direction"], r["method"]) for r in res["rows"]}
-    assert {("-", "compute-alone"), ("offload", "kvk-pipeline"), ("restore", "kvk-pipeline")} <= by
+    assert {("-", "compute-alone"), ("offload", "kvk-pipeline"), ("restore", "kvk-pipeline"),
+            ("restore-ssd", "transfer-alone"), ("restore-ssd", "kvk-pipeline")} <= by
     assert all(r["wall_ms"] > 0 for r in res["rows"])
+    ssd = [r for r in res["rows"] if r["direction"] == "restore-ssd"]
+    assert all(r["dd_read_gbps"] > 0 and r["pct_dd_read"] > 0 for r in ssd)
     assert (tmp_path / "pipeline.json").exists()
 
 
