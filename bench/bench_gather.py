@@ -10,6 +10,8 @@ layers, in one run:
 * ``torch-index_select``: one ``index_select(out=...)`` per layer and K/V into the same staging;
 * ``memcpy-per-chunk-d2d``: one ``cudaMemcpyAsync`` per (block, layer, K/V) chunk, C++ loop;
 * ``memcpy-per-chunk-d2h``: the same into pinned host (what vLLM's ``swap_blocks`` does);
+* ``memcpy-batch-d2h``: the same chunks as one ``cudaMemcpyBatchAsync`` (CUDA >= 12.8) on a side
+  stream;
 * ``kvk-zero-copy-d2h``: the Triton gather writing pinned host through UVA (full grid and 16 CTAs);
 * ``kvk-gather+d2h``: gather into device staging, then one D2H copy.
 
@@ -149,6 +151,21 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
         s_tab, h_tab = _chunk_tables(lay, ids, host.data_ptr(), fmt)
         add("memcpy-per-chunk-d2h", common.time_ms(lambda: ext.memcpy_chunks(s_tab, h_tab, lay.chunk_nbytes, stream), device=device),
             payload, "d2h_gbps")
+        side = torch.cuda.Stream(device=device)  # cudaMemcpyBatchAsync rejects the legacy default stream
+
+        def batch_d2h():
+            cur = torch.cuda.current_stream()
+            side.wait_stream(cur)
+            ext.memcpy_batch(s_tab, h_tab, lay.chunk_nbytes, side.cuda_stream)
+            cur.wait_stream(side)
+
+        try:
+            batch_d2h()
+            torch.cuda.synchronize()
+        except RuntimeError as exc:  # CUDA < 12.8 or a driver without it
+            print(f"[bench] cudaMemcpyBatchAsync baseline skipped: {exc}", file=sys.stderr)
+        else:
+            add("memcpy-batch-d2h", common.time_ms(batch_d2h, device=device), payload, "d2h_gbps")
     for cap in (0, 16):
         add(f"kvk-zero-copy-d2h[ctas={cap or 'all'}]",
             common.time_ms(lambda: kvkernels.gather(lay, ids, out=host, backend="triton", max_ctas=cap, validate=False), device=device),

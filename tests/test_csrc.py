@@ -49,6 +49,22 @@ def test_compiles_for_all_targets_with_warnings_as_errors(tmp_path):
 
 
 @needs_nvcc
+def test_bench_memcpy_baselines_compile(tmp_path):
+    # the per-chunk cudaMemcpyAsync and cudaMemcpyBatchAsync baselines are built on the GPU machine
+    # (torch.utils.cpp_extension); a compile error there costs device time, so compile them here
+    # against this machine's CUDA headers (host code only, nothing is run)
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    inc = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    cmd = [build.nvcc(), "-std=c++17", "-Xcompiler", "-fsyntax-only", "-c", os.path.join(ROOT, "bench", "_memcpy_loop.cpp"),
+           *inc, "-DTORCH_EXTENSION_NAME=kvk_bench_memcpy", "-o", str(tmp_path / "x.o")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@needs_nvcc
 def test_resource_usage_report(tmp_path, capsys):
     cmd = build.command(str(tmp_path / "x.so"), archs=("90",), extra=("--resource-usage",))
     r = subprocess.run(cmd, capture_output=True, text=True)
