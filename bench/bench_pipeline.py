@@ -30,6 +30,7 @@ one-shot copy, slowdown <= 5 %, wall <= 1.05x.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -101,7 +102,8 @@ def _timed(dev, fn):
     return ms, ms
 
 
-def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, heads=None) -> list[dict]:
+def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, heads=None,
+               timeline_out: dict | None = None) -> list[dict]:
     shape = get_model(model)
     if layers or heads:
         shape = shape.scaled(num_layers=layers, num_kv_heads=heads)
@@ -179,6 +181,11 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
     rows[-1]["wall_over_max"] = rows[-1]["wall_ms"] / max(c_wall, t_res)
 
     rows += _ssd_rows(lay, proxy, src, dst, fmt, base, device, c_ms, c_wall, reps)
+    if timeline_out is not None:
+        pipe.get_finished()
+        pipe.evict("req")  # the pool holds one entry of this size
+        timeline_out["case"] = f"{model} {seq} tokens, {base['chunk_kb']} KB chunks"
+        timeline_out["layers"] = timeline(pipe, proxy, src, device, L)
 
     if device.type == "cuda":
         for cap in (0, 2):
@@ -230,6 +237,78 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                 rows[-1]["wall_over_max"] = rows[-1]["wall_ms"] / max(c_wall, t_off)
     pipe.close()
     return rows
+
+
+class _Stamps:
+    """Timestamps on streams: CUDA timing events (read after a sync), ``perf_counter`` on CPU."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.t0 = self.mark(None)
+
+    def mark(self, stream):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(stream) if stream is not None else ev.record()
+            return ev
+        return time.perf_counter()
+
+    def ms(self, m) -> float:
+        return self.t0.elapsed_time(m) if self.cuda else (m - self.t0) * 1e3
+
+
+def timeline(pipe: LayerPipeline, proxy, src, device, layers: int) -> list[dict]:
+    """One offload beside the compute, per layer: compute start/end (compute stream), gather end
+    (pack stream), D2H end (copy stream), in ms from the start. Streams run in order, so a
+    stage starts when its input is ready and its stream is free: gather start = max(compute end,
+    previous gather end), D2H start = max(gather end, previous D2H end)."""
+    _sync(device)
+    st = _Stamps(device)
+    marks = []
+    for l in range(layers):
+        c0 = st.mark(None)
+        proxy.layer(l)
+        c1 = st.mark(None)
+        pipe.save_layer(l, {"timeline": src})
+        marks.append((c0, c1, st.mark(pipe.pack_stream if st.cuda else None),
+                      st.mark(pipe.d2h_stream if st.cuda else None)))
+    pipe.wait_for_save()
+    _sync(device)
+    if "timeline" in pipe.failed_saves:
+        raise RuntimeError("timeline: the save found no room in the host pool")
+    out, g_prev, d_prev = [], 0.0, 0.0
+    for l, (c0, c1, g1, d1) in enumerate(marks):
+        c0, c1, g1, d1 = (st.ms(m) for m in (c0, c1, g1, d1))
+        g0 = max(c1, g_prev)
+        d0 = max(g1, d_prev)
+        out.append({"layer": l, "compute": [c0, c1], "gather": [g0, max(g0, g1)], "d2h": [d0, max(d0, d1)]})
+        g_prev, d_prev = max(g0, g1), max(d0, d1)
+    pipe.get_finished()
+    pipe.evict("timeline")
+    return out
+
+
+def plot_timeline(tl: list[dict], title: str, path: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        return None
+    lanes = ["compute", "gather", "d2h"]
+    fig, ax = plt.subplots(figsize=(11, 2.6))
+    for i, lane in enumerate(lanes):
+        spans = [(r[lane][0], r[lane][1] - r[lane][0]) for r in tl]
+        ax.broken_barh(spans, (i - 0.4, 0.8), facecolors=[("C0", "C1", "C2")[i]] * len(spans),
+                       edgecolor="white", linewidth=0.5)
+    ax.set_yticks(range(len(lanes)), ["compute (SMs)", "gather (16 CTAs)", "D2H (copy engine)"])
+    ax.set_xlabel("ms")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _ssd_rows(lay, proxy, src, dst, fmt, base, device, c_ms, c_wall, reps) -> list[dict]:
@@ -303,15 +382,28 @@ def run(*, models=("llama3-8b",), seqs=(4096, 8192), block_sizes=(16, 2), out_di
     peaks = common.measure_peaks(device, 1 << 20 if tiny else 1 << 30)
     meta["peaks"] = peaks
     rows: list[dict] = []
+    tl_box: dict = {}
     if tiny:
-        rows += bench_case("smollm2-135m", 64, 16, device=device, peaks=peaks, layers=2, reps=1, heads=1)
+        rows += bench_case("smollm2-135m", 64, 16, device=device, peaks=peaks, layers=2, reps=1, heads=1,
+                           timeline_out=tl_box)
     else:
         for m in models:
             for seq in seqs:
                 for bs in block_sizes:
-                    rows += bench_case(m, seq, bs, device=device, peaks=peaks)
+                    rows += bench_case(m, seq, bs, device=device, peaks=peaks,
+                                       timeline_out=None if tl_box else tl_box)
                     torch.cuda.empty_cache()
     paths = common.write_results(rows, meta, out_dir, "pipeline")
+    if tl_box:
+        tl_path = os.path.join(out_dir, "pipeline_timeline.json")
+        with open(tl_path, "w") as fh:
+            json.dump({"meta": meta, **tl_box}, fh, indent=1)
+        paths["timeline"] = tl_path
+        if plot:
+            png = plot_timeline(tl_box["layers"], f"offload beside compute, {tl_box['case']} - {meta['device']}",
+                                os.path.join(out_dir, "pipeline_timeline.png"))
+            if png:
+                paths["timeline_png"] = png
     print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['date']}")
     print(common.format_table(rows, ["model", "seq", "chunk_kb", "direction", "method", "compute_ms", "wall_ms",
                                      "slowdown_pct", "gbps", "pct_copy_peak", "wall_over_max"]))

@@ -70,6 +70,13 @@ def test_bench_pipeline_tiny(tmp_path):
     assert all(r["wall_ms"] > 0 for r in res["rows"])
     ssd = [r for r in res["rows"] if r["direction"] == "restore-ssd"]
     assert all(r["dd_read_gbps"] > 0 and r["pct_dd_read"] > 0 for r in ssd)
+    import json
+
+    tl = json.loads((tmp_path / "pipeline_timeline.json").read_text())["layers"]
+    assert [r["layer"] for r in tl] == [0, 1]
+    for r in tl:  # each stage after its input, spans well formed, layers in order
+        assert r["compute"][0] <= r["compute"][1] <= r["gather"][0] <= r["gather"][1] <= r["d2h"][0] <= r["d2h"][1]
+    assert tl[1]["compute"][0] >= tl[0]["compute"][1]
     assert (tmp_path / "pipeline.json").exists()
 
 
