@@ -13,7 +13,10 @@ layers, in one run:
 * ``memcpy-batch-d2h``: the same chunks as one ``cudaMemcpyBatchAsync`` (CUDA >= 12.8) on a side
   stream;
 * ``kvk-zero-copy-d2h``: the Triton gather writing pinned host through UVA (full grid and 16 CTAs);
-* ``kvk-gather+d2h``: gather into device staging, then one D2H copy.
+* ``kvk-gather+d2h``: gather into device staging, then one D2H copy;
+* ``kvk-{gather,scatter}-{fp8-token,fp8-block,shuffle}[backend]``: the fused FP8 quantizing
+  gather / dequantizing scatter and the byte-plane shuffle; GB/s = bytes read + written (raw
+  payload + codes + scales for FP8) against the device-copy peak (issue 5: >= 80 %).
 
 GB/s for device-to-device methods counts bytes read + written (like the copy peak); host methods
 count payload bytes (like the D2H peak). Outputs: a table, ``gather.csv`` / ``gather.json``
@@ -128,6 +131,7 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
                 2 * payload, "d2d_gbps")
         else:
             print(f"[bench] CUDA backend unavailable: {_cuda.reason()}", file=sys.stderr)
+    rows += _quant_rows(lay, ids, dst_ids, payload, base, peaks, device, backend)
     if not baselines:
         return rows
 
@@ -177,6 +181,43 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
 
     add("kvk-gather+d2h", common.time_ms(gather_then_d2h, device=device), payload, "d2h_gbps")
     del host
+    return rows
+
+
+def _quant_rows(lay, ids, dst_ids, payload, base, peaks, device, backend) -> list[dict]:
+    """Fused FP8 (per token-head and per block-head scales) and byte-plane shuffle, gather and
+    scatter, per backend. Bound: bytes read + bytes written (raw payload + codes + scales for
+    FP8, twice the payload for shuffle) over the measured device-copy peak (issue 5: >= 80 %)."""
+    from kvkernels.quant import QuantStagingFormat, gather_quant, scatter_quant
+
+    rows: list[dict] = []
+    backends = [backend]
+    if device.type == "cuda":
+        from kvkernels import _cuda
+
+        if _cuda.available():
+            backends.append("cuda")
+    peak = peaks.get("d2d_gbps")
+    variants = [("fp8-token", dict(quant="fp8", granularity="token")),
+                ("fp8-block", dict(quant="fp8", granularity="block"))]
+    if lay.dtype in (torch.bfloat16, torch.float16):
+        variants.append(("shuffle", dict(shuffle=True)))
+    for vname, kw in variants:
+        if "quant" in kw:
+            qf = QuantStagingFormat.for_layout(lay, len(ids), granularity=kw["granularity"])
+            moved = payload + qf.num_regions * qf.num_kv * (qf.q_nbytes + qf.scale_nbytes)
+        else:
+            moved = 2 * payload
+        for b in backends:
+            st = gather_quant(lay, ids, backend=b, validate=False, **kw)
+            for op, fn in (("gather", lambda: gather_quant(lay, ids, out=st, backend=b, validate=False, **kw)),
+                           ("scatter", lambda: scatter_quant(st, lay, dst_ids, backend=b, validate=False, **kw))):
+                ms = common.time_ms(fn, device=device)
+                bw = common.gbps(moved, ms)
+                rows.append({**base, "method": f"kvk-{op}-{vname}[{b}]", "ms": ms, "gbps": bw,
+                             "pct_peak": (100.0 * bw / peak) if peak else None, "peak": "d2d_gbps"})
+                common.progress(rows[-1])
+            del st
     return rows
 
 

@@ -49,6 +49,9 @@ def test_bench_gather_tiny(tmp_path):
     res = bench_gather.run(out_dir=str(tmp_path), tiny=True, plot=False)
     methods = {r["method"] for r in res["rows"]}
     assert any(m.startswith("kvk-gather") for m in methods) and "torch-index_select" in methods
+    for v in ("fp8-token", "fp8-block", "shuffle"):  # issue 5's kernels against their byte bound
+        assert any(m.startswith(f"kvk-gather-{v}[") for m in methods)
+        assert any(m.startswith(f"kvk-scatter-{v}[") for m in methods)
     assert all(r["gbps"] > 0 for r in res["rows"])
     data = json.loads((tmp_path / "gather.json").read_text())
     assert data["meta"]["peaks"]["d2d_gbps"] > 0 and data["meta"]["torch"] == torch.__version__
