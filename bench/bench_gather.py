@@ -212,7 +212,7 @@ def _quant_rows(lay, ids, dst_ids, payload, base, peaks, device, backend) -> lis
             st = gather_quant(lay, ids, backend=b, validate=False, **kw)
             for op, fn in (("gather", lambda: gather_quant(lay, ids, out=st, backend=b, validate=False, **kw)),
                            ("scatter", lambda: scatter_quant(st, lay, dst_ids, backend=b, validate=False, **kw))):
-                ms = common.time_ms(fn, device=device)
+                ms = common.time_ms(fn, device=device, reps=2)  # reps: CPU only (the interpreter is slow)
                 bw = common.gbps(moved, ms)
                 rows.append({**base, "method": f"kvk-{op}-{vname}[{b}]", "ms": ms, "gbps": bw,
                              "pct_peak": (100.0 * bw / peak) if peak else None, "peak": "d2d_gbps"})
