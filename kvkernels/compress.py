@@ -408,12 +408,42 @@ def _zstd_decompress_cpu(region: torch.Tensor, raw: int, dst: torch.Tensor, j: i
 
 
 # ---------------------------------------------------------------------------------- GPU (nvCOMP)
+class _TorchBuffer:
+    """Device memory from torch's caching allocator for nvCOMP's scratch (it needs ``.ptr``),
+    allocated on the stream nvCOMP names, freed back to torch's cache when nvCOMP drops it."""
+
+    __slots__ = ("t", "ptr")
+
+    def __init__(self, nbytes: int, stream) -> None:
+        ptr = int(getattr(stream, "ptr", 0) or 0) if stream is not None else 0
+        if ptr:
+            with torch.cuda.stream(torch.cuda.ExternalStream(ptr)):
+                self.t = torch.empty(max(1, nbytes), dtype=torch.uint8, device="cuda")
+        else:
+            self.t = torch.empty(max(1, nbytes), dtype=torch.uint8, device="cuda")
+        self.ptr = self.t.data_ptr()
+
+
+NVCOMP_ALLOCATORS = ("nvcomp", "torch")
+_ALLOCATOR = "nvcomp"  # what nvCOMP is set to now
+
+
 def _nvcomp_ready():
-    """nvCOMP with its own device allocator (cudaMalloc) for its scratch; every output buffer is a
-    torch tensor passed in (``out=``), so nothing nvCOMP allocates outlives a call. (torch's caching
-    allocator through ``set_device_allocator`` was tried on the H100: with the DLPack import of
-    nvCOMP's outputs it corrupted the host heap; not retried since.)"""
-    return _nvcomp()
+    """nvCOMP with the scratch allocator named by ``KVKERNELS_NVCOMP_ALLOCATOR``: ``nvcomp`` (its
+    own cudaMalloc; the default) or ``torch`` (torch's caching allocator, no cudaMalloc per call).
+    Every output buffer is a torch tensor passed in (``out=``) either way, so nothing nvCOMP
+    allocates outlives a call. On the H100 (2026-11-22) the torch allocator was only tried together
+    with a DLPack import of nvCOMP's outputs, which corrupted the host heap; the import is gone,
+    and ``torch`` stays opt-in until ``.ci/gpu`` (which runs the nvCOMP tests under both) passes
+    with it."""
+    global _ALLOCATOR
+    want = os.environ.get("KVKERNELS_NVCOMP_ALLOCATOR", "nvcomp")
+    check(want in NVCOMP_ALLOCATORS, "KVKERNELS_NVCOMP_ALLOCATOR", f"one of {NVCOMP_ALLOCATORS}", repr(want))
+    nvcomp = _nvcomp()
+    if want != _ALLOCATOR:
+        nvcomp.set_device_allocator((lambda nbytes, stream: _TorchBuffer(nbytes, stream)) if want == "torch" else None)
+        _ALLOCATOR = want
+    return nvcomp
 
 
 _CODEC_CACHE: dict = {}

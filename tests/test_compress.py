@@ -426,3 +426,12 @@ def test_ans_corruption_is_an_error():
     with pytest.raises((ValueError, RuntimeError)):
         decompress_regions(bad)
         torch.cuda.synchronize()
+
+
+def test_nvcomp_allocator_setting_is_checked(monkeypatch):
+    from kvkernels import compress
+
+    monkeypatch.setenv("KVKERNELS_NVCOMP_ALLOCATOR", "cudaMallocManaged")
+    with pytest.raises(ValueError, match="KVKERNELS_NVCOMP_ALLOCATOR"):
+        compress._nvcomp_ready()
+
