@@ -5,7 +5,9 @@ format; created on first use when missing and the model is installed), or ``--sy
 with per-channel scales. Variants: ``raw`` (bf16 as gathered), ``shuffled`` (hi-byte plane then
 lo-byte plane per region), ``fp8`` (e4m3 per token-head + fp32 scales, from ``kvkernels.quant``
 when it exists, else the plain-PyTorch reference). Codecs: zstd everywhere; ANS / GDeflate / LZ4
-/ nvCOMP-zstd on a CUDA GPU with nvCOMP. GB/s counts uncompressed payload bytes.
+/ nvCOMP-zstd on a CUDA GPU with nvCOMP. GB/s counts uncompressed payload bytes. Then the
+end-to-end effect on an SSD restore: every variant through ``KVStore`` on the disk under test
+(cold read + decompress), tokens/s, in ``compress_ssd.{csv,json}``.
 
     python bench/bench_compress.py --out bench_results/<device>
 """
@@ -107,6 +109,7 @@ def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool
                          "vs_raw_bf16": raw_total / packed.nbytes, "enc_gbps": common.gbps(payload, enc),
                          "dec_gbps": common.gbps(payload, dec), "bytes": packed.nbytes})
             common.progress(rows[-1])
+    ssd = ssd_restore_rows(variants, codecs, fmt, dtype, device, reps=min(reps, 3))
     meta = common.env_record()
     meta.update({"sample": name, "regions": fmt.num_regions, "payload_nbytes_per_region": fmt.payload_nbytes,
                  "dtype": str(dtype), "codecs": codecs, "zstandard": _ver("zstandard"),
@@ -115,9 +118,87 @@ def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool
     print(f"# {name}: {fmt.num_regions} regions x {fmt.payload_nbytes} B, {meta['device']}")
     print(common.format_table(rows, cols))
     paths = common.write_results(rows, meta, out_dir, "compress")
+    print(f"# restore from SSD through KVStore ({ssd[0]['engine'] if ssd else '-'}): read + decompress into staging")
+    print(common.format_table(ssd, ["method", "stored_mb", "ms", "tokens_per_s", "effective_gbps", "speedup_vs_raw"]))
+    paths.update({f"ssd_{k}": v for k, v in common.write_results(ssd, meta, out_dir, "compress_ssd").items()})
     return common.finish(rows, meta, paths, out_dir=out_dir, stem="compress", plot=plot,
                          case=lambda r: r["input"], value="vs_raw_bf16", ylabel="size reduction vs raw bf16 (x)",
                          title="KV compression")
+
+
+def ssd_restore_rows(variants, codecs, fmt, dtype, device, *, reps: int = 3) -> list[dict]:
+    """End-to-end effect on an SSD restore (issue 5): each variant (raw bf16, shuffled, FP8, each
+    with and without a codec) is put into a ``KVStore`` in a temp dir on the disk under test
+    (``KVKERNELS_BENCH_DIR``), the page cache is dropped, then timed: ``get`` (cold) + copy to the
+    device + decompress into a staging buffer. tokens/s counts the sample's tokens
+    (blocks x block_size); ``effective_gbps`` is raw bf16 bytes restored per second."""
+    import shutil
+    import tempfile
+    import time
+
+    from kvkernels.io import EntryMeta, KVStore
+
+    try:
+        from .bench_store import _drop_tree
+    except ImportError:  # pragma: no cover
+        from bench.bench_store import _drop_tree  # type: ignore
+    from kvkernels.compress import CompressedStaging
+
+    tokens = fmt.num_blocks * fmt.block_size
+    raw_total = fmt.num_regions * fmt.payload_nbytes
+    root = tempfile.mkdtemp(prefix="kvk-bench-compress-", dir=os.environ.get("KVKERNELS_BENCH_DIR"))
+    rows: list[dict] = []
+    try:
+        with KVStore(os.path.join(root, "store")) as store:
+            for vname, buf, vf, shuf in variants:
+                for c in ["none", *codecs]:
+                    if c == "none" and shuf:
+                        continue  # a plane split alone saves nothing on disk
+                    if c == "none":
+                        regions = [buf[off: off + nb].cpu() for _, off, nb in vf.regions()]
+                        stored, scheme = [r.numel() for r in regions], "raw"
+                    else:
+                        packed = compress_regions(buf, vf, c, byteshuffle=shuf)
+                        regions = [r.cpu() for r in packed.regions]
+                        stored, scheme = list(packed.stored_nbytes), packed.scheme
+                    meta = EntryMeta(vf.layers, vf.num_blocks, vf.block_size, vf.num_heads, vf.head_dim,
+                                     vf.element_size, vf.num_kv, num_layers=max(vf.layers) + 1,
+                                     dtype=str(dtype).replace("torch.", "") if vname != "fp8" else "fp8_e4m3+scales",
+                                     scheme=scheme, codec=c)
+                    key = f"{vname}+{c}"
+                    store.put(key, regions, meta).result()
+                    dst = torch.empty(vf.nbytes, dtype=torch.uint8, device=device)
+                    times = []
+                    for _ in range(reps):
+                        _drop_tree(root)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        got = store.get(key).result()
+                        if c == "none":
+                            dst[: got.numel()].copy_(got)
+                        else:
+                            back = CompressedStaging.from_buffer(got.to(device), vf, stored, c, byteshuffle=shuf)
+                            decompress_regions(back, out=dst)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        times.append(time.perf_counter() - t0)
+                    payload_ok = all(torch.equal(dst[off: off + nb].cpu(), buf[off: off + nb].cpu())
+                                     for _, off, nb in vf.regions())
+                    if not payload_ok:  # the restored bytes are the variant's, exactly
+                        raise RuntimeError(f"SSD restore of {key}: bytes differ")
+                    t = min(times)
+                    rows.append({"method": f"ssd-restore:{key}", "input": vname, "codec": c, "engine": store.engine.name,
+                                 "stored_mb": sum(stored) / 1e6, "ms": t * 1e3, "tokens_per_s": tokens / t,
+                                 "effective_gbps": raw_total / t / 1e9})
+                    common.progress(rows[-1])
+                    store.remove(key)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    base = next((r["ms"] for r in rows if r["method"] == "ssd-restore:raw+none"), None)
+    for r in rows:
+        r["speedup_vs_raw"] = base / r["ms"] if base else None
+    return rows
 
 
 def _ver(dist: str):

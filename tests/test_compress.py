@@ -353,6 +353,11 @@ def test_bench_compress_tiny(tmp_path):
     assert rows[("fp8", "none")]["vs_raw_bf16"] > 1.8
     assert data["meta"]["date"] and data["meta"]["torch"]
     assert (tmp_path / "compress.csv").exists()
+    ssd = {r["method"]: r for r in json.loads((tmp_path / "compress_ssd.json").read_text())["rows"]}
+    # end-to-end SSD restore per scheme, bytes verified inside the bench; FP8 stores fewer bytes
+    assert {"ssd-restore:raw+none", "ssd-restore:shuffled+zstd", "ssd-restore:fp8+none", "ssd-restore:fp8+zstd"} <= set(ssd)
+    assert ssd["ssd-restore:fp8+none"]["stored_mb"] < 0.6 * ssd["ssd-restore:raw+none"]["stored_mb"]
+    assert all(r["tokens_per_s"] > 0 for r in ssd.values())
 
 
 # ------------------------------------------------------------------------------------------ GPU
