@@ -245,6 +245,7 @@ def run(*, models=None, layouts=("nhd", "hnd"), pool=4096, blocks=2048, out_dir=
             rows += bench_case(m, key, pool=pool, blocks=blocks, device=device, peaks=peaks, **kw)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            common.write_results(rows, {**meta, "partial": True}, out_dir, "gather")  # kept if a time cap cuts the run
     paths = common.write_results(rows, meta, out_dir, "gather")
     print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['date']}")
     pk = f"d2d {peaks['d2d_gbps']:.0f} GB/s"

@@ -393,6 +393,7 @@ def run(*, models=("llama3-8b",), seqs=(4096, 8192), block_sizes=(16, 2), out_di
                     rows += bench_case(m, seq, bs, device=device, peaks=peaks,
                                        timeline_out=None if tl_box else tl_box)
                     torch.cuda.empty_cache()
+                    common.write_results(rows, {**meta, "partial": True}, out_dir, "pipeline")  # kept if cut
     paths = common.write_results(rows, meta, out_dir, "pipeline")
     if tl_box:
         tl_path = os.path.join(out_dir, "pipeline_timeline.json")
