@@ -188,52 +188,40 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         timeline_out["layers"] = timeline(pipe, proxy, src, device, L)
 
     if device.type == "cuda":
-        for cap in (0, 2):
-            def zero_copy(cap=cap):
+        def beside_compute(transfer):
+            """Each layer's compute, then ``transfer(l)`` on the side stream once it is done."""
+            def fn():
                 for l in range(L):
                     proxy.layer(l)
                     ev = torch.cuda.Event()
                     ev.record()
                     side.wait_event(ev)
                     with torch.cuda.stream(side):
-                        kvkernels.gather(lay, src, out=host[fmt.region_offset(l):], layers=(l,), backend="triton",
-                                         max_ctas=cap, validate=False)
+                        transfer(l)
                 torch.cuda.current_stream().wait_stream(side)
-            add(f"sm-zero-copy[ctas={cap or 'all'}]", "offload", zero_copy)
+            return fn
+
+        for cap in (0, 2):
+            add(f"sm-zero-copy[ctas={cap or 'all'}]", "offload", beside_compute(
+                lambda l, cap=cap: kvkernels.gather(lay, src, out=host[fmt.region_offset(l):], layers=(l,),
+                                                    backend="triton", max_ctas=cap, validate=False)))
             rows[-1]["wall_over_max"] = rows[-1]["wall_ms"] / max(c_wall, t_off)
         ext = _memcpy_ext() if _dense_chunk(lay) else None
         if ext is not None:
             tabs = [_chunk_tables(lay, src, host.data_ptr(), fmt.with_layers([l])) for l in range(L)]
             # with_layers keeps offsets of a single-layer buffer: shift to the layer's region
             tabs = [(s_, d_ + fmt.region_offset(l)) for l, (s_, d_) in enumerate(tabs)]
-
-            def per_chunk():
-                for l in range(L):
-                    proxy.layer(l)
-                    ev = torch.cuda.Event()
-                    ev.record()
-                    side.wait_event(ev)
-                    ext.memcpy_chunks(tabs[l][0], tabs[l][1], lay.chunk_nbytes, side.cuda_stream)
-                torch.cuda.current_stream().wait_stream(side)
-            add("memcpy-per-chunk", "offload", per_chunk)
+            add("memcpy-per-chunk", "offload", beside_compute(
+                lambda l: ext.memcpy_chunks(tabs[l][0], tabs[l][1], lay.chunk_nbytes, side.cuda_stream)))
             rows[-1]["wall_over_max"] = rows[-1]["wall_ms"] / max(c_wall, t_off)
-
-            def per_layer_batch():
-                for l in range(L):
-                    proxy.layer(l)
-                    ev = torch.cuda.Event()
-                    ev.record()
-                    side.wait_event(ev)
-                    ext.memcpy_batch(tabs[l][0], tabs[l][1], lay.chunk_nbytes, side.cuda_stream)
-                torch.cuda.current_stream().wait_stream(side)
-
             try:
                 ext.memcpy_batch(tabs[0][0][:1], tabs[0][1][:1], lay.chunk_nbytes, side.cuda_stream)
                 torch.cuda.synchronize()
             except RuntimeError as exc:  # CUDA < 12.8 or a driver without it
                 print(f"[bench] cudaMemcpyBatchAsync baseline skipped: {exc}", file=sys.stderr)
             else:
-                add("memcpy-batch", "offload", per_layer_batch)
+                add("memcpy-batch", "offload", beside_compute(
+                    lambda l: ext.memcpy_batch(tabs[l][0], tabs[l][1], lay.chunk_nbytes, side.cuda_stream)))
                 rows[-1]["wall_over_max"] = rows[-1]["wall_ms"] / max(c_wall, t_off)
     pipe.close()
     return rows
