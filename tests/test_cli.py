@@ -71,6 +71,8 @@ def test_bench_pipeline_tiny(tmp_path):
     assert {("-", "compute-alone"), ("offload", "kvk-pipeline"), ("restore", "kvk-pipeline"),
             ("restore-ssd", "transfer-alone"), ("restore-ssd", "kvk-pipeline")} <= by
     assert all(r["wall_ms"] > 0 for r in res["rows"])
+    host = [r for r in res["rows"] if r["method"] == "kvk-pipeline" and r["direction"] in ("offload", "restore")]
+    assert len(host) == 2 and all(r["issue_us_per_layer"] > 0 for r in host)  # issue 4's host cost, measured
     ssd = [r for r in res["rows"] if r["direction"] == "restore-ssd"]
     assert all(r["dd_read_gbps"] > 0 and r["pct_dd_read"] > 0 for r in ssd)
     import json
