@@ -113,25 +113,22 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
                      "pct_peak": (100.0 * bw / peak) if peak else None, "peak": peak_key})
         common.progress(rows[-1])
 
-    add(f"kvk-gather[{backend}]",
-        common.time_ms(lambda: kvkernels.gather(lay, ids, out=out, backend=backend, validate=False), device=device),
-        2 * payload, "d2d_gbps")
-    add(f"kvk-scatter[{backend}]",
-        common.time_ms(lambda: kvkernels.scatter(out, lay, dst_ids, backend=backend, validate=False), device=device),
-        2 * payload, "d2d_gbps")
+    backends = [backend]
     if cuda:
         from kvkernels import _cuda
 
         if _cuda.available():  # the compiled backend beside Triton (issue: CUDA C++ backend)
-            add("kvk-gather[cuda]", common.time_ms(
-                lambda: kvkernels.gather(lay, ids, out=out, backend="cuda", validate=False), device=device),
-                2 * payload, "d2d_gbps")
-            add("kvk-scatter[cuda]", common.time_ms(
-                lambda: kvkernels.scatter(out, lay, dst_ids, backend="cuda", validate=False), device=device),
-                2 * payload, "d2d_gbps")
+            backends.append("cuda")
         else:
             print(f"[bench] CUDA backend unavailable: {_cuda.reason()}", file=sys.stderr)
-    rows += _quant_rows(lay, ids, dst_ids, payload, base, peaks, device, backend)
+    for b in backends:
+        add(f"kvk-gather[{b}]", common.time_ms(
+            lambda: kvkernels.gather(lay, ids, out=out, backend=b, validate=False), device=device),
+            2 * payload, "d2d_gbps")
+        add(f"kvk-scatter[{b}]", common.time_ms(
+            lambda: kvkernels.scatter(out, lay, dst_ids, backend=b, validate=False), device=device),
+            2 * payload, "d2d_gbps")
+    rows += _quant_rows(lay, ids, dst_ids, payload, base, peaks, device, backends)
     if not baselines:
         return rows
 
@@ -184,19 +181,13 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
     return rows
 
 
-def _quant_rows(lay, ids, dst_ids, payload, base, peaks, device, backend) -> list[dict]:
+def _quant_rows(lay, ids, dst_ids, payload, base, peaks, device, backends) -> list[dict]:
     """Fused FP8 (per token-head and per block-head scales) and byte-plane shuffle, gather and
     scatter, per backend. Bound: bytes read + bytes written (raw payload + codes + scales for
     FP8, twice the payload for shuffle) over the measured device-copy peak (issue 5: >= 80 %)."""
     from kvkernels.quant import QuantStagingFormat, gather_quant, scatter_quant
 
     rows: list[dict] = []
-    backends = [backend]
-    if device.type == "cuda":
-        from kvkernels import _cuda
-
-        if _cuda.available():
-            backends.append("cuda")
     peak = peaks.get("d2d_gbps")
     variants = [("fp8-token", dict(quant="fp8", granularity="token")),
                 ("fp8-block", dict(quant="fp8", granularity="block"))]

@@ -252,9 +252,10 @@ class _Stamps:
         self.t0 = self.mark(None)
 
     def mark(self, stream):
+        """A stamp after the work queued so far on ``stream`` (the current one when None)."""
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record(stream) if stream is not None else ev.record()
+            ev.record(stream)  # None: the current stream
             return ev
         return time.perf_counter()
 
@@ -275,8 +276,7 @@ def timeline(pipe: LayerPipeline, proxy, src, device, layers: int) -> list[dict]
         proxy.layer(l)
         c1 = st.mark(None)
         pipe.save_layer(l, {"timeline": src})
-        marks.append((c0, c1, st.mark(pipe.pack_stream if st.cuda else None),
-                      st.mark(pipe.d2h_stream if st.cuda else None)))
+        marks.append((c0, c1, st.mark(pipe.pack_stream), st.mark(pipe.d2h_stream)))
     pipe.wait_for_save()
     _sync(device)
     if "timeline" in pipe.failed_saves:
@@ -358,10 +358,9 @@ def _ssd_rows(lay, proxy, src, dst, fmt, base, device, c_ms, c_wall, reps) -> li
                     if with_compute:
                         proxy.layer(l)
 
-            t_alone = None
+            t_alone = min(timed(False) for _ in range(reps))[0]
             for method, wc in (("transfer-alone", False), ("kvk-pipeline", True)):
-                wall, comp = min(timed(wc) for _ in range(reps))
-                t_alone = wall if t_alone is None else t_alone
+                wall, comp = (t_alone, None) if not wc else min(timed(True) for _ in range(reps))
                 bw = common.gbps(payload, wall)
                 row = {**base, "direction": "restore-ssd", "method": method, "compute_ms": comp if wc else None,
                        "wall_ms": wall, "slowdown_pct": 100.0 * (comp / c_ms - 1.0) if wc else None, "gbps": bw,

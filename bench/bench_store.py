@@ -128,7 +128,7 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
         common.progress(rows[-1])
 
     root = os.path.join(directory, "store")
-    outs = None
+    outs = [aligned_empty(nbytes).fill_(0) for _ in range(entries)]  # pre-faulted, like a pinned pool
     try:
         engines = available_engines()  # kvikio (when importable) and posix: the target is for both
         meta["engine"] = engines[0]
@@ -141,8 +141,6 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
                 for f in futs:
                     f.result()
                 add(f"put[{eng}]", entries * nbytes / (time.perf_counter() - t0) / 1e9, "dd_write_gbps", engine=eng)
-                if outs is None:
-                    outs = [aligned_empty(nbytes).fill_(0) for _ in range(entries)]  # pre-faulted, like a pinned pool
                 dts = []
                 for _ in range(reps):
                     _drop_tree(root)
