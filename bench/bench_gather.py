@@ -121,13 +121,26 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
             backends.append("cuda")
         else:
             print(f"[bench] CUDA backend unavailable: {_cuda.reason()}", file=sys.stderr)
-    for b in backends:
-        add(f"kvk-gather[{b}]", common.time_ms(
-            lambda: kvkernels.gather(lay, ids, out=out, backend=b, validate=False), device=device),
-            2 * payload, "d2d_gbps")
-        add(f"kvk-scatter[{b}]", common.time_ms(
-            lambda: kvkernels.scatter(out, lay, dst_ids, backend=b, validate=False), device=device),
-            2 * payload, "d2d_gbps")
+    # (row name, backend, KVKERNELS_CUDA_BULK): the CUDA backend's SM90 bulk path as its own row
+    # where it applies (contiguous chunks, device staging, sm_90, built with the CUTLASS headers)
+    variants = [(b, b, "0") for b in backends]
+    if "cuda" in backends:
+        with common.env(KVKERNELS_CUDA_BULK="1"):
+            if _cuda._use_bulk(lay, out):
+                variants.append(("cuda-bulk", "cuda", "1"))
+    for name, b, bulk in variants:
+        with common.env(KVKERNELS_CUDA_BULK=bulk):
+            add(f"kvk-gather[{name}]", common.time_ms(
+                lambda: kvkernels.gather(lay, ids, out=out, backend=b, validate=False), device=device),
+                2 * payload, "d2d_gbps")
+            add(f"kvk-scatter[{name}]", common.time_ms(
+                lambda: kvkernels.scatter(out, lay, dst_ids, backend=b, validate=False), device=device),
+                2 * payload, "d2d_gbps")
+            # few SMs (what the pipeline gives a copy beside attention): bandwidth per CTA
+            for cap in (16, 32) if cuda else ():
+                add(f"kvk-gather[{name},ctas={cap}]", common.time_ms(
+                    lambda: kvkernels.gather(lay, ids, out=out, backend=b, validate=False, max_ctas=cap),
+                    device=device), 2 * payload, "d2d_gbps")
     rows += _quant_rows(lay, ids, dst_ids, payload, base, peaks, device, backends)
     if not baselines:
         return rows

@@ -16,6 +16,7 @@ import platform
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -29,6 +30,21 @@ def progress(row: dict) -> None:
     shows how far it got (the tables and files are written at the end)."""
     keep = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
     print(f"[bench +{time.perf_counter() - _T0:6.1f}s] {keep}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def env(**values: str):
+    """Set ``KVKERNELS_*`` variables for a block (kvkernels reads them at each call), then restore."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def env_record() -> dict:
@@ -49,6 +65,7 @@ def env_record() -> dict:
         "cuda": torch.version.cuda,
         "triton": ver("triton"),
         "kvkernels": ver("kvkernels"),
+        "nvidia-cutlass": ver("nvidia-cutlass"),  # headers of the CUDA backend's bulk path
         "device": torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)",
         "sms": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None,
         "driver": _driver() if cuda else None,

@@ -4,6 +4,11 @@
     KVKERNELS_BUILD_CUDA=1 pip install .    # setup.py calls build() and ships the .so
 
 Warnings are errors (host and device). Returns the path of the library.
+
+The SM90 bulk-copy path (csrc/kernels/bulk_copy.cuh) uses CuTe / CUTLASS headers. They are found in
+``KVKERNELS_CUTLASS_INCLUDE`` (a folder holding ``cute/`` and ``cutlass/``), else in the PyPI package
+``nvidia-cutlass`` (``pip install --no-deps nvidia-cutlass``: its ``cutlass_library/source/include``).
+Without them the library builds without that path (``kvk_features()`` bit 0 clear).
 """
 
 from __future__ import annotations
@@ -24,6 +29,22 @@ def nvcc() -> str | None:
                                     if os.environ.get("CUDA_HOME") else None)
 
 
+def cutlass_include() -> str | None:
+    """Folder with the CuTe / CUTLASS headers, or None (see the module docstring)."""
+    env = os.environ.get("KVKERNELS_CUTLASS_INCLUDE")
+    if env:
+        if not os.path.isfile(os.path.join(env, "cute", "arch", "copy_sm90_tma.hpp")):
+            raise RuntimeError(f"`KVKERNELS_CUTLASS_INCLUDE`: {env!r} holds no cute/arch/copy_sm90_tma.hpp")
+        return env
+    import importlib.util
+
+    spec = importlib.util.find_spec("cutlass_library")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    inc = os.path.join(next(iter(spec.submodule_search_locations)), "source", "include")
+    return inc if os.path.isfile(os.path.join(inc, "cute", "arch", "copy_sm90_tma.hpp")) else None
+
+
 def command(out: str, archs=ARCHS, extra=()) -> list[str]:
     exe = nvcc()
     if exe is None:
@@ -31,6 +52,11 @@ def command(out: str, archs=ARCHS, extra=()) -> list[str]:
     gen = []
     for a in archs:
         gen.append(f"-gencode=arch=compute_{a},code=sm_{a}")
+    if "90" in archs:  # PTX too, so newer GPUs (sm_100, sm_120) JIT it instead of finding no code
+        gen.append("-gencode=arch=compute_90,code=compute_90")
+    inc = cutlass_include()
+    if inc is not None:  # -isystem: CUTLASS's own host warnings are not ours to fail on
+        gen += ["-isystem", inc, "-DKVK_HAVE_CUTE=1"]
     return [exe, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-Wall,-Wextra,-Werror",
             "-Werror", "all-warnings", "-cudart", "shared", *gen, *extra, *SOURCES, "-o", out]
 

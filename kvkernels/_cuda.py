@@ -20,7 +20,8 @@ from . import config
 log = logging.getLogger("kvkernels")
 LIB = "libkvkernels_cuda.so"
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-ABI_VERSION = 2  # csrc/bindings/capi.cu kvk_abi_version(): 2 added the fp8 / shuffle entry points
+# csrc/bindings/capi.cu kvk_abi_version(): 2 added the fp8 / shuffle entry points, 3 the SM90 bulk copy
+ABI_VERSION = 3
 
 
 def _jit_dir() -> str:
@@ -82,6 +83,9 @@ def _declare(lib) -> None:
     lib.kvk_last_error.restype = ctypes.c_char_p
     lib.kvk_paged_copy.restype = _int
     lib.kvk_paged_copy.argtypes = [_int, _ptr, _ptr, _int, _ptr, _ptr] + [_i64] * 14 + [_int, ctypes.c_size_t]
+    lib.kvk_bulk_copy.restype = _int
+    lib.kvk_bulk_copy.argtypes = [_int, _ptr, _ptr, _int, _ptr, _ptr] + [_i64] * 13 + [_int, ctypes.c_size_t]
+    lib.kvk_features.restype = _int
     for fn in (lib.kvk_quant_gather, lib.kvk_dequant_scatter):
         fn.restype = _int
         fn.argtypes = [_ptr, _ptr, _int, _ptr, _ptr] + [_i64] * 14 + [_int] * 3 + [_i64, _int, ctypes.c_size_t]
@@ -108,6 +112,31 @@ def _word(layout, staging_ptr: int) -> int:
     return 1
 
 
+def bulk_supported() -> bool:
+    """The loaded library has the SM90 bulk-copy path (built with the CUTLASS headers)."""
+    lib, _ = _load()
+    return lib is not None and bool(lib.kvk_features() & 1)
+
+
+def _contiguous_chunks(layout) -> bool:
+    """Each (block, entry) chunk is one run of block_size * H rows in the cache: NHD order, one KV
+    head, or one token per block (size-1 dimensions report byte stride 0)."""
+    _sb, sn, sh = layout.byte_strides
+    h, row = layout.num_heads, layout.row_nbytes
+    return (h == 1 or sh == row) and (layout.block_size == 1 or sn == h * row)
+
+
+def _staging_on_device(layout, staging: torch.Tensor) -> bool:
+    # bulk copies need device memory on a compute capability >= 9.0 GPU (not pinned host via UVA)
+    return staging.is_cuda and torch.cuda.get_device_capability(layout.device) >= (9, 0)
+
+
+def _use_bulk(layout, staging: torch.Tensor) -> bool:
+    """``KVKERNELS_CUDA_BULK=1`` and the case fits the bulk path (docs/csrc.md)."""
+    return (config.cuda_bulk() and _contiguous_chunks(layout) and _word(layout, staging.data_ptr()) == 16
+            and bulk_supported() and _staging_on_device(layout, staging))
+
+
 def _paged_copy(to_staging: bool, layout, block_ids: torch.Tensor, fmt, staging: torch.Tensor, err: torch.Tensor,
                 max_ctas: int) -> None:
     lib, _ = _load()
@@ -119,12 +148,14 @@ def _paged_copy(to_staging: bool, layout, block_ids: torch.Tensor, fmt, staging:
     sb, sn, sh = layout.byte_strides
     dev = layout.device.index if layout.device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(layout.device).cuda_stream
-    rc = lib.kvk_paged_copy(
-        int(to_staging), tab.data_ptr(), block_ids.data_ptr(), int(block_ids.dtype == torch.int64), staging.data_ptr(),
-        err.data_ptr(), fmt.num_blocks, layout.num_blocks, fmt.num_kv, fmt.num_regions, layout.num_heads,
-        layout.block_size * layout.num_heads, layout.row_nbytes, sb, sn, sh, fmt.region_nbytes, fmt.entry_nbytes,
-        _word(layout, staging.data_ptr()), max_ctas, dev, stream,
-    )
+    args = [int(to_staging), tab.data_ptr(), block_ids.data_ptr(), int(block_ids.dtype == torch.int64),
+            staging.data_ptr(), err.data_ptr(), fmt.num_blocks, layout.num_blocks, fmt.num_kv, fmt.num_regions,
+            layout.num_heads, layout.block_size * layout.num_heads, layout.row_nbytes, sb, sn, sh, fmt.region_nbytes,
+            fmt.entry_nbytes]
+    if _use_bulk(layout, staging):
+        rc = lib.kvk_bulk_copy(*args, max_ctas, dev, stream)
+    else:
+        rc = lib.kvk_paged_copy(*args, _word(layout, staging.data_ptr()), max_ctas, dev, stream)
     if rc != 0:
         raise RuntimeError(f"kvkernels CUDA backend: {lib.kvk_last_error().decode(errors='replace')}")
 

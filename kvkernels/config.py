@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["env_int", "env_str", "env_bool", "backend", "max_ctas", "validate_default", "cache_dir"]
+__all__ = ["env_int", "env_str", "env_bool", "backend", "max_ctas", "validate_default", "cache_dir", "cuda_bulk"]
 
 
 def env_str(name: str, default: str) -> str:
@@ -61,3 +61,9 @@ def validate_default() -> bool:
 def cache_dir() -> str:
     """``KVKERNELS_CACHE_DIR``: where compiled artefacts are cached (default ~/.cache/kvkernels)."""
     return env_str("KVKERNELS_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "kvkernels"))
+
+
+def cuda_bulk() -> bool:
+    """``KVKERNELS_CUDA_BULK``: the CUDA backend copies contiguous chunks with SM90 bulk copies
+    (``cp.async.bulk``) instead of 16-byte loads/stores (default 0: not yet measured on a GPU)."""
+    return env_bool("KVKERNELS_CUDA_BULK", False)

@@ -8,7 +8,7 @@ import platform
 
 import torch
 
-from . import backends
+from . import backends, config
 
 
 def _version(dist: str) -> str | None:
@@ -50,6 +50,11 @@ def info() -> dict:
         "torch": True,
     }
     d["backend_auto"] = backends.resolve("auto", dev)
+    if d["backends"]["cuda"]:
+        from . import _cuda
+
+        d["cuda_lib"] = _cuda.reason()  # the library's path
+        d["cuda_bulk"] = {"built": _cuda.bulk_supported(), "enabled": config.cuda_bulk()}
     kv_ok, kv_msg = _probe("kvikio")
     d["kvikio"] = (_version("kvikio-cu13") or _version("kvikio")) if kv_ok else None
     d["kvikio_status"] = kv_msg

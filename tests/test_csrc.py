@@ -43,7 +43,7 @@ def test_compiles_for_all_targets_with_warnings_as_errors(tmp_path):
     nm = subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True, check=True).stdout
     syms = set(re.findall(r"\bkvk_\w+", nm))
     assert {"kvk_abi_version", "kvk_last_error", "kvk_paged_copy", "kvk_quant_gather", "kvk_dequant_scatter",
-            "kvk_shuffle_copy"} <= syms
+            "kvk_shuffle_copy", "kvk_bulk_copy", "kvk_features"} <= syms
     # no C++ symbol (and so no torch ABI) crosses the boundary
     assert not [s for s in re.findall(r" T (\S+)", nm) if s.startswith("_Z") and "kvk" not in s and "paged" in s]
 
@@ -71,12 +71,53 @@ def test_resource_usage_report(tmp_path, capsys):
     assert r.returncode == 0, r.stderr[-3000:]
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", r.stdout + r.stderr)]
     # paged copy: 5 word widths x gather/scatter; fp8 gather: 3 dtypes x 2 granularities x vec/scalar;
-    # fp8 scatter: 3 dtypes x vec/scalar; shuffle: gather/scatter x vec/scalar
-    assert len(regs) == 10 + 12 + 6 + 4
+    # fp8 scatter: 3 dtypes x vec/scalar; shuffle: gather/scatter x vec/scalar; bulk copy (with the
+    # CUTLASS headers): 3 stage counts x gather/scatter
+    assert len(regs) == 10 + 12 + 6 + 4 + (6 if build.cutlass_include() else 0)
     assert max(regs) <= 64  # a copy kernel has no business spilling or limiting occupancy
     assert "spill stores" in r.stdout + r.stderr and not re.search(r"[1-9]\d* bytes spill", r.stdout + r.stderr)
     with capsys.disabled():
         print(f"\ncsrc sm_90 registers per kernel: {regs}")
+
+
+@needs_nvcc
+def test_cutlass_headers_found_where_required():
+    # CI installs nvidia-cutlass (README test command) and sets KVKERNELS_REQUIRE_CUTLASS=1, so the bulk
+    # path is compiled and checked there instead of silently left out
+    if os.environ.get("KVKERNELS_REQUIRE_CUTLASS") == "1":
+        assert build.cutlass_include() is not None, "pip install --no-deps nvidia-cutlass"
+    elif build.cutlass_include() is None:
+        pytest.skip("CUTLASS headers not installed: the bulk path is not built")
+
+
+@needs_nvcc
+@pytest.mark.skipif(build.cutlass_include() is None, reason="CUTLASS headers not installed")
+def test_bulk_kernels_are_sm90_bulk_copies(tmp_path):
+    # the sm_90 code of every bulk kernel loads with cp.async.bulk completing on an mbarrier, waits
+    # on it, stores in bulk groups, and has no per-thread global load of the data (the only global
+    # loads are the pointer table and the ids); the sm_80 code of the same kernels is empty
+    def ptx(arch):
+        out = str(tmp_path / f"capi_{arch}.ptx")
+        cmd = [build.nvcc(), "-std=c++17", "-O3", "-ptx", f"-arch=compute_{arch}", "-isystem",
+               build.cutlass_include(), "-DKVK_HAVE_CUTE=1", build.SOURCES[0], "-o", out]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        with open(out) as f:
+            text = f.read()
+        # one section per function: from its `// .globl` line to the next one
+        return {m.group(1): sec for sec in text.split("// .globl")[1:]
+                if (m := re.search(r"\.entry (_ZN3kvk16bulk_copy_kernel\w+)\(", sec))}
+
+    sm90, sm80 = ptx("90"), ptx("80")
+    assert len(sm90) == 6 and sorted(sm90) == sorted(sm80)
+    for name, body in sm90.items():
+        assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in body, name
+        assert "mbarrier.arrive.expect_tx" in body and "mbarrier.try_wait.parity" in body, name
+        assert "cp.async.bulk.global.shared::cta.bulk_group" in body and "cp.async.bulk.commit_group" in body, name
+        assert "cp.async.bulk.wait_group.read" in body and re.search(r"cp\.async\.bulk\.wait_group\s+0", body), name
+        assert not re.search(r"ld\.global\.v", body), name  # no vector loads: the data never enters registers
+    for name, body in sm80.items():
+        assert "cp.async" not in body and "ld.global" not in body, name
 
 
 # ----------------------------------------------------------- fp8.cuh on the host, against torch
@@ -364,10 +405,12 @@ def test_compute_sanitizer_memcheck_clean(tmp_path):
     script.write_text(
         "import torch, kvkernels\n"
         "from kvkernels.models import make_cache\n"
+        "import os\n"
         "for name in ('vllm-nhd', 'mla', 'vllm-packed'):\n"
         "    lay = make_cache(name, num_layers=2, num_blocks=64, block_size=16, num_heads=4, head_dim=128, device='cuda')\n"
         "    ids = torch.tensor([5, -1, 63, 0], device='cuda')\n"
-        "    for b in ('cuda', 'triton'):\n"
+        "    for b, bulk in (('cuda', '0'), ('cuda', '1'), ('triton', '0')):\n"
+        "        os.environ['KVKERNELS_CUDA_BULK'] = bulk  # the SM90 bulk path for the contiguous layouts\n"
         "        s = kvkernels.gather(lay, ids, backend=b)\n"
         "        kvkernels.scatter(s, lay, torch.tensor([1, -1, 2, 3], device='cuda'), backend=b)\n"
         "torch.cuda.synchronize()\n"
@@ -377,6 +420,73 @@ def test_compute_sanitizer_memcheck_clean(tmp_path):
     r = subprocess.run([exe, "--tool", "memcheck", "--error-exitcode", "9", sys.executable, str(script)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+
+
+# ------------------------------------------------------- SM90 bulk copy on a GPU (not run yet)
+def _bulk_or_skip():
+    from kvkernels import _cuda
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cp.async.bulk needs compute capability 9.0")
+    if not _cuda.bulk_supported():
+        pytest.skip("the CUDA backend was built without the CUTLASS headers (pip install --no-deps nvidia-cutlass)")
+    return _cuda
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_ctas", [0, 1, 7])
+@pytest.mark.parametrize("shape", [("vllm-nhd", 8, 128), ("flashinfer-nhd", 8, 128), ("sglang", 8, 128),
+                                   ("cross-layer", 8, 128), ("mla", 1, 576), ("vllm-hnd", 1, 128),
+                                   ("vllm-nhd", 8, 256)],
+                         ids=["vllm-nhd", "flashinfer-nhd", "sglang", "cross-layer", "mla", "hnd-1head", "64K-chunk"])
+def test_cuda_bulk_copy_matches_reference(monkeypatch, shape, max_ctas):
+    _cuda = _bulk_or_skip()
+    calls = []
+    lib = _cuda._load()[0]
+    real = lib.kvk_bulk_copy
+    monkeypatch.setattr(lib, "kvk_bulk_copy", lambda *a: (calls.append(1), real(*a))[1], raising=False)
+    monkeypatch.setenv("KVKERNELS_CUDA_BULK", "1")
+    name, h, d = shape
+    mk = lambda seed: make_cache(name, num_layers=3, num_blocks=256, block_size=16, num_heads=h,
+                                 head_dim=d, device=DEVICE, seed=seed)
+    lay = mk(0)
+    ids = torch.cat([torch.randperm(256, device=DEVICE)[:150], torch.tensor([-1, 7, 7, 300], device=DEVICE)])
+    ref = kvkernels.gather(lay, ids, backend="torch", validate=False)
+    with pytest.raises(ValueError, match=r"1 id\(s\)"):
+        kvkernels.check_errors()
+    got = kvkernels.gather(lay, ids, backend="cuda", validate=False, max_ctas=max_ctas)
+    assert torch.equal(got, ref)
+    with pytest.raises(ValueError, match=r"1 id\(s\)"):
+        kvkernels.check_errors()
+    dst = torch.randperm(256, device=DEVICE)[: ids.numel()]  # distinct: duplicate destinations have no defined winner
+    dst[150] = -1
+    a, b = mk(1), mk(1)
+    kvkernels.scatter(ref, a, dst, backend="torch")
+    kvkernels.scatter(ref, b, dst, backend="cuda", max_ctas=max_ctas)
+    assert all(torch.equal(x, y) for x, y in zip(_cache_bytes(a), _cache_bytes(b)))
+    assert len(calls) == 2  # both went through the bulk path
+
+
+@pytest.mark.gpu
+def test_cuda_bulk_copy_rejects_what_it_cannot_do():
+    _cuda = _bulk_or_skip()
+    lib = _cuda._load()[0]
+    t = torch.zeros(1 << 12, dtype=torch.int64, device=DEVICE)
+    args = lambda staging, sn, sh: (1, t.data_ptr(), t.data_ptr(), 1, staging, t.data_ptr(), 1, 1, 2, 1, 2,
+                                    32, 256, 1 << 14, sn, sh, 1 << 14, 1 << 13, 0, 0, 0)
+    host = torch.zeros(1 << 15, dtype=torch.uint8, pin_memory=True)
+    assert lib.kvk_bulk_copy(*args(t.data_ptr(), 512, 256)) == 0  # contiguous NHD chunk, device staging
+    torch.cuda.synchronize()
+    assert lib.kvk_bulk_copy(*args(t.data_ptr(), 256, 4096)) != 0 and b"contiguous" in lib.kvk_last_error()
+    assert lib.kvk_bulk_copy(*args(host.data_ptr(), 512, 256)) != 0 and b"device memory" in lib.kvk_last_error()
+    assert lib.kvk_bulk_copy(*args(t.data_ptr() + 8, 512, 256)) != 0 and b"multiples of 16" in lib.kvk_last_error()
+    # pinned host staging through the Python launcher falls back to the 16-byte paged copy
+    lay = make_cache("vllm-nhd", num_layers=2, num_blocks=8, block_size=16, num_heads=2, head_dim=128, device=DEVICE)
+    out = torch.zeros(kvkernels.gather(lay, [1, 2], backend="torch").numel(), dtype=torch.uint8, pin_memory=True)
+    assert not _cuda._staging_on_device(lay, out)
+    kvkernels.gather(lay, [1, 2], backend="cuda", out=out)
+    torch.cuda.synchronize()
+    assert torch.equal(out, kvkernels.gather(lay, [1, 2], backend="torch").cpu())
 
 
 # ------------------------------------------------------- fp8 / shuffle kernels on a GPU (not run yet)
@@ -464,3 +574,97 @@ def test_c_abi_fp8_and_shuffle_reject_bad_arguments():
     assert lib.kvk_quant_gather(*small) != 0 and b"q_entry_bytes" in lib.kvk_last_error()
     rc = lib.kvk_shuffle_copy(1, p, p, 1, p, p, 1, 1, 2, 1, 1, 1, 16, 64, 32, 32, 4096, 31, 0, 0, 0, 0)
     assert rc != 0 and b"entry_bytes" in lib.kvk_last_error()
+
+
+# ------------------------------- the plain paged copy and the SM90 bulk copy, emulated on the CPU
+# Layouts whose (block, entry) chunk is one contiguous run in the cache at 2 KV heads: the bulk path
+# takes them, the others fall back to the 16-byte paged copy.
+BULK_LAYOUTS = {"vllm-nhd", "flashinfer-nhd", "cross-layer", "sglang", "mla", "mla-cross-layer"}
+
+
+@pytest.fixture
+def emulated_copy(emulated_cuda, monkeypatch):
+    """``emulated_cuda`` plus a record of which entry point (paged / bulk) each copy used; the bulk
+    path's device checks (device staging, compute capability 9.0) pass on CPU tensors."""
+    from kvkernels import _cuda
+
+    calls = []
+    lib = emulated_cuda
+
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(lib, name)
+            if name in ("kvk_paged_copy", "kvk_bulk_copy"):
+                return lambda *a: (calls.append(name), fn(*a))[1]
+            return fn
+
+    spy = Spy()
+    monkeypatch.setattr(_cuda, "_load", lambda: (spy, "emulated"))
+    monkeypatch.setattr(_cuda, "_staging_on_device", lambda layout, staging: True)
+    return calls
+
+
+def _copy_round_trip(lay, dst_a, dst_b, max_ctas):
+    per_id = r"`block_ids`: 1 id\(s\)"
+    ref = kvkernels.gather(lay, EMU_IDS, backend="torch", validate=False)
+    with pytest.raises(ValueError, match=per_id):
+        kvkernels.check_errors()
+    out = torch.full((ref.numel() + 48,), 0xAB, dtype=torch.uint8)
+    got = kvkernels.gather(lay, EMU_IDS, backend="cuda", validate=False, out=out, max_ctas=max_ctas)
+    assert got is out and bool((out[ref.numel():] == 0xAB).all())
+    assert torch.equal(out[: ref.numel()], ref)
+    with pytest.raises(ValueError, match=per_id):
+        kvkernels.check_errors()
+    kvkernels.scatter(ref, dst_a, EMU_DST, backend="torch", validate=False)
+    with pytest.raises(ValueError, match=per_id):
+        kvkernels.check_errors()
+    kvkernels.scatter(ref, dst_b, EMU_DST, backend="cuda", validate=False, max_ctas=max_ctas)
+    with pytest.raises(ValueError, match=per_id):
+        kvkernels.check_errors()
+    assert all(torch.equal(x, y) for x, y in zip(_cache_bytes(dst_a), _cache_bytes(dst_b)))
+
+
+@needs_gxx
+@pytest.mark.parametrize("bulk", [False, True], ids=["paged", "bulk"])
+@pytest.mark.parametrize("head_dim", [64, 36], ids=["hd64", "hd36"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("layout", sorted(kvkernels.models.LAYOUTS))
+def test_emulated_copy_kernels_match_reference(emulated_copy, monkeypatch, layout, dtype, head_dim, bulk):
+    from kvkernels import _cuda
+
+    monkeypatch.setenv("KVKERNELS_CUDA_BULK", "1" if bulk else "0")
+    lay = _emu_cache(layout, dtype, head_dim)
+    dst = [_emu_cache(layout, dtype, head_dim, seed=1) for _ in range(2)]
+    _copy_round_trip(lay, dst[0], dst[1], max_ctas=1 if bulk else 0)  # 1 CTA: the stage ring wraps
+    word16 = _cuda._word(lay, 0) == 16
+    expect = "kvk_bulk_copy" if bulk and layout in BULK_LAYOUTS and word16 else "kvk_paged_copy"
+    assert emulated_copy == [expect] * 2
+
+
+@needs_gxx
+@pytest.mark.parametrize("max_ctas", [0, 1, 2, 5])
+@pytest.mark.parametrize("shape", [("vllm-nhd", 16, 2, 288, 4), ("vllm-hnd", 1, 1, 64, 2), ("vllm-hnd", 8, 1, 128, 2)],
+                         ids=["36K-3pieces", "bs1", "one-head-hnd"])
+def test_emulated_bulk_copy_pieces_and_grids(emulated_copy, monkeypatch, shape, max_ctas):
+    # chunks over the 16 KB piece (36 KiB: three 12 KiB pieces, 4 stages), one token per block,
+    # and HND with one KV head (llama3-70b at TP8: contiguous, so the bulk path takes it)
+    monkeypatch.setenv("KVKERNELS_CUDA_BULK", "1")
+    name, bs, h, d, e = shape
+    dtype = {4: torch.float32, 2: torch.bfloat16}[e]
+    mk = lambda seed: make_cache(name, num_layers=3, num_blocks=8, block_size=bs, num_heads=h,
+                                 head_dim=d, dtype=dtype, seed=seed)
+    lay, dst = mk(0), [mk(1), mk(1)]
+    _copy_round_trip(lay, dst[0], dst[1], max_ctas=max_ctas)
+    assert emulated_copy == ["kvk_bulk_copy"] * 2
+
+
+@needs_gxx
+def test_emulated_bulk_copy_default_off_and_layer_subsets(emulated_copy, monkeypatch):
+    lay = _emu_cache("vllm-nhd", torch.bfloat16, 64)
+    monkeypatch.delenv("KVKERNELS_CUDA_BULK", raising=False)
+    kvkernels.gather(lay, [1, 2], backend="cuda")
+    assert emulated_copy == ["kvk_paged_copy"]  # off unless asked for (not yet measured on a GPU)
+    monkeypatch.setenv("KVKERNELS_CUDA_BULK", "1")
+    ref = kvkernels.gather(lay, [3, 0, 3], layers=[1], backend="torch")
+    assert torch.equal(kvkernels.gather(lay, [3, 0, 3], layers=[1], backend="cuda"), ref)
+    assert emulated_copy[-1] == "kvk_bulk_copy"

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <cuda_runtime.h>
 
+#include "../kernels/bulk_copy.cuh"
 #include "../kernels/paged_copy.cuh"
 #include "../kernels/quant_copy.cuh"
 
@@ -155,11 +156,30 @@ int fp8_copy(bool gather, const int64_t* ptr_tab, const void* block_ids, int ids
   }
   return guard.release(gather ? "quant_gather_kernel launch" : "dequant_scatter_kernel launch", e);
 }
+template <int S>
+cudaError_t launch_bulk(bool gather, const kvk::PagedCopyParams& p, int64_t piece, int grid, cudaStream_t s) {
+  const int smem = static_cast<int>(S * piece);
+  auto kernel = gather ? kvk::bulk_copy_kernel<S, true> : kvk::bulk_copy_kernel<S, false>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
+  kernel<<<grid, kvk::kBulkThreads, smem, s>>>(p, piece);
+  return cudaGetLastError();
+}
 }  // namespace
 
 extern "C" {
 
-int kvk_abi_version(void) { return 2; }
+// 3: kvk_bulk_copy, kvk_features
+int kvk_abi_version(void) { return 3; }
+
+// Bit 0: the SM90 bulk-copy path is compiled in (built with the CUTLASS headers).
+int kvk_features(void) {
+#if defined(KVK_HAVE_CUTE)
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 const char* kvk_last_error(void) { return g_err; }
 
@@ -266,6 +286,57 @@ int kvk_shuffle_copy(int to_staging, const int64_t* ptr_tab, const void* block_i
     kvk::shuffle_copy_kernel<false, false><<<g, kvk::kThreads, 0, s>>>(p);
   }
   return guard.release("shuffle_copy_kernel launch", cudaGetLastError());
+}
+
+// SM90 bulk-copy gather / scatter (csrc/kernels/bulk_copy.cuh), same arguments as kvk_paged_copy
+// minus `word`: every (block, entry) chunk must be one contiguous run of rows * row_bytes bytes in
+// the cache (stride_h == row_bytes or H == 1; stride_n == H * row_bytes or one token per block),
+// every address, stride and size a multiple of 16 (the caller checks the cache base addresses: they
+// live in the device table), staging in device memory, a device of compute capability >= 9.0.
+int kvk_bulk_copy(int to_staging, const int64_t* ptr_tab, const void* block_ids, int ids_64, uint8_t* staging,
+                  int* err, int64_t n, int64_t num_blocks, int64_t C, int64_t num_regions, int64_t H, int64_t rows,
+                  int64_t row_bytes, int64_t stride_b, int64_t stride_n, int64_t stride_h, int64_t region_bytes,
+                  int64_t entry_bytes, int64_t max_ctas, int device, uintptr_t stream) {
+  if (!kvk_features()) return fail("bulk copy: this build has no CUTLASS headers (csrc/build.py, docs/csrc.md)");
+  if (int rc = check_items(ptr_tab, block_ids, staging, err, n, C, num_regions)) return rc;
+  if (H <= 0 || rows <= 0 || rows % H != 0) return fail("rows: expected a positive multiple of H");
+  if (row_bytes <= 0) return fail("row_bytes: expected > 0");
+  if (row_bytes % 16 || stride_b % 16 || region_bytes % 16 || entry_bytes % 16 ||
+      reinterpret_cast<uintptr_t>(staging) % 16)
+    return fail("row_bytes, stride_b, region_bytes, entry_bytes, staging: expected multiples of 16");
+  if ((H > 1 && stride_h != row_bytes) || (rows > H && stride_n != H * row_bytes))
+    return fail("stride_n, stride_h: a (block, entry) chunk is not contiguous in the cache");
+  if (entry_bytes < n * rows * row_bytes || region_bytes < C * entry_bytes)
+    return fail("entry_bytes, region_bytes: smaller than the payload they must hold");
+  if (max_ctas < 0) return fail("max_ctas: expected >= 0");
+  DeviceGuard guard(device);
+  if (guard.status) return guard.status;
+  int major = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (e != cudaSuccess) return guard.release("cudaDeviceGetAttribute", e);
+  if (major < 9) {
+    guard.release("", cudaSuccess);
+    return fail("bulk copy: needs a device of compute capability >= 9.0 (cp.async.bulk)");
+  }
+  cudaPointerAttributes attr;
+  e = cudaPointerGetAttributes(&attr, staging);
+  if (e != cudaSuccess) return guard.release("cudaPointerGetAttributes", e);
+  if (attr.type != cudaMemoryTypeDevice) {
+    guard.release("", cudaSuccess);
+    return fail("staging: bulk copy needs device memory (use kvk_paged_copy for host staging)");
+  }
+  kvk::PagedCopyParams p{ptr_tab, block_ids, staging, err, n, num_blocks, num_regions * C * n,
+                         stride_b, stride_n, stride_h, region_bytes, entry_bytes, C, H, rows, row_bytes, ids_64 != 0};
+  const kvk::BulkPlan plan = kvk::bulk_plan(rows * row_bytes);
+  const int g = grid_size(p.num_items * plan.pieces, max_ctas);
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  const bool gather = to_staging != 0;
+  switch (plan.stages) {
+    case 4: e = launch_bulk<4>(gather, p, plan.piece, g, s); break;
+    case 8: e = launch_bulk<8>(gather, p, plan.piece, g, s); break;
+    default: e = launch_bulk<16>(gather, p, plan.piece, g, s); break;
+  }
+  return guard.release("bulk_copy_kernel launch", e);
 }
 
 }  // extern "C"

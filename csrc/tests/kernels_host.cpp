@@ -1,4 +1,5 @@
-// The kernels of csrc/kernels/quant_copy.cuh compiled as plain C++ against the stand-in
+// The kernels of csrc/kernels/quant_copy.cuh, paged_copy.cuh and bulk_copy.cuh (its bulk operations
+// replaced by memcpy: KVK_EMULATE) compiled as plain C++ against the stand-in
 // csrc/tests/emu/cuda_runtime.h and run on the CPU (one std::thread per CUDA thread), so their
 // indexing, id rules, padding, granularities and vector / scalar paths are compared byte for byte
 // with the torch reference on a GPU-less machine (tests/test_csrc.py). Host pointers play the
@@ -14,6 +15,9 @@
 #include <vector>
 
 #include "cuda_runtime.h"
+#define KVK_EMULATE 1
+#include "../kernels/bulk_copy.cuh"
+#include "../kernels/paged_copy.cuh"
 #include "../kernels/quant_copy.cuh"
 
 thread_local kvk_emu_dim threadIdx{0};
@@ -94,11 +98,57 @@ int run(int mode, const kvk::QuantCopyParams& p, int kind, bool per_block, bool 
 // unchanged), minus its precondition checks and device / stream handling.
 extern "C" {
 
-int kvk_abi_version(void) { return 2; }
+int kvk_abi_version(void) { return 3; }
+
+int kvk_features(void) { return 1; }
 
 const char* kvk_last_error(void) { return "emulated kernel: bad kind / mode"; }
 
-int kvk_paged_copy(void) { return -1; }  // not emulated (kvkernels/_cuda.py declares its signature)
+int kvk_paged_copy(int to_staging, const int64_t* ptr_tab, const void* block_ids, int ids_64, uint8_t* staging,
+                   int* err, int64_t n, int64_t num_blocks, int64_t C, int64_t num_regions, int64_t H, int64_t rows,
+                   int64_t row_bytes, int64_t stride_b, int64_t stride_n, int64_t stride_h, int64_t region_bytes,
+                   int64_t entry_bytes, int64_t word, int64_t max_ctas, int, uintptr_t) {
+  kvk::PagedCopyParams p{ptr_tab,      block_ids,   staging, err, n,    num_blocks, num_regions * C * n, stride_b,
+                         stride_n,     stride_h,    region_bytes, entry_bytes, C, H, rows, row_bytes, ids_64 != 0};
+  std::function<void()> k;
+#define KVK_WORD(W, T)                                                        \
+  if (word == W) {                                                            \
+    if (to_staging) k = [&] { kvk::paged_copy_kernel<T, true>(p); };          \
+    if (!to_staging) k = [&] { kvk::paged_copy_kernel<T, false>(p); };        \
+  }
+  KVK_WORD(16, uint4)
+  KVK_WORD(8, uint2)
+  KVK_WORD(4, uint32_t)
+  KVK_WORD(2, uint16_t)
+  KVK_WORD(1, uint8_t)
+#undef KVK_WORD
+  if (!k) return -1;
+  launch(k, static_cast<int>(max_ctas > 0 && max_ctas < p.num_items ? max_ctas : p.num_items));
+  return 0;
+}
+
+int kvk_bulk_copy(int to_staging, const int64_t* ptr_tab, const void* block_ids, int ids_64, uint8_t* staging,
+                  int* err, int64_t n, int64_t num_blocks, int64_t C, int64_t num_regions, int64_t H, int64_t rows,
+                  int64_t row_bytes, int64_t stride_b, int64_t stride_n, int64_t stride_h, int64_t region_bytes,
+                  int64_t entry_bytes, int64_t max_ctas, int, uintptr_t) {
+  kvk::PagedCopyParams p{ptr_tab,      block_ids,   staging, err, n,    num_blocks, num_regions * C * n, stride_b,
+                         stride_n,     stride_h,    region_bytes, entry_bytes, C, H, rows, row_bytes, ids_64 != 0};
+  const kvk::BulkPlan plan = kvk::bulk_plan(rows * row_bytes);
+  std::function<void()> k;
+#define KVK_STAGES(S)                                                                         \
+  if (plan.stages == S) {                                                                     \
+    if (to_staging) k = [&] { kvk::bulk_copy_kernel<S, true>(p, plan.piece); };               \
+    if (!to_staging) k = [&] { kvk::bulk_copy_kernel<S, false>(p, plan.piece); };             \
+  }
+  KVK_STAGES(4)
+  KVK_STAGES(8)
+  KVK_STAGES(16)
+#undef KVK_STAGES
+  if (!k) return -1;
+  const int64_t units = p.num_items * plan.pieces;
+  launch(k, static_cast<int>(max_ctas > 0 && max_ctas < units ? max_ctas : units));
+  return 0;
+}
 
 int kvk_quant_gather(const int64_t* ptr_tab, const void* block_ids, int ids_64, uint8_t* staging, int* err, int64_t n,
                      int64_t num_blocks, int64_t C, int64_t num_regions, int64_t H, int64_t block_size,
