@@ -156,13 +156,24 @@ int fp8_copy(bool gather, const int64_t* ptr_tab, const void* block_ids, int ids
   }
   return guard.release(gather ? "quant_gather_kernel launch" : "dequant_scatter_kernel launch", e);
 }
+// Grid: max_ctas when given, else persistent — as many CTAs as fit on the device at once
+// (occupancy x SMs), so that every CTA pipelines several pieces through its stages instead of one
+// CTA per piece using one stage of its shared memory.
 template <int S>
-cudaError_t launch_bulk(bool gather, const kvk::PagedCopyParams& p, int64_t piece, int grid, cudaStream_t s) {
+cudaError_t launch_bulk(bool gather, const kvk::PagedCopyParams& p, int64_t piece, int64_t units, int64_t max_ctas,
+                        int device, cudaStream_t s) {
   const int smem = static_cast<int>(S * piece);
   auto kernel = gather ? kvk::bulk_copy_kernel<S, true> : kvk::bulk_copy_kernel<S, false>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
-  kernel<<<grid, kvk::kBulkThreads, smem, s>>>(p, piece);
+  if (max_ctas == 0) {
+    int per_sm = 0, sms = 0;
+    if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kvk::kBulkThreads, smem)) != cudaSuccess)
+      return e;
+    if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return e;
+    max_ctas = static_cast<int64_t>(per_sm > 0 ? per_sm : 1) * sms;
+  }
+  kernel<<<grid_size(units, max_ctas), kvk::kBulkThreads, smem, s>>>(p, piece);
   return cudaGetLastError();
 }
 }  // namespace
@@ -328,13 +339,13 @@ int kvk_bulk_copy(int to_staging, const int64_t* ptr_tab, const void* block_ids,
   kvk::PagedCopyParams p{ptr_tab, block_ids, staging, err, n, num_blocks, num_regions * C * n,
                          stride_b, stride_n, stride_h, region_bytes, entry_bytes, C, H, rows, row_bytes, ids_64 != 0};
   const kvk::BulkPlan plan = kvk::bulk_plan(rows * row_bytes);
-  const int g = grid_size(p.num_items * plan.pieces, max_ctas);
+  const int64_t units = p.num_items * plan.pieces;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const bool gather = to_staging != 0;
   switch (plan.stages) {
-    case 4: e = launch_bulk<4>(gather, p, plan.piece, g, s); break;
-    case 8: e = launch_bulk<8>(gather, p, plan.piece, g, s); break;
-    default: e = launch_bulk<16>(gather, p, plan.piece, g, s); break;
+    case 4: e = launch_bulk<4>(gather, p, plan.piece, units, max_ctas, device, s); break;
+    case 8: e = launch_bulk<8>(gather, p, plan.piece, units, max_ctas, device, s); break;
+    default: e = launch_bulk<16>(gather, p, plan.piece, units, max_ctas, device, s); break;
   }
   return guard.release("bulk_copy_kernel launch", e);
 }
