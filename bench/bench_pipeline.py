@@ -8,6 +8,8 @@ For each prompt length and block size, in one run:
 * ``transfer``: the transfer alone (no compute);
 * ``kvk-pipeline``: compute + :class:`kvkernels.pipeline.LayerPipeline` (capped-SM gather ->
   copy-engine D2H, layer by layer; restore: H2D -> scatter, ``wait_for_layer_load`` per layer);
+  ``transfer-alone`` / ``kvk-pipeline`` ``[cuda-bulk]`` (or ``[cuda]``): the same with the CUDA
+  backend's kernels (its SM90 bulk-copy path where it applies: ``KVKERNELS_CUDA_BULK=1``);
 * ``sm-zero-copy[ctas]``: compute + an SM gather writing pinned host directly on a side stream
   (LMCache / SGLang style), full grid and 2 CTAs;
 * ``memcpy-per-chunk``: compute + one ``cudaMemcpyAsync`` per chunk on a side stream (vLLM
@@ -120,7 +122,6 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
     dst = torch.randperm(pool, device=device)[:n]
     fmt = StagingFormat.for_layout(lay, n)
     payload = fmt.num_regions * fmt.payload_nbytes
-    pipe = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2)  # default 64 MiB slots
     host = torch.empty(fmt.nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     side = torch.cuda.Stream() if device.type == "cuda" else None
     base = {"model": model, "seq": seq, "block_size": block_size, "chunk_kb": round(lay.chunk_nbytes / 1024, 2),
@@ -135,40 +136,8 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         for l in range(L):
             proxy.layer(l)
 
-    def offload_only():
-        for l in range(L):
-            pipe.save_layer(l, {"req": src})
-        pipe.wait_for_save()
-
-    issue_s: dict[str, list[float]] = {"offload": [], "restore": []}  # host time of the step-path calls
-
-    def offload_with_compute():
-        for l in range(L):
-            proxy.layer(l)
-            t0 = time.perf_counter()
-            pipe.save_layer(l, {"req": src})
-            issue_s["offload"].append(time.perf_counter() - t0)
-        pipe.wait_for_save()
-
-    def restore_only():
-        pipe.start_load({"req": dst})
-        for l in range(L):
-            pipe.wait_for_layer_load(l)
-
-    def restore_with_compute():
-        t0 = time.perf_counter()
-        pipe.start_load({"req": dst})
-        issue_s["restore"].append((time.perf_counter() - t0) / L)  # start_load, spread over the layers
-        for l in range(L):
-            t0 = time.perf_counter()
-            pipe.wait_for_layer_load(l)
-            issue_s["restore"].append(time.perf_counter() - t0)
-            proxy.layer(l)
-
-    offload_only()  # warm-up: JIT, tables; leaves a saved entry "req" for the restores
     compute_only()  # warm-up: kernels, cuBLAS handles
     _sync(device)
-    pipe.get_finished()
     c_wall, c_ms = best(compute_only)
     peak_d2h, peak_h2d = peaks.get("d2h_gbps"), peaks.get("h2d_gbps")
 
@@ -178,20 +147,60 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         bw = common.gbps(payload, tr)
         peak = peak_d2h if direction == "offload" else peak_h2d
         rows.append({**base, "direction": direction, "method": method, "compute_ms": comp, "wall_ms": wall,
-                     "slowdown_pct": 100.0 * (comp / c_ms - 1.0) if method != "transfer-alone" else None,
+                     "slowdown_pct": 100.0 * (comp / c_ms - 1.0) if not method.startswith("transfer-alone") else None,
                      "gbps": bw, "pct_copy_peak": 100.0 * bw / peak if peak else None})
         common.progress(rows[-1])
         return wall
 
+    def pipeline_rows(pipe: LayerPipeline, tag: str = "") -> float:
+        """Transfer alone and beside the compute, offload and restore, for one pipeline; returns the
+        offload transfer-alone wall time."""
+        def offload_only():
+            for l in range(L):
+                pipe.save_layer(l, {"req": src})
+            pipe.wait_for_save()
+
+        issue_s: dict[str, list[float]] = {"offload": [], "restore": []}  # host time of the step-path calls
+
+        def offload_with_compute():
+            for l in range(L):
+                proxy.layer(l)
+                t0 = time.perf_counter()
+                pipe.save_layer(l, {"req": src})
+                issue_s["offload"].append(time.perf_counter() - t0)
+            pipe.wait_for_save()
+
+        def restore_only():
+            pipe.start_load({"req": dst})
+            for l in range(L):
+                pipe.wait_for_layer_load(l)
+
+        def restore_with_compute():
+            t0 = time.perf_counter()
+            pipe.start_load({"req": dst})
+            issue_s["restore"].append((time.perf_counter() - t0) / L)  # start_load, spread over the layers
+            for l in range(L):
+                t0 = time.perf_counter()
+                pipe.wait_for_layer_load(l)
+                issue_s["restore"].append(time.perf_counter() - t0)
+                proxy.layer(l)
+
+        offload_only()  # warm-up: JIT, tables; leaves a saved entry "req" for the restores
+        _sync(device)
+        pipe.get_finished()
+        t_off = add(f"transfer-alone{tag}", "offload", offload_only)
+        add(f"kvk-pipeline{tag}", "offload", offload_with_compute, transfer_ms=None)
+        rows[-1]["wall_over_max"] = rows[-1]["wall_ms"] / max(c_wall, t_off)
+        rows[-1]["issue_us_per_layer"] = 1e6 * statistics.median(issue_s["offload"])  # target <= 50
+        t_res = add(f"transfer-alone{tag}", "restore", restore_only)
+        add(f"kvk-pipeline{tag}", "restore", restore_with_compute)
+        rows[-1]["wall_over_max"] = rows[-1]["wall_ms"] / max(c_wall, t_res)
+        rows[-1]["issue_us_per_layer"] = 1e6 * statistics.median(issue_s["restore"])
+        return t_off
+
     rows.append({**base, "direction": "-", "method": "compute-alone", "compute_ms": c_ms, "wall_ms": c_wall})
-    t_off = add("transfer-alone", "offload", offload_only)
-    add("kvk-pipeline", "offload", offload_with_compute, transfer_ms=None)
-    rows[-1]["wall_over_max"] = rows[-1]["wall_ms"] / max(c_wall, t_off)
-    rows[-1]["issue_us_per_layer"] = 1e6 * statistics.median(issue_s["offload"])  # target <= 50
-    t_res = add("transfer-alone", "restore", restore_only)
-    add("kvk-pipeline", "restore", restore_with_compute)
-    rows[-1]["wall_over_max"] = rows[-1]["wall_ms"] / max(c_wall, t_res)
-    rows[-1]["issue_us_per_layer"] = 1e6 * statistics.median(issue_s["restore"])
+    pipe = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2)  # default 64 MiB slots
+    t_off = pipeline_rows(pipe)
 
     rows += _ssd_rows(lay, proxy, src, dst, fmt, base, device, c_ms, c_wall, reps)
     if timeline_out is not None:
@@ -241,6 +250,22 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                     lambda l: ext.memcpy_batch(tabs[l][0], tabs[l][1], lay.chunk_nbytes, side.cuda_stream)))
                 rows[-1]["wall_over_max"] = rows[-1]["wall_ms"] / max(c_wall, t_off)
     pipe.close()
+    if device.type == "cuda":
+        # the same pipeline with the CUDA backend's gather/scatter (a ctypes call instead of
+        # Triton's launcher: host time per layer) and, where it applies, its SM90 bulk path (bytes
+        # in flight per CTA under the 16-CTA cap); labelled by what actually ran
+        from kvkernels import _cuda
+
+        if _cuda.available():
+            with common.env(KVKERNELS_CUDA_BULK="1"):
+                bulk = _cuda._use_bulk(lay, torch.empty(16, dtype=torch.uint8, device=device))
+                del pipe
+                pipe = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2,
+                                     backend="cuda")
+                try:
+                    pipeline_rows(pipe, "[cuda-bulk]" if bulk else "[cuda]")
+                finally:
+                    pipe.close()
     return rows
 
 

@@ -27,9 +27,25 @@ def check_tensor(x: Any, name: str) -> torch.Tensor:
     return x
 
 
-def describe(t: torch.Tensor) -> str:
-    """Short description of a tensor for error messages."""
-    return f"Tensor(shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device}, stride={tuple(t.stride())})"
+class _Described:
+    """A tensor's description, formatted only if an error message uses it: checks that pass (the
+    hot path, e.g. the pipeline's per-layer calls) do not pay for the string."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def __str__(self) -> str:
+        t = self.t
+        return f"Tensor(shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device}, stride={tuple(t.stride())})"
+
+    __repr__ = __str__
+
+
+def describe(t: torch.Tensor) -> _Described:
+    """Short description of a tensor for error messages (formatted lazily: ``str()`` it)."""
+    return _Described(t)
 
 
 def check_int(x: Any, name: str, *, lo: int | None = None, hi: int | None = None) -> int:

@@ -101,7 +101,8 @@ def _check_buffer(buf, name: str, layout: PagedLayout, nbytes: int) -> torch.Ten
     check(buf.numel() >= nbytes, name, f"at least {nbytes} bytes", f"{buf.numel()} bytes")
     if layout.device.type == "cuda":
         ok = same_device(buf.device, layout.device) or (buf.device.type == "cpu" and buf.is_pinned())
-        check(ok, name, f"memory on {layout.device} or pinned host memory", f"{buf.device} (pinned={buf.is_pinned()})")
+        if not ok:
+            fail(name, f"memory on {layout.device} or pinned host memory", f"{buf.device} (pinned={buf.is_pinned()})")
     else:
         check(buf.device.type == layout.device.type, name, f"a tensor on {layout.device}", buf.device)
     return buf
