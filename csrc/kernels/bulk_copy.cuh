@@ -108,17 +108,12 @@ __device__ __forceinline__ BulkUnit bulk_unit(const PagedCopyParams& p, int64_t 
                                               int64_t chunk, bool count) {
   const int64_t w = u / pieces;
   const int64_t off = (u - w * pieces) * piece;
-  const int64_t jc = w / p.n;
-  const int64_t i = w - jc * p.n;
-  const int64_t j = jc / p.C;
-  const int64_t c = jc - j * p.C;
-  const int64_t bid = p.ids_64 ? static_cast<const int64_t*>(p.block_ids)[i]
-                               : static_cast<int64_t>(static_cast<const int32_t*>(p.block_ids)[i]);
-  const bool valid = bid >= 0 && bid < p.num_blocks;
+  const PagedItem it = paged_item(p, w);
+  const bool valid = it.valid;
   // counted once per slot: first piece of the first n work items (layer region 0, entry 0)
-  if (count && !valid && bid != -1 && w < p.n && off == 0) atomicAdd(p.err, 1);
-  uint8_t* cache = reinterpret_cast<uint8_t*>(p.ptr_tab[j * p.C + c]) + (valid ? bid : 0) * p.stride_b + off;
-  uint8_t* stage = p.staging + j * p.region_bytes + c * p.entry_bytes + i * chunk + off;
+  if (count && !valid && it.bid != -1 && w < p.n && off == 0) atomicAdd(p.err, 1);
+  uint8_t* cache = reinterpret_cast<uint8_t*>(p.ptr_tab[it.j * p.C + it.c]) + (valid ? it.bid : 0) * p.stride_b + off;
+  uint8_t* stage = p.staging + it.j * p.region_bytes + it.c * p.entry_bytes + it.i * chunk + off;
   const int bytes = static_cast<int>(chunk - off < piece ? chunk - off : piece);
   if (kToStaging) return BulkUnit{cache, stage, bytes, valid ? 1 : 2};
   return BulkUnit{stage, cache, bytes, valid ? 1 : 0};

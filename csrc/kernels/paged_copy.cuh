@@ -21,6 +21,21 @@ struct PagedCopyParams {
   int ids_64;
 };
 
+// Work item w = (j * C + c) * n + i: region j, entry c, staging slot i, and the slot's block id.
+struct PagedItem {
+  int64_t j, c, i, bid;
+  bool valid;  // bid in [0, num_blocks)
+};
+
+__device__ __forceinline__ PagedItem paged_item(const PagedCopyParams& p, int64_t w) {
+  const int64_t jc = w / p.n;
+  const int64_t i = w - jc * p.n;
+  const int64_t j = jc / p.C;
+  const int64_t bid = p.ids_64 ? static_cast<const int64_t*>(p.block_ids)[i]
+                               : static_cast<int64_t>(static_cast<const int32_t*>(p.block_ids)[i]);
+  return PagedItem{j, jc - j * p.C, i, bid, bid >= 0 && bid < p.num_blocks};
+}
+
 // Word: the access width (uint4 = 16 bytes, uint2, uint32_t, uint16_t, uint8_t), chosen on the
 // host so that every address, stride and row is a multiple of sizeof(Word).
 template <typename Word, bool kToStaging>
@@ -29,18 +44,13 @@ __global__ void paged_copy_kernel(PagedCopyParams p) {
   const int64_t wpr = p.row_bytes / static_cast<int64_t>(sizeof(Word));  // words per row
   const int64_t words = p.rows * wpr;
   for (int64_t w = blockIdx.x; w < p.num_items; w += gridDim.x) {
-    const int64_t jc = w / p.n;
-    const int64_t i = w - jc * p.n;
-    const int64_t j = jc / p.C;
-    const int64_t c = jc - j * p.C;
-    const int64_t bid = p.ids_64 ? static_cast<const int64_t*>(p.block_ids)[i]
-                                 : static_cast<int64_t>(static_cast<const int32_t*>(p.block_ids)[i]);
-    const bool valid = bid >= 0 && bid < p.num_blocks;
+    const PagedItem it = paged_item(p, w);
+    const bool valid = it.valid;
     // counted once per slot: in the first n work items (layer region 0, entry 0)
-    if (!valid && bid != -1 && threadIdx.x == 0 && w < p.n) atomicAdd(p.err, 1);
-    const uint8_t* base = reinterpret_cast<const uint8_t*>(p.ptr_tab[j * p.C + c]);
-    uint8_t* cache = const_cast<uint8_t*>(base) + (valid ? bid : 0) * p.stride_b;
-    uint8_t* stage = p.staging + j * p.region_bytes + c * p.entry_bytes + i * p.rows * p.row_bytes;
+    if (!valid && it.bid != -1 && threadIdx.x == 0 && w < p.n) atomicAdd(p.err, 1);
+    const uint8_t* base = reinterpret_cast<const uint8_t*>(p.ptr_tab[it.j * p.C + it.c]);
+    uint8_t* cache = const_cast<uint8_t*>(base) + (valid ? it.bid : 0) * p.stride_b;
+    uint8_t* stage = p.staging + it.j * p.region_bytes + it.c * p.entry_bytes + it.i * p.rows * p.row_bytes;
     for (int64_t k = threadIdx.x; k < words; k += blockDim.x) {
       const int64_t r = k / wpr;
       const int64_t x = k - r * wpr;
