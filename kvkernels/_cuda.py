@@ -104,26 +104,14 @@ def reason() -> str:
 
 
 def _word(layout, staging_ptr: int) -> int:
-    sb, sn, sh = layout.byte_strides
-    vals = (layout.row_nbytes, sb, sn, sh, staging_ptr, *layout.base_addresses_flat())
-    for w in (16, 8, 4, 2):
-        if all(v % w == 0 for v in vals):
-            return w
-    return 1
+    """Access width of the paged copy: 16, 8, 4, 2 or 1 bytes (layout.access_width)."""
+    return layout.access_width(staging_ptr)
 
 
 def bulk_supported() -> bool:
     """The loaded library has the SM90 bulk-copy path (built with the CUTLASS headers)."""
     lib, _ = _load()
     return lib is not None and bool(lib.kvk_features() & 1)
-
-
-def _contiguous_chunks(layout) -> bool:
-    """Each (block, entry) chunk is one run of block_size * H rows in the cache: NHD order, one KV
-    head, or one token per block (size-1 dimensions report byte stride 0)."""
-    _sb, sn, sh = layout.byte_strides
-    h, row = layout.num_heads, layout.row_nbytes
-    return (h == 1 or sh == row) and (layout.block_size == 1 or sn == h * row)
 
 
 def _staging_on_device(layout, staging: torch.Tensor) -> bool:
@@ -133,7 +121,7 @@ def _staging_on_device(layout, staging: torch.Tensor) -> bool:
 
 def _use_bulk(layout, staging: torch.Tensor) -> bool:
     """``KVKERNELS_CUDA_BULK=1`` and the case fits the bulk path (docs/csrc.md)."""
-    return (config.cuda_bulk() and _contiguous_chunks(layout) and _word(layout, staging.data_ptr()) == 16
+    return (config.cuda_bulk() and layout.is_contiguous_chunk() and _word(layout, staging.data_ptr()) == 16
             and bulk_supported() and _staging_on_device(layout, staging))
 
 

@@ -121,6 +121,7 @@ class PagedLayout:
     views: tuple[tuple[torch.Tensor, ...], ...]
     kind: str = "custom"
     _ptr_tables: dict = field(default_factory=dict, repr=False, compare=False)
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------------ generic constructors
     @classmethod
@@ -397,6 +398,21 @@ class PagedLayout:
         _, sn, sh = self.byte_strides
         h = self.num_heads
         return (h == 1 or sh == self.row_nbytes) and (self.block_size == 1 or sn == h * self.row_nbytes)
+
+    def access_width(self, *addresses: int, cap: int = 16) -> int:
+        """Largest access width (16, 8, 4, 2 or 1 bytes, at most ``cap``) dividing the row size,
+        every byte stride, every view's base address and each of ``addresses`` (e.g. the staging
+        pointer). The cache's part is computed once per layout: the kernels' launchers call this
+        on every copy, and walking every layer's base address cost ~30 us per call."""
+        own = self._memo.get("align")
+        if own is None:
+            vals = (self.row_nbytes, *self.byte_strides, *self.base_addresses_flat())
+            own = next(w for w in (16, 8, 4, 2, 1) if all(v % w == 0 for v in vals))
+            self._memo["align"] = own
+        w = min(own, cap)
+        while w > 1 and any(a % w for a in addresses):
+            w //= 2
+        return w
 
     def base_addresses(self) -> list[list[int]]:
         """Byte addresses ``[L][C]`` of block 0 of every view."""

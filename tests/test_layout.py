@@ -182,3 +182,16 @@ def test_size_one_dims_do_not_decide_the_access_width(layout, heads, block_size)
                      dtype=torch.bfloat16, fill="zero")
     kvkernels.scatter(ref, dst, torch.tensor([1, -1, 2, 5]), backend="torch")
     assert torch.equal(kvkernels.gather(dst, [1, 2, 5], backend="torch"), kvkernels.gather(lay, [3, 7, 0], backend="torch"))
+
+
+def test_access_width_covers_rows_strides_bases_and_extra_addresses():
+    big = torch.zeros(2, 13, 4, 2, 88, dtype=torch.bfloat16)
+    aligned = kvkernels.PagedLayout.from_vllm([big[:, 3:11, :, :, 8:72]])  # every base 16-byte aligned
+    odd = kvkernels.PagedLayout.from_vllm([big[:, 3:11, :, :, 1:65]])  # 2-byte offset
+    buf = torch.zeros(1 << 12, dtype=torch.uint8)
+    p = buf.data_ptr() + (-buf.data_ptr()) % 16
+    assert aligned.access_width() == 16 and aligned.access_width(p) == 16
+    assert aligned.access_width(p + 8) == 8 and aligned.access_width(p + 4, p) == 4
+    assert aligned.access_width(p, cap=8) == 8
+    assert odd.access_width(p) == 2 and odd.access_width(p + 1) == 1
+    assert aligned.access_width(p + 2) == 2  # computed once per layout, the extra address each call

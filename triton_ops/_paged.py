@@ -125,14 +125,6 @@ def _paged_copy(
                 tl.store(cache + c_off, tl.load(stage + s_off, mask=mv), mask=mv)
 
 
-def word_bytes(*values: int) -> int:
-    """Largest word (8, 4, 2, 1 bytes) dividing every byte count / address in ``values``."""
-    for w in (8, 4, 2):
-        if all(v % w == 0 for v in values):
-            return w
-    return 1
-
-
 def tile_shape(rows: int, row_words: int) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_W): a power-of-two tile covering a row, ~TILE_WORDS words."""
     block_w = triton.next_power_of_2(row_words)
@@ -143,9 +135,7 @@ def tile_shape(rows: int, row_words: int) -> tuple[int, int]:
 def aligned16(word: int, layout, staging_ptr: int) -> bool:
     """True when 16-byte vector accesses are legal on both sides: 8-byte words, every base
     address, byte stride and row 16-aligned (the staging regions are 4096-aligned)."""
-    sb, sn, sh = layout.byte_strides
-    vals = (layout.row_nbytes, sb, sn, sh, staging_ptr, *layout.base_addresses_flat())
-    return word == 8 and all(v % 16 == 0 for v in vals)
+    return word == 8 and layout.access_width(staging_ptr) == 16
 
 
 def geometry(layout, fmt, max_ctas: int, elem_bytes: int):
@@ -164,7 +154,7 @@ def launch(kernel, layout, block_ids: torch.Tensor, fmt, staging: torch.Tensor, 
     if n == 0 or fmt.num_regions == 0:
         return
     ptr = staging.data_ptr()
-    wb = word_bytes(layout.row_nbytes, *layout.byte_strides, ptr, *layout.base_addresses_flat())
+    wb = layout.access_width(ptr, cap=8)  # the kernels' word: 8, 4, 2 or 1 bytes
     tab, (sb, sn, sh), num_items, grid = geometry(layout, fmt, max_ctas, wb)
     words = staging[: fmt.nbytes].view(_WORD_DTYPE[wb])
     rows = layout.block_size * layout.num_heads

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._paged import _block_ptr, _cache_rows, _slot, _staging_rows, aligned16, geometry, word_bytes
+from ._paged import _block_ptr, _cache_rows, _slot, _staging_rows, geometry
 
 # Elements per program tile (rows x padded head dim). 4096 fp32 temporaries = 16 KiB of registers
 # per program at 4 warps. NOT yet measured on a GPU.
@@ -31,10 +31,7 @@ def align16(layout, staging: torch.Tensor) -> bool:
     """True when 16-byte vector accesses are legal on both sides: every cache base address, byte
     stride and row, the staging address, and the staging rows (``head_dim`` bytes per fp8 row or
     byte plane; sections are 16-aligned) are multiples of 16 bytes."""
-    sb, sn, sh = layout.byte_strides
-    ptr = staging.data_ptr()
-    word = word_bytes(layout.row_nbytes, sb, sn, sh, ptr, *layout.base_addresses_flat())
-    return aligned16(word, layout, ptr) and layout.head_dim % 16 == 0
+    return layout.access_width(staging.data_ptr()) == 16 and layout.head_dim % 16 == 0
 
 
 @triton.jit
