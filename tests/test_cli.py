@@ -96,3 +96,15 @@ def test_bench_store_tiny(tmp_path):
     assert "read-while-write[read_priority=True]" in methods
     assert res["meta"]["ceiling"]["dd_read_gbps"] > 0 and all(r["gbps"] > 0 for r in res["rows"])
     assert (tmp_path / "store.json").exists()
+
+
+def test_host_overhead_diagnostic_runs_and_restores_what_it_stubs():
+    import torch
+
+    from kvkernels import _cuda, backends
+    from kvkernels.bench import host_overhead
+
+    before = (_cuda._load, backends.cuda_ext_available, torch.cuda.current_stream)
+    res = host_overhead.run(calls=20)
+    assert len(res) == 3 and all(v > 0 for v in res.values())
+    assert (_cuda._load, backends.cuda_ext_available, torch.cuda.current_stream) == before

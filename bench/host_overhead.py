@@ -1,0 +1,99 @@
+"""Diagnostic: the host (Python) cost of the step-path calls with the kernel launch stubbed out.
+
+Issue 4 asks for <= 50 us of host time to issue one layer. On a GPU the pipeline bench measures
+the whole call (``issue_us_per_layer``); this script splits off what kvkernels itself costs, on
+any machine (no GPU needed), by replacing the Triton kernel, the CUDA C call and the gather inside
+``save_layer`` with no-ops:
+
+    python bench/host_overhead.py [--calls 3000]
+
+Prints medians in microseconds. Numbers are for the host it runs on (docs/PERF_NOTES.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+
+from kvkernels import _cuda, backends, ops
+from kvkernels import pipeline as pipeline_mod
+from kvkernels.models import make_cache
+
+
+def _median_us(fn, calls: int) -> float:
+    fn()
+    ts = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(ts)
+
+
+class _NoKernel:
+    def __getitem__(self, grid):
+        return lambda *a, **k: None
+
+
+class _NoLib:
+    def kvk_paged_copy(self, *a):
+        return 0
+
+    def kvk_bulk_copy(self, *a):
+        return 0
+
+    def kvk_features(self):
+        return 1
+
+
+def run(calls: int = 3000) -> dict:
+    lay = make_cache("vllm-nhd", num_layers=32, num_blocks=64, block_size=16, num_heads=8, head_dim=128)
+    ids = torch.arange(2)
+    out = torch.empty(1 << 20, dtype=torch.uint8)
+    res = {}
+    from kvkernels.triton_ops import gather as tg
+
+    with mock.patch.object(tg, "_gather_kernel", _NoKernel()), \
+            mock.patch.object(backends, "triton_available", lambda device=None: True):
+        res["ops.gather[triton] minus the launcher"] = _median_us(
+            lambda: ops.gather(lay, ids, out=out, layers=(3,), backend="triton", max_ctas=16, validate=False), calls)
+    with mock.patch.object(_cuda, "_load", lambda: (_NoLib(), "stub")), \
+            mock.patch.object(backends, "cuda_ext_available", lambda: True), \
+            mock.patch.object(torch.cuda, "current_device", lambda: 0), \
+            mock.patch.object(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0)):
+        res["ops.gather[cuda] minus the C call"] = _median_us(
+            lambda: ops.gather(lay, ids, out=out, layers=(3,), backend="cuda", max_ctas=16, validate=False), calls)
+    pipe = pipeline_mod.LayerPipeline(lay, host_bytes=64 << 20, max_ctas=16, backend="torch")
+    try:
+        with mock.patch.object(pipeline_mod.ops, "gather", lambda layout, block_ids, out=None, **kw: out):
+            layer = iter(range(10**9))
+
+            def save():
+                l = next(layer) % 32
+                pipe.save_layer(l, {"req": ids})
+                if l == 31:
+                    pipe.wait_for_save()
+                    pipe.get_finished()
+
+            res["LayerPipeline.save_layer minus the gather"] = _median_us(save, calls)
+    finally:
+        pipe.close()
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=3000)
+    a = p.parse_args(argv)
+    for k, v in run(a.calls).items():
+        print(f"{k:45s} {v:8.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
