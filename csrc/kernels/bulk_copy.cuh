@@ -129,9 +129,11 @@ __global__ void __launch_bounds__(kBulkThreads) bulk_copy_kernel(PagedCopyParams
 #if defined(KVK_EMULATE)
   alignas(128) static thread_local uint8_t smem[kBulkSmem];
   static thread_local uint64_t bars[S];
+  static thread_local BulkUnit staged[S];
 #else
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ uint64_t bars[S];
+  __shared__ BulkUnit staged[S];  // each stage's unit, decoded once when its load is issued
 #endif
   for (int s = 0; s < S; ++s) bulk::init(&bars[s]);
   bulk::fence_init();
@@ -143,13 +145,14 @@ __global__ void __launch_bounds__(kBulkThreads) bulk_copy_kernel(PagedCopyParams
   auto issue_load = [&](int64_t k) {
     const int64_t u = first + k * step;
     if (u >= units) return;
-    const BulkUnit x = bulk_unit<kToStaging>(p, u, pieces, piece, chunk, false);
+    const BulkUnit x = bulk_unit<kToStaging>(p, u, pieces, piece, chunk, true);  // once per unit
+    staged[k % S] = x;
     if (x.kind == 1) bulk::load(&bars[k % S], smem + (k % S) * piece, x.src, x.bytes);
   };
   for (int64_t k = 0; k < L; ++k) issue_load(k);
   for (int64_t k = 0; first + k * step < units; ++k) {
     const int s = static_cast<int>(k % S);
-    const BulkUnit x = bulk_unit<kToStaging>(p, first + k * step, pieces, piece, chunk, true);
+    const BulkUnit x = staged[s];  // written by issue_load(k); the next write is issue_load(k + S)
     if (x.kind == 1) {
       bulk::wait(&bars[s], (phase >> s) & 1u);
       phase ^= 1u << s;
