@@ -17,9 +17,10 @@ For each prompt length and block size, in one run:
 * ``memcpy-batch``: compute + one ``cudaMemcpyBatchAsync`` per layer (all its chunks) on a side
   stream;
 * ``restore-ssd``: the entry on disk (``KVStore`` in a temp dir under ``KVKERNELS_BENCH_DIR``),
-  host copy evicted, page cache dropped: ``prefetch`` (one read into the host pool) + the
-  layer-wise restore, alone and beside the compute, against a ``dd`` O_DIRECT read of the same
-  size on the same disk.
+  host copy evicted, page cache dropped: ``prefetch`` + the layer-wise restore started at once
+  (streamed: layer ``l`` restores as soon as it is read), alone and beside the compute, and
+  ``read-then-restore`` (the whole read, then the restore), against a ``dd`` O_DIRECT read of the
+  same size on the same disk.
 
 Reported: compute time and slowdown (%), transfer throughput (GB/s, % of the measured one-shot
 D2H / H2D), wall over max(compute alone, transfer alone), and the host time of the step-path
@@ -344,9 +345,11 @@ def plot_timeline(tl: list[dict], title: str, path: str) -> str | None:
 def _ssd_rows(lay, proxy, src, dst, fmt, base, device, c_ms, c_wall, reps) -> list[dict]:
     """Restore from SSD: the entry saved through the pipeline into a KVStore (a temp dir on the
     disk under test, ``KVKERNELS_BENCH_DIR``), its host copy evicted and the page cache dropped,
-    then ``prefetch`` (one large read into the host pool, what a connector does before the step)
-    and the layer-wise restore, alone and beside the compute. The disk ceiling is a ``dd``-style
-    O_DIRECT read of the same size in the same directory."""
+    then ``prefetch`` (reads of groups of layers into the host pool) with ``start_load`` issued at
+    once (streamed: each layer's H2D waits for its read), alone and beside the compute, and the
+    same with the whole read first (``read-then-restore``, how a connector without streaming
+    does it). The disk ceiling is a ``dd``-style O_DIRECT read of the same size in the same
+    directory."""
     L = lay.num_layers
     payload = fmt.num_regions * fmt.payload_nbytes
     root = tempfile.mkdtemp(prefix="kvk-bench-pipeline-", dir=os.environ.get("KVKERNELS_BENCH_DIR"))
@@ -362,18 +365,22 @@ def _ssd_rows(lay, proxy, src, dst, fmt, base, device, c_ms, c_wall, reps) -> li
             pipe.get_finished()
             pipe.entries["ssd"].ssd_future.result()  # on disk
 
-            def timed(with_compute: bool):
+            def timed(with_compute: bool, streamed: bool = True):
                 _sync(device)
                 pipe.get_finished()
                 assert pipe.evict("ssd"), "the host copy must go: the read is what is measured"
                 _drop_tree(root)
 
                 # wall: from the prefetch to the last layer; compute: the step itself (compute
-                # stream events from start_load on), as in a server where the read precedes the step
+                # stream events from start_load on). Streamed: start_load right after prefetch
+                # (each layer waits on the GPU for its read); otherwise the whole read first
                 t0 = time.perf_counter()
-                ent = pipe.prefetch("ssd", num_blocks=fmt.num_blocks).result()
-                assert ent.state == "ready", ent.error
+                fut = pipe.prefetch("ssd", num_blocks=fmt.num_blocks)
+                if not streamed:
+                    assert fut.result().state == "ready"
                 _, comp = _timed(device, lambda: _restore(with_compute))
+                ent = fut.result()
+                assert ent.state == "ready", ent.error
                 return (time.perf_counter() - t0) * 1e3, comp
 
             def _restore(with_compute: bool):
@@ -384,8 +391,9 @@ def _ssd_rows(lay, proxy, src, dst, fmt, base, device, c_ms, c_wall, reps) -> li
                         proxy.layer(l)
 
             t_alone = min(timed(False) for _ in range(reps))[0]
-            for method, wc in (("transfer-alone", False), ("kvk-pipeline", True)):
-                wall, comp = (t_alone, None) if not wc else min(timed(True) for _ in range(reps))
+            for method, wc, streamed in (("transfer-alone", False, True), ("kvk-pipeline", True, True),
+                                         ("read-then-restore", True, False)):
+                wall, comp = (t_alone, None) if not wc else min(timed(True, streamed) for _ in range(reps))
                 bw = common.gbps(payload, wall)
                 row = {**base, "direction": "restore-ssd", "method": method, "compute_ms": comp if wc else None,
                        "wall_ms": wall, "slowdown_pct": 100.0 * (comp / c_ms - 1.0) if wc else None, "gbps": bw,

@@ -25,8 +25,12 @@ Data path, per layer ``l`` (GPU):
   scatters it into the destination blocks -> an event per layer; ``wait_for_layer_load(l)``
   makes the compute stream wait on it and issues layer ``l + prefetch_depth``.
 * SSD: :meth:`prefetch` reads an entry from a :class:`kvkernels.io.KVStore` into the host pool
-  *before* the step (vLLM's async load); a saved entry is written to the store after its DMA
-  completes, by a background thread. Neither blocks the step.
+  in groups of layers, in layer order (vLLM's async load, before the step). ``start_load`` may
+  be called while that read is still in flight: each layer's H2D then waits, *on the GPU*, for
+  that layer's read (``cuStreamWaitValue32`` on a pinned per-layer flag the reading thread sets),
+  so the restore and the compute start with the first layers on disk instead of after the whole
+  entry. A saved entry is written to the store after its DMA completes, by a background thread.
+  None of this blocks the step.
 
 Nothing on the step path calls ``torch.cuda.synchronize()``, ``Stream.synchronize()``,
 ``Event.synchronize()`` or ``.item()``: host-visible completion is only ever polled
@@ -39,6 +43,9 @@ construction) and ``num_slots * slot_bytes`` of device staging per direction.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -52,6 +59,36 @@ from .layout import PagedLayout
 from .staging import REGION_ALIGN, StagingFormat
 
 __all__ = ["PinnedPool", "LayerPipeline", "HostEntry"]
+
+log = logging.getLogger("kvkernels")
+
+# per-layer read gate of a streamed SSD load (a pinned int32 per layer): 0 = not read yet,
+# READ = the layer's bytes are in the host pool, FAILED = its read failed (the bytes were zeroed)
+GATE_READ, GATE_FAILED = 1, 2
+_CU_STREAM_WAIT_VALUE_GEQ = 0x0
+
+
+@functools.lru_cache(maxsize=None)
+def _cu_stream_wait_value32():
+    """The driver's ``cuStreamWaitValue32`` (torch does not expose it), or None."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    for name in ("cuStreamWaitValue32_v2", "cuStreamWaitValue32"):
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            return fn
+    return None
+
+
+def _layer_groups(num_layers: int, groups: int = 8) -> list[list[int]]:
+    """Layers split into at most ``groups`` runs in order: one store read each (a read per layer
+    costs per-request overhead; one read for the whole entry delays the first layer)."""
+    per = max(1, -(-num_layers // groups))
+    return [list(range(a, min(num_layers, a + per))) for a in range(0, num_layers, per)]
 
 
 # ---------------------------------------------------------------------------- CPU stand-ins
@@ -146,6 +183,9 @@ class HostEntry:
     ssd_future: Future | None = None
     error: str | None = None
     users: int = 0  # loads in flight reading it
+    # streamed SSD read (prefetch): per-layer gate flags (pinned int32 on a GPU host) and events
+    gate: torch.Tensor | None = None
+    layer_read: list | None = None  # threading.Event per layer: set when its gate is released
 
 
 class LayerPipeline:
@@ -207,12 +247,12 @@ class LayerPipeline:
         self._slot_free = {d: [self._event() for _ in range(num_slots)] for d in ("save", "load")}
         self.entries: dict[Hashable, HostEntry] = {}
         self._lock = threading.RLock()
-        self._loads: list[tuple[HostEntry, torch.Tensor]] = []
+        self._loads: list[tuple[HostEntry, torch.Tensor, bool]] = []  # (entry, dst ids, streamed)
         self._load_events: dict[int, object] = {}
         self._next_load_layer = 0
         self._save_events: list = []
         self._saving: dict[Hashable, HostEntry] = {}
-        self._pending_loads: list[tuple[object, list]] = []  # (last layer's event, keys)
+        self._pending_loads: list[tuple[object, list]] = []  # (last layer's event, [(entry, dst ids)])
         self._load_errors: list = []  # destination ids (tensors or lists) of loads that failed
         self._failed_saves: set[Hashable] = set()
         # SSD leg: reads (prefetch) and writes (saved entries) on separate threads; a write
@@ -223,8 +263,36 @@ class LayerPipeline:
         self._io_cv = threading.Condition()
         self.read_priority = bool(read_priority)
         self._closed = False
+        # streamed SSD restores: the H2D stream waits on per-layer flags in pinned memory (GPU)
+        self._gpu_gates = self.cuda and store is not None and self._probe_gates()
 
     # ------------------------------------------------------------------ helpers
+    def _probe_gates(self) -> bool:
+        """Whether the driver's stream wait on a pinned flag works here (one wait on a flag that
+        is already set); otherwise streamed loads wait for each layer's read on the host."""
+        fn = _cu_stream_wait_value32()
+        if fn is None:
+            log.warning("kvkernels: cuStreamWaitValue32 not found: streamed SSD loads wait on the host")
+            return False
+        self._gate_probe = torch.full((1,), GATE_READ, dtype=torch.int32, pin_memory=True)  # outlives the wait
+        rc = fn(self.h2d_stream.cuda_stream, self._gate_probe.data_ptr(), GATE_READ, _CU_STREAM_WAIT_VALUE_GEQ)
+        if rc != 0:
+            log.warning("kvkernels: cuStreamWaitValue32 on pinned memory failed (CUresult %d): streamed SSD "
+                        "loads wait on the host", rc)
+            return False
+        return True
+
+    def _gate(self, ent: HostEntry, layer: int) -> None:
+        """Before the H2D of ``layer`` of a streamed entry: on the GPU, the H2D stream waits for the
+        layer's flag (no host wait); on CPU (or without the driver call) the host waits."""
+        if self._gpu_gates:
+            rc = _cu_stream_wait_value32()(self.h2d_stream.cuda_stream, ent.gate.data_ptr() + 4 * layer, GATE_READ,
+                                           _CU_STREAM_WAIT_VALUE_GEQ)
+            if rc == 0:
+                return
+            log.warning("kvkernels: cuStreamWaitValue32 failed (CUresult %d): waiting on the host", rc)
+        ent.layer_read[layer].wait()
+
     def _event(self):
         return torch.cuda.Event() if self.cuda else _NullEvent()
 
@@ -374,6 +442,7 @@ class LayerPipeline:
         if self.store is None:
             fail("store", "a KVStore to prefetch from", None)
         fmt = StagingFormat.for_layout(self.layout, num_blocks)
+        num_layers = self.layout.num_layers
         with self._lock:
             ent = self.entries.get(key)
             if ent is not None and ent.state in ("saved", "ready", "loading", "saving"):
@@ -383,16 +452,51 @@ class LayerPipeline:
             off = self._alloc_host(fmt.nbytes)
             if off is None:
                 fail("host_bytes", f"room for {fmt.nbytes} more bytes in the host pool", f"{self.pool.free_bytes} free")
-            ent = HostEntry(key=key, fmt=fmt, offset=off, buf=self.pool.view(off, fmt.nbytes), state="loading")
+            ent = HostEntry(key=key, fmt=fmt, offset=off, buf=self.pool.view(off, fmt.nbytes), state="loading",
+                            gate=torch.zeros(num_layers, dtype=torch.int32, pin_memory=self._gpu_gates),
+                            layer_read=[threading.Event() for _ in range(num_layers)])
             self.entries[key] = ent
+        gate = ent.gate.numpy()  # plain stores from the reading thread
+
+        def region(layer: int) -> torch.Tensor:
+            return ent.buf[fmt.region_offset(layer) : fmt.region_offset(layer) + fmt.region_nbytes]
 
         def run():
+            # one read per group of layers, all queued at once (the store keeps its queue depth),
+            # gates released in layer order as the groups complete
+            errors: list[str] = []
             try:
-                self.store.get(key, out=ent.buf).result()
-                ent.state = "ready"
-            except Exception as exc:  # a failed read marks the entry, never leaves garbage in use
-                ent.state, ent.error = "failed", f"{type(exc).__name__}: {exc}"
+                reads = []
+                for g in _layer_groups(num_layers):
+                    try:
+                        reads.append((g, self.store.get(key, out=[region(l) for l in g], layers=g)))
+                    except Exception as exc:  # noqa: BLE001 - a refused read fails its layers
+                        reads.append((g, exc))
+                for g, r in reads:
+                    try:
+                        if isinstance(r, Exception):
+                            raise r
+                        r.result()
+                        ok = True
+                    except Exception as exc:  # noqa: BLE001 - any read error fails the layers, never the step
+                        errors.append(f"{type(exc).__name__}: {exc}")
+                        ok = False
+                    for l in g:
+                        if not ok:  # never restore stale pool bytes (another request's KV) or a torn read
+                            region(l).zero_()
+                            ent.error = errors[0]
+                        gate[l] = GATE_READ if ok else GATE_FAILED
+                        ent.layer_read[l].set()
             finally:
+                for l in range(num_layers):  # whatever happened, no stream or thread waits forever
+                    if not ent.layer_read[l].is_set():
+                        region(l).zero_()
+                        gate[l] = GATE_FAILED
+                        ent.layer_read[l].set()
+                        errors = errors or ["read aborted"]
+                ent.state = "failed" if errors else "ready"
+                if errors:
+                    ent.error = errors[0]
                 with self._io_cv:
                     self._reads_inflight -= 1
                     self._io_cv.notify_all()
@@ -405,9 +509,14 @@ class LayerPipeline:
     def start_load(self, loads: Mapping[Hashable, object]) -> None:
         """Begin restoring ``{key: dst_block_ids}`` layer by layer (vLLM: ``start_load_kv``).
 
-        Each key must be in the host pool (saved earlier, or prefetched from SSD and ready).
-        A key that is missing, failed or still loading does not restore: its destination block
-        ids are reported by :meth:`get_block_ids_with_load_errors` (nothing is written to them).
+        Each key must be in the host pool: saved earlier, or prefetched from SSD — ready, or
+        still being read (a streamed load: each layer's copy waits on the GPU for that layer's
+        read, see the module docstring). A key that is missing or whose read already failed does
+        not restore: its destination block ids are reported by
+        :meth:`get_block_ids_with_load_errors` and nothing is written to them. A streamed read
+        that fails part way writes zeros for the layers whose read failed (never stale or torn
+        bytes), restores the others, and reports all the key's destination blocks (after the
+        step, through the same getter; the key is not reported loaded).
         Issues the first ``prefetch_depth`` layers and returns without waiting.
         """
         self._ensure_open()
@@ -423,7 +532,8 @@ class LayerPipeline:
         for key, block_ids in loads.items():
             ids = self._ids(block_ids, f"loads[{key!r}]")
             ent = self.entries.get(key)
-            ok = ent is not None and ent.state in ("saved", "ready", "saving") and ent.fmt.num_blocks == ids.numel()
+            ok = (ent is not None and ent.state in ("saved", "ready", "saving", "loading")
+                  and ent.fmt.num_blocks == ids.numel())
             if ok and ent.state == "saving":
                 ok = len(ent.layers_done) == self.layout.num_layers
             if not ok:
@@ -432,7 +542,7 @@ class LayerPipeline:
             ent.users += 1
             if ent.done_event is not None and self.cuda:
                 self.h2d_stream.wait_event(ent.done_event)  # a save of it still in flight
-            self._loads.append((ent, ids))
+            self._loads.append((ent, ids, ent.state == "loading"))  # streamed: gate each layer
         for _ in range(min(self.prefetch_depth, self.layout.num_layers)):
             self._issue_load_layer()
 
@@ -441,8 +551,10 @@ class LayerPipeline:
         if layer >= self.layout.num_layers:
             return
         self._next_load_layer += 1
-        for ent, ids in self._loads:
+        for ent, ids, streamed in self._loads:
             f = ent.fmt
+            if streamed:
+                self._gate(ent, layer)  # the layer's bytes are in the host pool (or zeroed on failure)
             for a, b in self._chunks(f.num_blocks):
                 s = self._take_slot("load")
                 slot = self._slots["load"][s]
@@ -462,9 +574,9 @@ class LayerPipeline:
         ev.record(self.pack_stream if self.cuda else None)
         self._load_events[layer] = ev
         if layer == self.layout.num_layers - 1 and self._loads:
-            for ent, _ in self._loads:
+            for ent, _, _ in self._loads:
                 ent.users -= 1
-            self._pending_loads.append((ev, [ent.key for ent, _ in self._loads]))
+            self._pending_loads.append((ev, [(ent, ids) for ent, ids, _ in self._loads]))
 
     def wait_for_layer_load(self, layer: int) -> None:
         """Make the compute stream wait for ``layer``'s restore (a stream wait, not a host wait)
@@ -500,11 +612,16 @@ class LayerPipeline:
                 saved.add(key)
         loaded = set()
         still = []
-        for ev, keys in self._pending_loads:
-            if ev.query():
-                loaded.update(keys)
-            else:
-                still.append((ev, keys))
+        for ev, loads in self._pending_loads:
+            # a streamed read sets its final state just after releasing its last layer
+            if not ev.query() or any(ent.state == "loading" for ent, _ in loads):
+                still.append((ev, loads))
+                continue
+            for ent, ids in loads:
+                if ent.state == "failed":  # streamed read failed part way: its blocks are not valid
+                    self._load_errors.append(ids)
+                else:
+                    loaded.add(ent.key)
         self._pending_loads = still
         return saved, loaded
 

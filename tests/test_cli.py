@@ -69,7 +69,7 @@ def test_bench_pipeline_tiny(tmp_path):
     res = bench_pipeline.run(out_dir=str(tmp_path), tiny=True, plot=False)
     by = {(r["direction"], r["method"]) for r in res["rows"]}
     assert {("-", "compute-alone"), ("offload", "kvk-pipeline"), ("restore", "kvk-pipeline"),
-            ("restore-ssd", "transfer-alone"), ("restore-ssd", "kvk-pipeline")} <= by
+            ("restore-ssd", "transfer-alone"), ("restore-ssd", "kvk-pipeline"), ("restore-ssd", "read-then-restore")} <= by
     assert all(r["wall_ms"] > 0 for r in res["rows"])
     host = [r for r in res["rows"] if r["method"] == "kvk-pipeline" and r["direction"] in ("offload", "restore")]
     assert len(host) == 2 and all(r["issue_us_per_layer"] > 0 for r in host)  # issue 4's host cost, measured

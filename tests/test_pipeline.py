@@ -267,11 +267,21 @@ class _RecordingStore:
             with self.lock:
                 self.log.append(("get-start", key))
             time.sleep(0.3)
-            out.copy_(self.data[key])
+            _copy_regions(self.data[key], out, layers)
             with self.lock:
                 self.log.append(("get-end", key))
             return out
         return self._do(run)
+
+
+def _copy_regions(data, out, layers):
+    """A stand-in store's read: the whole entry, or the regions of ``layers`` into one buffer each
+    (region l of a stored staging buffer sits at l * region_nbytes)."""
+    if layers is None:
+        out.copy_(data)
+        return
+    for o, l in zip(out, layers):
+        o.copy_(data[l * o.numel() : (l + 1) * o.numel()])
 
 
 @pytest.mark.parametrize("read_priority", [True, False])
@@ -330,4 +340,140 @@ def test_offload_to_ssd_then_prefetch_and_restore(tmp_path):
         if DEVICE.type == "cuda":
             torch.cuda.synchronize()
     got = snapshot(lay, [20, 21, 22])
+    assert all(bytes_equal(a, b) for ra, rb in zip(expect, got) for a, b in zip(ra, rb))
+
+
+# ------------------------------------------------ streamed SSD restores (start_load during prefetch)
+class _SlowStore:
+    """In-memory stand-in for KVStore: one read at a time, ``delay`` s each, optional failure of
+    the read that covers ``fail_layer``."""
+
+    def __init__(self, delay=0.05, fail_layer=None):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.data, self.delay, self.fail_layer = {}, delay, fail_layer
+        self.pool = ThreadPoolExecutor(1)
+        self.reads = []  # layers of each read, in order
+
+    def put(self, key, staging, meta):
+        f: Future = Future()
+        self.data[key] = staging.clone()
+        f.set_result(None)
+        return f
+
+    def get(self, key, out=None, layers=None):
+        def run():
+            time.sleep(self.delay)
+            self.reads.append(list(layers) if layers is not None else None)
+            if self.fail_layer is not None and layers is not None and self.fail_layer in layers:
+                for o in out:  # a torn read: some bytes landed before the error
+                    o[: o.numel() // 2].fill_(0x5A)
+                raise OSError("simulated torn read")
+            _copy_regions(self.data[key], out, layers)
+            return out
+        return self.pool.submit(run)
+
+
+def _saved_to(store, lay, blocks, monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "kvkernels.io",
+                        types.SimpleNamespace(EntryMeta=types.SimpleNamespace(for_layout=lambda lay, n: {"n": n})))
+    pipe = LayerPipeline(lay, host_bytes=1 << 20, store=store)
+    run_step_saves(pipe, {"k": ids(blocks)})
+    t0 = time.time()
+    while "k" not in pipe.get_finished()[0] and time.time() - t0 < 10:
+        time.sleep(0.01)
+    assert pipe.evict("k")
+    pipe.pool.buffer.fill_(0xAB)  # stale bytes where the entry will be read: a missed gate shows
+    return pipe
+
+
+def _drain_loads(pipe, timeout=10.0):
+    loaded, t0 = set(), time.time()
+    while time.time() - t0 < timeout:
+        loaded |= pipe.get_finished()[1]
+        if not pipe._pending_loads:
+            return loaded
+        time.sleep(0.01)
+    raise AssertionError("loads did not finish")
+
+
+def test_streamed_ssd_restore_starts_before_the_read_ends(monkeypatch):
+    lay = cache()
+    expect = snapshot(lay, [5, 6])
+    store = _SlowStore(delay=0.05)
+    with _saved_to(store, lay, [5, 6], monkeypatch) as pipe:
+        fut = pipe.prefetch("k", num_blocks=2)
+        time.sleep(0.01)
+        assert pipe.entries["k"].state == "loading"  # the restore is issued while the read runs
+        sync_debug = DEVICE.type == "cuda"
+        if sync_debug:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            t0 = time.perf_counter()
+            run_step_loads(pipe, {"k": ids([20, 21])})
+            issue = time.perf_counter() - t0
+        finally:
+            if sync_debug:
+                torch.cuda.set_sync_debug_mode(0)
+        if DEVICE.type == "cuda":  # the GPU waits on the layers' flags; the host went straight on
+            assert issue < 4 * store.delay, issue
+            torch.cuda.synchronize()
+        assert fut.result(timeout=10).state == "ready"
+        assert store.reads == [[0], [1], [2], [3]]  # one read per group of layers, in order
+        assert _drain_loads(pipe) == {"k"} and pipe.get_block_ids_with_load_errors() == set()
+    got = snapshot(lay, [20, 21])
+    assert all(bytes_equal(a, b) for ra, rb in zip(expect, got) for a, b in zip(ra, rb))
+
+
+def test_streamed_ssd_read_failing_part_way_zeroes_that_layer_and_reports(monkeypatch):
+    lay = cache()
+    expect = snapshot(lay, [5, 6])
+    store = _SlowStore(delay=0.02, fail_layer=2)
+    with _saved_to(store, lay, [5, 6], monkeypatch) as pipe:
+        pipe.prefetch("k", num_blocks=2)
+        run_step_loads(pipe, {"k": ids([20, 21])})
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        loaded = _drain_loads(pipe)
+        ent = pipe.entries["k"]
+        assert ent.state == "failed" and "torn" in ent.error
+        assert loaded == set() and pipe.get_block_ids_with_load_errors() == {20, 21}
+        assert ent.gate.tolist() == [1, 1, 2, 1]  # only layer 2's read failed
+    got = snapshot(lay, [20, 21])
+    for layer in range(L):  # read layers restored; the failed one zero, never torn or stale bytes
+        for a, b in zip(expect[layer], got[layer]):
+            if layer != 2:
+                assert bytes_equal(a, b)
+            else:
+                assert not b.view(-1).view(torch.uint8).any()
+
+
+def test_offload_to_ssd_then_streamed_restore_with_the_real_store(tmp_path):
+    from kvkernels.io import KVStore
+
+    lay = make_cache("vllm-nhd", num_layers=16, num_blocks=NB, block_size=BS, num_heads=H, head_dim=D,
+                     device=DEVICE)  # 16 layers: reads of 2 layers each
+    src, dst = [3, 9, 4], [30, 0, 17]
+    expect = [[lay.views[l][c][src].cpu().clone() for c in range(2)] for l in range(16)]
+    with KVStore(tmp_path) as store, LayerPipeline(lay, host_bytes=1 << 20, store=store) as pipe:
+        for layer in range(16):
+            pipe.save_layer(layer, {"r": ids(src)})
+        pipe.wait_for_save()
+        t0 = time.time()
+        while "r" not in pipe.get_finished()[0] and time.time() - t0 < 20:
+            time.sleep(0.01)
+        assert pipe.evict("r")
+        pipe.pool.buffer.fill_(0xAB)
+        fut = pipe.prefetch("r", num_blocks=3)
+        pipe.start_load({"r": ids(dst)})  # without waiting for the read
+        for layer in range(16):
+            pipe.wait_for_layer_load(layer)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert fut.result(timeout=20).state == "ready"
+        assert _drain_loads(pipe) == {"r"}
+    got = [[lay.views[l][c][dst].cpu() for c in range(2)] for l in range(16)]
     assert all(bytes_equal(a, b) for ra, rb in zip(expect, got) for a, b in zip(ra, rb))
