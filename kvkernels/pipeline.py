@@ -445,10 +445,13 @@ class LayerPipeline:
         num_layers = self.layout.num_layers
         with self._lock:
             ent = self.entries.get(key)
-            if ent is not None and ent.state in ("saved", "ready", "loading", "saving"):
-                fut: Future = Future()
+            if ent is not None and (ent.state in ("saved", "ready", "loading", "saving") or ent.users):
+                fut: Future = Future()  # present (or failed and still read by a load: retry later)
                 fut.set_result(ent)
                 return fut
+            if ent is not None:  # a failed earlier read: its pool region goes back before the retry
+                del self.entries[key]
+                self._release(ent)
             off = self._alloc_host(fmt.nbytes)
             if off is None:
                 fail("host_bytes", f"room for {fmt.nbytes} more bytes in the host pool", f"{self.pool.free_bytes} free")

@@ -477,3 +477,13 @@ def test_offload_to_ssd_then_streamed_restore_with_the_real_store(tmp_path):
         assert _drain_loads(pipe) == {"r"}
     got = [[lay.views[l][c][dst].cpu() for c in range(2)] for l in range(16)]
     assert all(bytes_equal(a, b) for ra, rb in zip(expect, got) for a, b in zip(ra, rb))
+
+
+def test_prefetch_retry_after_a_failed_read_gives_the_region_back():
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20, store=_FailingStore()) as pipe:
+        free = pipe.pool.free_bytes
+        for _ in range(3):
+            ent = pipe.prefetch("k", num_blocks=2).result(timeout=10)
+            assert ent.state == "failed"
+        assert free - pipe.pool.free_bytes == -(-ent.fmt.nbytes // 4096) * 4096  # one region, not three
