@@ -255,6 +255,7 @@ class LayerPipeline:
         self._pending_loads: list[tuple[object, list]] = []  # (last layer's event, [(entry, dst ids)])
         self._load_errors: list = []  # destination ids (tensors or lists) of loads that failed
         self._failed_saves: set[Hashable] = set()
+        self._orphans: list[HostEntry] = []  # replaced entries whose regions are still in use
         # SSD leg: reads (prefetch) and writes (saved entries) on separate threads; a write
         # starts only while no read is in flight (reads first: mixed read/write costs SSDs ~60 %)
         self._io_reads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvk-pipeline-read")
@@ -359,7 +360,7 @@ class LayerPipeline:
         with self._lock:
             old = self.entries.pop(key, None)
             if old is not None:
-                self._release(old)
+                self._drop(old)  # still read by a restore, a prefetch or an SSD put: freed later
             ent = HostEntry(key=key, fmt=fmt, offset=off, buf=self.pool.view(off, fmt.nbytes))
             self.entries[key] = ent
         self._saving[key] = ent
@@ -577,8 +578,8 @@ class LayerPipeline:
         ev.record(self.pack_stream if self.cuda else None)
         self._load_events[layer] = ev
         if layer == self.layout.num_layers - 1 and self._loads:
-            for ent, _, _ in self._loads:
-                ent.users -= 1
+            # the entries stay in use (not evictable, their pool regions and gates untouched) until
+            # get_finished sees this event: the H2D copies may not have run yet
             self._pending_loads.append((ev, [(ent, ids) for ent, ids, _ in self._loads]))
 
     def wait_for_layer_load(self, layer: int) -> None:
@@ -621,11 +622,14 @@ class LayerPipeline:
                 still.append((ev, loads))
                 continue
             for ent, ids in loads:
+                ent.users -= 1  # its H2D copies have run: the entry may be evicted now
                 if ent.state == "failed":  # streamed read failed part way: its blocks are not valid
                     self._load_errors.append(ids)
                 else:
                     loaded.add(ent.key)
         self._pending_loads = still
+        if self._orphans:
+            self._reap()
         return saved, loaded
 
     @property
@@ -646,10 +650,35 @@ class LayerPipeline:
     def _release(self, ent: HostEntry) -> None:
         self.pool.free(ent.offset, ent.fmt.nbytes)
 
+    @staticmethod
+    def _in_use(ent: HostEntry) -> bool:
+        """Something may still read or write the entry's pool region: a restore not yet reported
+        by get_finished, the prefetch filling it, or the SSD put reading it."""
+        return bool(ent.users) or ent.state == "loading" or (ent.ssd_future is not None and not ent.ssd_future.done())
+
+    def _drop(self, ent: HostEntry) -> None:
+        """Free an entry already removed from ``entries`` (caller holds the lock), or park it
+        until nothing uses its region (freed by :meth:`_reap`)."""
+        if self._in_use(ent):
+            self._orphans.append(ent)
+        else:
+            self._release(ent)
+
+    def _reap(self) -> None:
+        with self._lock:
+            keep = []
+            for ent in self._orphans:
+                if self._in_use(ent):
+                    keep.append(ent)
+                else:
+                    self._release(ent)
+            self._orphans = keep
+
     def _alloc_host(self, nbytes: int) -> int | None:
         """A pool region for ``nbytes``, evicting finished entries if needed; None if none fits."""
         off = self.pool.alloc(nbytes)
         if off is None:
+            self._reap()
             self._evict_for(nbytes)
             off = self.pool.alloc(nbytes)
         return off

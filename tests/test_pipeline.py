@@ -487,3 +487,49 @@ def test_prefetch_retry_after_a_failed_read_gives_the_region_back():
             ent = pipe.prefetch("k", num_blocks=2).result(timeout=10)
             assert ent.state == "failed"
         assert free - pipe.pool.free_bytes == -(-ent.fmt.nbytes // 4096) * 4096  # one region, not three
+
+
+def test_restored_entry_stays_in_use_until_get_finished_reports_it():
+    # the H2D copies of a restore may run after start_load / wait_for_layer_load return: the
+    # entry's pool region must not be evicted and reused before get_finished saw them complete
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        run_step_saves(pipe, {"a": ids([1, 2])})
+        assert "a" in drain(pipe)[0]
+        run_step_loads(pipe, {"a": ids([8, 9])})
+        assert not pipe.evict("a")
+        assert _drain_loads(pipe) == {"a"}
+        assert pipe.evict("a")
+
+
+class _SlowPutStore(_SlowStore):
+    def put(self, key, staging, meta):
+        data = staging.clone()
+
+        def run():
+            time.sleep(0.3)
+            self.data[key] = data
+        return self.pool.submit(run)
+
+
+def test_resaving_a_key_keeps_the_old_region_while_its_ssd_put_reads_it(monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "kvkernels.io",
+                        types.SimpleNamespace(EntryMeta=types.SimpleNamespace(for_layout=lambda lay, n: {"n": n})))
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20, store=_SlowPutStore()) as pipe:
+        free0 = pipe.pool.free_bytes
+        run_step_saves(pipe, {"a": ids([1, 2])})
+        one = free0 - pipe.pool.free_bytes
+        t0 = time.time()
+        while pipe.entries["a"].ssd_future is None and time.time() - t0 < 5:
+            time.sleep(0.005)
+        run_step_saves(pipe, {"a": ids([3, 4])})  # re-saved while the first put still reads its region
+        assert free0 - pipe.pool.free_bytes == 2 * one
+        t0 = time.time()
+        while pipe._orphans and time.time() - t0 < 10:
+            pipe.get_finished()
+            time.sleep(0.02)
+        assert not pipe._orphans and free0 - pipe.pool.free_bytes == one  # freed once the put ended
