@@ -281,7 +281,7 @@ def emu_lib(tmp_path_factory):
 def emulated_cuda(emu_lib, monkeypatch):
     """``backend="cuda"`` on CPU tensors runs kvkernels/_cuda.py's launchers (argument order, vec16
     choice, gap zeroing) against the emulated kernels. Not checked here: capi.cu's precondition
-    checks, device guard and stream, and everything about real GPU execution."""
+    checks (test_capi_* below), device guard and stream, and everything about real GPU execution."""
     from types import SimpleNamespace
 
     from kvkernels import _cuda
@@ -668,3 +668,119 @@ def test_emulated_bulk_copy_default_off_and_layer_subsets(emulated_copy, monkeyp
     ref = kvkernels.gather(lay, [3, 0, 3], layers=[1], backend="torch")
     assert torch.equal(kvkernels.gather(lay, [3, 0, 3], layers=[1], backend="cuda"), ref)
     assert emulated_copy[-1] == "kvk_bulk_copy"
+
+
+# ---------------------------------- capi.cu's precondition checks, on the real library, without a GPU
+# Every entry point checks its arguments before its first CUDA call, so the library built here
+# (it loads: libcudart is part of the toolkit) answers them on a machine with no device. With
+# valid arguments the first thing to fail is the device query, which proves the checks passed.
+@pytest.fixture(scope="module")
+def capi(tmp_path_factory):
+    from kvkernels import _cuda
+
+    path = build.build(str(tmp_path_factory.mktemp("capi")))
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as exc:
+        pytest.skip(f"the built library does not load here: {exc}")
+    _cuda._declare(lib)
+    return lib
+
+
+#            to_st ptr_tab block_ids ids64 staging  err    n  nb  C  R  H  rows row   sb    sn   sh   region entry
+_COPY_OK = [1, 4096, 8192, 1, 1 << 20, 12288, 2, 8, 2, 1, 2, 32, 256, 8192, 512, 256, 32768, 16384]
+_COPY_IDX = {name: i for i, name in enumerate(["to_staging", "ptr_tab", "block_ids", "ids_64", "staging", "err", "n",
+                                               "num_blocks", "C", "num_regions", "H", "rows", "row_bytes",
+                                               "stride_b", "stride_n", "stride_h", "region_bytes", "entry_bytes"])}
+_COMMON_BAD = [({"ptr_tab": 0}, "ptr_tab"), ({"block_ids": 0}, "block_ids"), ({"staging": 0}, "staging"),
+               ({"err": 0}, "err"), ({"n": 0}, "n, num_regions"), ({"C": 3}, "C: expected 1 or 2"),
+               ({"rows": 33}, "rows: expected a positive multiple of H"), ({"row_bytes": 0}, "row_bytes"),
+               ({"entry_bytes": 8192}, "smaller than the payload")]
+
+
+def _copy_args(**changes):
+    args = list(_COPY_OK)
+    for k, v in changes.items():
+        args[_COPY_IDX[k]] = v
+    return args
+
+
+def _last_error(lib) -> str:
+    return lib.kvk_last_error().decode()
+
+
+@needs_nvcc
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the GPU-less answers (on a GPU the device query passes)")
+@pytest.mark.parametrize("changes, match", _COMMON_BAD + [({"staging": (1 << 20) + 8}, "does not divide"),
+                                                          ({"stride_n": 520}, "does not divide")])
+def test_capi_paged_copy_rejects_each_bad_argument(capi, changes, match):
+    assert capi.kvk_paged_copy(*_copy_args(), 16, 0, 0, 0) != 0
+    assert _last_error(capi).startswith("cudaGetDevice")  # valid arguments reach the device query
+    assert capi.kvk_paged_copy(*_copy_args(**changes), 16, 0, 0, 0) != 0
+    assert match in _last_error(capi)
+    assert capi.kvk_paged_copy(*_copy_args(), 3, 0, 0, 0) != 0 and "word: expected" in _last_error(capi)
+    assert capi.kvk_paged_copy(*_copy_args(), 16, -1, 0, 0) != 0 and "max_ctas" in _last_error(capi)
+
+
+@needs_nvcc
+@pytest.mark.skipif(build.cutlass_include() is None, reason="CUTLASS headers not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the GPU-less answers (on a GPU the device query passes)")
+@pytest.mark.parametrize("changes, match", _COMMON_BAD + [
+    ({"staging": (1 << 20) + 8}, "multiples of 16"), ({"row_bytes": 248, "stride_h": 248}, "multiples of 16"),
+    ({"stride_h": 4096}, "not contiguous"), ({"stride_n": 1024}, "not contiguous")])
+def test_capi_bulk_copy_rejects_each_bad_argument(capi, changes, match):
+    assert capi.kvk_features() & 1
+    assert capi.kvk_bulk_copy(*_copy_args(), 0, 0, 0) != 0
+    assert _last_error(capi).startswith("cudaGetDevice")  # valid arguments reach the device query
+    assert capi.kvk_bulk_copy(*_copy_args(**changes), 0, 0, 0) != 0
+    assert match in _last_error(capi)
+    assert capi.kvk_bulk_copy(*_copy_args(), -1, 0, 0) != 0 and "max_ctas" in _last_error(capi)
+    # one KV head or one token per block: contiguous whatever those strides say
+    one_head = _copy_args(H=1, rows=16, stride_h=0, stride_n=256, stride_b=4096, entry_bytes=8192, region_bytes=16384)
+    assert capi.kvk_bulk_copy(*one_head, 0, 0, 0) != 0 and _last_error(capi).startswith("cudaGetDevice")
+
+
+#            ptr_tab block_ids ids64 staging err    n  nb C  R  H  bs  D    sb    sn   sh   region q_entry s_base s_entry
+_FP8_OK = [4096, 8192, 1, 1 << 20, 12288, 2, 8, 2, 1, 2, 16, 128, 8192, 512, 256, 20480, 8192, 16384, 256]
+_FP8_IDX = {k: i for i, k in enumerate(["ptr_tab", "block_ids", "ids_64", "staging", "err", "n", "num_blocks", "C",
+                                        "num_regions", "H", "block_size", "head_dim", "stride_b", "stride_n",
+                                        "stride_h", "region_bytes", "q_entry_bytes", "scale_base_bytes",
+                                        "scale_entry_bytes"])}
+
+
+@needs_nvcc
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the GPU-less answers (on a GPU the device query passes)")
+@pytest.mark.parametrize("changes, tail, match", [
+    ({}, (5, 0, 1, 0), "kind: expected"),
+    ({"head_dim": 0}, (0, 0, 1, 0), "H, block_size, head_dim"),
+    ({"stride_n": 513}, (0, 0, 0, 0), "multiples of the element size"),
+    ({"stride_n": 520}, (0, 0, 1, 0), "vec16"),
+    ({"staging": (1 << 20) + 8}, (0, 0, 0, 0), "16-byte aligned"),
+    ({"q_entry_bytes": 4096}, (0, 0, 1, 0), "q_entry_bytes"),
+    ({"scale_entry_bytes": 128}, (0, 0, 1, 0), "scale_entry_bytes"),
+    ({"scale_base_bytes": 8192}, (0, 0, 1, 0), "scale_base_bytes"),
+    ({"region_bytes": 16384}, (0, 0, 1, 0), "region_bytes: smaller"),
+    ({}, (0, 0, 1, -1), "max_ctas"),
+])
+def test_capi_fp8_rejects_each_bad_argument(capi, changes, tail, match):
+    def args(**ch):
+        a = list(_FP8_OK)
+        for k, v in ch.items():
+            a[_FP8_IDX[k]] = v
+        return a
+
+    for fn in (capi.kvk_quant_gather, capi.kvk_dequant_scatter):
+        assert fn(*args(), 0, 0, 1, 0, 0, 0) != 0 and _last_error(capi).startswith("cudaGetDevice")
+        assert fn(*args(**changes), *tail, 0, 0) != 0
+        assert match in _last_error(capi)
+
+
+@needs_nvcc
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the GPU-less answers (on a GPU the device query passes)")
+def test_capi_shuffle_rejects_bad_sections(capi):
+    base = [1, 4096, 8192, 1, 1 << 20, 12288, 2, 8, 2, 1, 2, 16, 128, 8192, 512, 256]
+    assert capi.kvk_shuffle_copy(*base, 32768, 16384, 1, 0, 0, 0) != 0
+    assert _last_error(capi).startswith("cudaGetDevice")
+    assert capi.kvk_shuffle_copy(*base, 32768, 16000, 1, 0, 0, 0) != 0 and "two byte planes" in _last_error(capi)
+    assert capi.kvk_shuffle_copy(*base, 16384, 16384, 1, 0, 0, 0) != 0 and "C * entry_bytes" in _last_error(capi)
+    assert capi.kvk_shuffle_copy(*base, 32768, 16384, 1, -2, 0, 0) != 0 and "max_ctas" in _last_error(capi)
