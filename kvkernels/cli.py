@@ -89,6 +89,8 @@ def demo(model: str = "llama3-8b", *, blocks: int | None = None, layout: str = "
             res["store_get_s"] = time.perf_counter() - t0
         restored = restored.to(dev)
         say(f"  store: put {host.numel() / res['store_put_s'] / 1e9:.2f} GB/s, get {host.numel() / res['store_get_s'] / 1e9:.2f} GB/s ({store_dir})")
+    kvkernels.scatter(restored, dst, torch.full_like(dst_ids, -1), backend=backend)  # warm-up: all padding, writes nothing
+    _sync(dev)
     t0 = time.perf_counter()
     kvkernels.scatter(restored, dst, dst_ids, backend=backend)
     _sync(dev)
