@@ -164,6 +164,12 @@ class PinnedPool:
         with self._lock:
             return sum(sz for _, sz in self._free)
 
+    @property
+    def largest_free(self) -> int:
+        """The largest region ``alloc`` could return now."""
+        with self._lock:
+            return max((sz for _, sz in self._free), default=0)
+
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.buffer[offset : offset + nbytes]
 
@@ -256,6 +262,7 @@ class LayerPipeline:
         self._load_errors: list = []  # destination ids (tensors or lists) of loads that failed
         self._failed_saves: set[Hashable] = set()
         self._orphans: list[HostEntry] = []  # replaced entries whose regions are still in use
+        self._saves_failing: dict[Hashable, set] = {}  # saves without host memory: layers seen so far
         # SSD leg: reads (prefetch) and writes (saved entries) on separate threads; a write
         # starts only while no read is in flight (reads first: mixed read/write costs SSDs ~60 %)
         self._io_reads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvk-pipeline-read")
@@ -340,11 +347,17 @@ class LayerPipeline:
             raise RuntimeError("LayerPipeline is closed")
 
     # ------------------------------------------------------------------ save (offload)
-    def _entry_for_save(self, key, n: int) -> HostEntry | None:
+    def _entry_for_save(self, key, n: int, layer: int) -> HostEntry | None:
         ent = self._saving.get(key)
         if ent is not None:
             check(ent.fmt.num_blocks == n, "saves", f"{ent.fmt.num_blocks} blocks for key {key!r} (as at its first layer)", n)
             return ent
+        failed = self._saves_failing.get(key)
+        if failed is not None:  # no host memory at its first layer: the whole save stays failed
+            failed.add(layer)
+            if len(failed) == self.layout.num_layers:
+                del self._saves_failing[key]
+            return None
         fmt = StagingFormat.for_layout(self.layout, n)
         with self._lock:  # re-saving a key: its old host copy goes first if nothing reads it
             old = self.entries.get(key)
@@ -356,6 +369,8 @@ class LayerPipeline:
         off = self._alloc_host(fmt.nbytes)
         if off is None:
             self._failed_saves.add(key)
+            if self.layout.num_layers > 1:  # its later layers must not start a partial entry
+                self._saves_failing[key] = {layer}
             return None
         with self._lock:
             old = self.entries.pop(key, None)
@@ -383,7 +398,7 @@ class LayerPipeline:
         self.pack_stream.wait_event(ready)
         for key, block_ids in saves.items():
             ids = self._ids(block_ids, f"saves[{key!r}]")
-            ent = self._entry_for_save(key, ids.numel())
+            ent = self._entry_for_save(key, ids.numel(), layer)
             if ent is None:
                 continue
             f = ent.fmt
@@ -471,7 +486,11 @@ class LayerPipeline:
             errors: list[str] = []
             try:
                 reads = []
+                mismatch = self._stored_mismatch(key, num_blocks)
                 for g in _layer_groups(num_layers):
+                    if mismatch is not None:  # e.g. fewer blocks stored: short reads would leave stale bytes
+                        reads.append((g, ValueError(mismatch)))
+                        continue
                     try:
                         reads.append((g, self.store.get(key, out=[region(l) for l in g], layers=g)))
                     except Exception as exc:  # noqa: BLE001 - a refused read fails its layers
@@ -508,7 +527,35 @@ class LayerPipeline:
 
         with self._io_cv:
             self._reads_inflight += 1
-        return self._io_reads.submit(run)
+        try:
+            return self._io_reads.submit(run)
+        except RuntimeError:  # close() shut the readers down meanwhile: undo, leave nothing loading
+            with self._io_cv:
+                self._reads_inflight -= 1
+                self._io_cv.notify_all()
+            with self._lock:
+                if self.entries.get(key) is ent:
+                    del self.entries[key]
+                ent.state, ent.error = "failed", "LayerPipeline is closed"
+                gate[:] = GATE_FAILED
+                for e in ent.layer_read:
+                    e.set()
+                self._release(ent)
+            raise RuntimeError("LayerPipeline is closed") from None
+
+    def _stored_mismatch(self, key, num_blocks: int) -> str | None:
+        """Why the store's entry for ``key`` is not what ``prefetch(key, num_blocks=)`` expects
+        (blocks, shape, dtype, raw scheme), or None. Stores without ``header`` are trusted."""
+        header = getattr(self.store, "header", None)
+        h = header(key) if header is not None else None
+        if h is None:
+            return None  # a miss: the read itself reports it
+        from kvkernels.io import EntryMeta
+
+        want = EntryMeta.for_layout(self.layout, num_blocks)
+        if h.meta != want:
+            return f"stored entry {h.meta} is not the {want} asked for"
+        return None
 
     def start_load(self, loads: Mapping[Hashable, object]) -> None:
         """Begin restoring ``{key: dst_block_ids}`` layer by layer (vLLM: ``start_load_kv``).
@@ -521,9 +568,11 @@ class LayerPipeline:
         that fails part way writes zeros for the layers whose read failed (never stale or torn
         bytes), restores the others, and reports all the key's destination blocks (after the
         step, through the same getter; the key is not reported loaded).
-        Issues the first ``prefetch_depth`` layers and returns without waiting.
+        Issues the first ``prefetch_depth`` layers and returns without waiting. Bad arguments
+        raise before anything is issued or changed.
         """
         self._ensure_open()
+        checked = [(key, self._ids(block_ids, f"loads[{key!r}]")) for key, block_ids in loads.items()]
         while self._loads and self._next_load_layer < self.layout.num_layers:
             self._issue_load_layer()  # a previous load not waited to the end: finish issuing it
         self._loads = []
@@ -533,8 +582,7 @@ class LayerPipeline:
         start.record(self._compute_stream())  # earlier users of the destination blocks are done
         self.h2d_stream.wait_event(start)
         self.pack_stream.wait_event(start)
-        for key, block_ids in loads.items():
-            ids = self._ids(block_ids, f"loads[{key!r}]")
+        for key, ids in checked:
             ent = self.entries.get(key)
             ok = (ent is not None and ent.state in ("saved", "ready", "saving", "loading")
                   and ent.fmt.num_blocks == ids.numel())
@@ -617,13 +665,12 @@ class LayerPipeline:
         loaded = set()
         still = []
         for ev, loads in self._pending_loads:
-            # a streamed read sets its final state just after releasing its last layer
-            if not ev.query() or any(ent.state == "loading" for ent, _ in loads):
+            if not ev.query():
                 still.append((ev, loads))
                 continue
             for ent, ids in loads:
                 ent.users -= 1  # its H2D copies have run: the entry may be evicted now
-                if ent.state == "failed":  # streamed read failed part way: its blocks are not valid
+                if self._read_failed(ent):  # a streamed read failed part way: its blocks are not valid
                     self._load_errors.append(ids)
                 else:
                     loaded.add(ent.key)
@@ -631,6 +678,15 @@ class LayerPipeline:
         if self._orphans:
             self._reap()
         return saved, loaded
+
+    @staticmethod
+    def _read_failed(ent: HostEntry) -> bool:
+        """Whether a prefetched entry has a layer whose read failed. Read from the gates, which are
+        final before the restore could pass them (``state`` is set a moment after the last gate
+        opens, so a finished restore may still see ``loading``)."""
+        if ent.gate is None:
+            return ent.state == "failed"
+        return bool((ent.gate.numpy() == GATE_FAILED).any())
 
     @property
     def failed_saves(self) -> set:
@@ -685,9 +741,10 @@ class LayerPipeline:
 
     def _evict_for(self, nbytes: int) -> None:
         """Free finished entries (oldest first) until ``nbytes`` could fit."""
+        need = _round_up(max(nbytes, 1), REGION_ALIGN)
         with self._lock:
             for key in list(self.entries):
-                if self.pool.free_bytes >= nbytes + REGION_ALIGN:
+                if self.pool.largest_free >= need:  # one piece must fit, not the sum of the pieces
                     return
                 ent = self.entries[key]
                 if ent.state in ("saved", "ready", "failed") and ent.users == 0:
@@ -708,8 +765,8 @@ class LayerPipeline:
         """Wait for background SSD work and release the pool (a host wait: not on the step path)."""
         if self._closed:
             return
+        self._closed = True  # first: a prefetch racing close() is refused, not left half-submitted
         self._io_reads.shutdown(wait=True)
-        self._closed = True
         with self._io_cv:
             self._io_cv.notify_all()
         self._io_writes.shutdown(wait=True)

@@ -533,3 +533,103 @@ def test_resaving_a_key_keeps_the_old_region_while_its_ssd_put_reads_it(monkeypa
             pipe.get_finished()
             time.sleep(0.02)
         assert not pipe._orphans and free0 - pipe.pool.free_bytes == one  # freed once the put ended
+
+
+# ------------------------------------------------ regressions found by review (2026-11-23)
+def _one_entry_bytes(lay, n):
+    from kvkernels import StagingFormat
+
+    return -(-StagingFormat.for_layout(lay, n).nbytes // 4096) * 4096
+
+
+def test_save_without_room_at_its_first_layer_stays_failed_for_all_layers():
+    # room appearing between layers must not start a partial entry at layer 1 (it would stay
+    # "saving" for ever, or complete later with layers from two different steps)
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=_one_entry_bytes(lay, 2)) as pipe:
+        run_step_saves(pipe, {"a": ids([1, 2])})
+        assert "a" in drain(pipe)[0]
+        run_step_loads(pipe, {"a": ids([20, 21])})  # "a" in use until get_finished
+        pipe.save_layer(0, {"b": ids([5, 6])})
+        assert pipe.failed_saves == {"b"}
+        assert _drain_loads(pipe) == {"a"}  # room now: "a" could be evicted
+        for layer in range(1, L):
+            pipe.save_layer(layer, {"b": ids([5, 6])})
+        assert "b" not in pipe.entries and not pipe._saving and not pipe._saves_failing
+        run_step_saves(pipe, {"b": ids([7, 8])})  # the next step's save of "b" is whole
+        assert "b" in drain(pipe)[0] and pipe.entries["b"].layers_done == set(range(L))
+
+
+def test_eviction_frees_until_one_piece_fits():
+    lay = cache()
+    one = _one_entry_bytes(lay, 4)
+    with LayerPipeline(lay, host_bytes=3 * one) as pipe:
+        run_step_saves(pipe, {"x": ids([0, 1, 2, 3]), "y": ids([4, 5, 6, 7]), "z": ids([8, 9, 10, 11])})
+        drain(pipe)
+        assert pipe.evict("x") and pipe.evict("z")  # two free pieces, neither big enough for 6 blocks
+        assert pipe.pool.free_bytes >= _one_entry_bytes(lay, 6) > pipe.pool.largest_free
+        run_step_saves(pipe, {"big": ids(list(range(12, 18)))})
+        assert not pipe.failed_saves and "big" in pipe.entries and "y" not in pipe.entries
+
+
+def test_start_load_with_a_bad_key_changes_nothing():
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        run_step_saves(pipe, {"a": ids([1, 2])})
+        drain(pipe)
+        before = snapshot(lay, [20, 21])
+        with pytest.raises(ValueError, match=r"loads\['b'\]"):
+            pipe.start_load({"a": ids([20, 21]), "b": torch.tensor([], dtype=torch.int64)})
+        run_step_loads(pipe, {})  # the next step must not restore "a" into the refused call's blocks
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert drain(pipe)[1] == set() and pipe.evict("a")
+    after = snapshot(lay, [20, 21])
+    assert all(bytes_equal(a, b) for ra, rb in zip(before, after) for a, b in zip(ra, rb))
+
+
+def test_prefetch_of_a_stored_entry_of_another_size_fails_instead_of_reading_short(tmp_path):
+    from kvkernels.io import KVStore
+
+    lay = cache()
+    with KVStore(tmp_path) as store, LayerPipeline(lay, host_bytes=1 << 20, store=store) as pipe:
+        run_step_saves(pipe, {"k": ids([5, 6])})
+        t0 = time.time()
+        while "k" not in pipe.get_finished()[0] and time.time() - t0 < 20:
+            time.sleep(0.01)
+        assert pipe.evict("k")
+        pipe.pool.buffer.fill_(0xAB)
+        ent = pipe.prefetch("k", num_blocks=3).result(timeout=20)  # stored with 2 blocks
+        assert ent.state == "failed" and "num_blocks=2" in ent.error
+        run_step_loads(pipe, {"k": ids([20, 21, 22])})
+        assert pipe.get_block_ids_with_load_errors() == {20, 21, 22}
+
+
+def test_streamed_failure_is_reported_by_the_steps_own_get_finished(monkeypatch):
+    # the reading thread sets the entry's state a moment after opening the last gate; the step's
+    # get_finished must still count the failure (from the gates), not report it a step late
+    import threading
+
+    import kvkernels.pipeline as P
+
+    class LateEvent(threading.Event):
+        last = False
+
+        def set(self):
+            super().set()
+            if self.last:
+                time.sleep(0.3)  # the reading thread descheduled after the last gate
+
+    lay = cache()
+    store = _SlowStore(delay=0.01, fail_layer=1)
+    with _saved_to(store, lay, [5, 6], monkeypatch) as pipe:
+        monkeypatch.setattr(P.threading, "Event", LateEvent)
+        fut = pipe.prefetch("k", num_blocks=2)
+        monkeypatch.setattr(P.threading, "Event", threading.Event)
+        pipe.entries["k"].layer_read[-1].last = True
+        run_step_loads(pipe, {"k": ids([20, 21])})
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert pipe.entries["k"].state == "loading"  # the race window
+        assert _drain_loads(pipe) == set() and pipe.get_block_ids_with_load_errors() == {20, 21}
+        fut.result(timeout=10)
