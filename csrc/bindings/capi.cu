@@ -2,6 +2,7 @@
 // stream handle in; an int status out (0 = ok); kvk_last_error() explains a non-zero status.
 // No torch headers and no C++ types cross the boundary, so the library does not depend on the
 // torch ABI of the process that loads it (docs/csrc.md).
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <cuda_runtime.h>
@@ -159,21 +160,48 @@ int fp8_copy(bool gather, const int64_t* ptr_tab, const void* block_ids, int ids
 // Grid: max_ctas when given, else persistent — as many CTAs as fit on the device at once
 // (occupancy x SMs), so that every CTA pipelines several pieces through its stages instead of one
 // CTA per piece using one stage of its shared memory.
-template <int S>
-cudaError_t launch_bulk(bool gather, const kvk::PagedCopyParams& p, int64_t piece, int64_t units, int64_t max_ctas,
-                        int device, cudaStream_t s) {
-  const int smem = static_cast<int>(S * piece);
-  auto kernel = gather ? kvk::bulk_copy_kernel<S, true> : kvk::bulk_copy_kernel<S, false>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e != cudaSuccess) return e;
-  if (max_ctas == 0) {
+// Per (device, kernel): the shared-memory opt-in (set once, to the most any launch needs: S stages
+// of kBulkPiece) and the persistent grid at that size, cached so a launch costs no extra runtime
+// calls. Races between host threads only repeat the same idempotent set-up.
+constexpr int kMaxDevices = 64;
+
+template <int S, bool kGather>
+cudaError_t bulk_setup(int device, int64_t* persistent_grid) {
+  static std::atomic<int64_t> grid[kMaxDevices];  // 0: not set up yet
+  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
+  int64_t g = grid[device].load(std::memory_order_acquire);
+  if (g == 0) {
+    auto kernel = kvk::bulk_copy_kernel<S, kGather>;
+    const int smem = static_cast<int>(kvk::kBulkSmem);  // S * piece never exceeds it (bulk_plan)
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
     int per_sm = 0, sms = 0;
     if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kvk::kBulkThreads, smem)) != cudaSuccess)
       return e;
     if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return e;
-    max_ctas = static_cast<int64_t>(per_sm > 0 ? per_sm : 1) * sms;
+    g = static_cast<int64_t>(per_sm > 0 ? per_sm : 1) * sms;
+    grid[device].store(g, std::memory_order_release);
   }
-  kernel<<<grid_size(units, max_ctas), kvk::kBulkThreads, smem, s>>>(p, piece);
+  *persistent_grid = g;
+  return cudaSuccess;
+}
+
+// Grid: max_ctas when given, else persistent — as many CTAs as fit on the device at once
+// (occupancy x SMs at the largest stage set), so that every CTA pipelines several pieces through
+// its stages instead of one CTA per piece using one stage of its shared memory.
+template <int S>
+cudaError_t launch_bulk(bool gather, const kvk::PagedCopyParams& p, int64_t piece, int64_t units, int64_t max_ctas,
+                        int device, cudaStream_t s) {
+  int64_t persistent = 0;
+  cudaError_t e = gather ? bulk_setup<S, true>(device, &persistent) : bulk_setup<S, false>(device, &persistent);
+  if (e != cudaSuccess) return e;
+  const int grid = grid_size(units, max_ctas > 0 ? max_ctas : persistent);
+  const size_t smem = static_cast<size_t>(S * piece);
+  if (gather) {
+    kvk::bulk_copy_kernel<S, true><<<grid, kvk::kBulkThreads, smem, s>>>(p, piece);
+  } else {
+    kvk::bulk_copy_kernel<S, false><<<grid, kvk::kBulkThreads, smem, s>>>(p, piece);
+  }
   return cudaGetLastError();
 }
 }  // namespace

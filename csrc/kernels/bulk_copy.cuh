@@ -34,6 +34,14 @@
 #else
 #define KVK_BULK_BODY 0
 #endif
+// CuTe enables its SM90 bulk copies for sm_90 / sm_90a (and the `a` / `f` targets of later GPUs),
+// not for a plain sm_100 / sm_120 target: compiling one of those with CUTLASS would give an empty
+// kernel that kvk_features() still advertises. Refuse instead (csrc/build.py embeds compute_90
+// PTX, which later GPUs JIT with the body).
+#if defined(KVK_HAVE_CUTE) && !defined(KVK_EMULATE) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && \
+    !KVK_BULK_BODY
+#error "bulk_copy.cuh: this target has no CuTe SM90 bulk copies; build sm_90 / sm_90a (build.py ARCHS)"
+#endif
 
 namespace kvk {
 
@@ -55,7 +63,11 @@ inline void wait_read() {}
 inline void wait_all() {}
 #elif KVK_BULK_BODY
 __device__ __forceinline__ void init(uint64_t* bar) { cutlass::arch::ClusterTransactionBarrier::init(bar, 1); }
-__device__ __forceinline__ void fence_init() { cutlass::arch::fence_barrier_init(); }
+// the barriers' initialisation visible to the async proxy that completes their transactions
+__device__ __forceinline__ void fence_init() {
+  cutlass::arch::fence_barrier_init();
+  cutlass::arch::fence_view_async_shared();
+}
 // arrive (the one arrival the barrier expects) with `bytes` of transactions, then the bulk load
 // that completes them
 __device__ __forceinline__ void load(uint64_t* bar, void* smem, const void* gmem, int bytes) {
@@ -142,14 +154,20 @@ __global__ void __launch_bounds__(kBulkThreads) bulk_copy_kernel(PagedCopyParams
   const int64_t units = p.num_items * pieces;
   const int64_t first = blockIdx.x, step = gridDim.x;
   uint32_t phase = 0;  // bit s: parity of stage s's next completion
-  auto issue_load = [&](int64_t k) {
+  // decode unit k (once: ids, pointer table, index divisions) into its stage's slot of staged[];
+  // the previous unit of that stage was consumed S - L iterations ago
+  auto decode = [&](int64_t k) {
     const int64_t u = first + k * step;
-    if (u >= units) return;
-    const BulkUnit x = bulk_unit<kToStaging>(p, u, pieces, piece, chunk, true);  // once per unit
-    staged[k % S] = x;
+    staged[k % S] = u < units ? bulk_unit<kToStaging>(p, u, pieces, piece, chunk, true) : BulkUnit{nullptr, nullptr, 0, 0};
+  };
+  auto issue_load = [&](int64_t k) {
+    const BulkUnit& x = staged[k % S];
     if (x.kind == 1) bulk::load(&bars[k % S], smem + (k % S) * piece, x.src, x.bytes);
   };
-  for (int64_t k = 0; k < L; ++k) issue_load(k);
+  for (int64_t k = 0; k < L; ++k) {
+    decode(k);
+    issue_load(k);
+  }
   for (int64_t k = 0; first + k * step < units; ++k) {
     const int s = static_cast<int>(k % S);
     const BulkUnit x = staged[s];  // written by issue_load(k); the next write is issue_load(k + S)
@@ -162,6 +180,7 @@ __global__ void __launch_bounds__(kBulkThreads) bulk_copy_kernel(PagedCopyParams
       for (int q = 0; q < x.bytes / 16; ++q) d[q] = uint4{0, 0, 0, 0};
     }
     bulk::commit();  // one group per unit (empty for padding), so the count below holds
+    decode(k + L);   // its latency overlaps the stores still reading
     // unit k + L reuses the stage of unit k + L - S, whose store is S - L groups back
     bulk::wait_read<S - L>();
     issue_load(k + L);
