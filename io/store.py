@@ -167,6 +167,7 @@ class KVStore:
         # digests renamed into place but not yet visible (directory fsync pending): a drop of their
         # older version must not unlink or rename the path, which already holds the new file
         self._publishing: dict[bytes, int] = {}
+        self._renames: dict[bytes, int] = {}  # digest -> count of renames while some are publishing
         self._pins: dict[bytes, int] = {}  # digest -> pin count: pinned entries are never evicted
         self._inflight = 0
         self._inflight_cv = threading.Condition()
@@ -178,6 +179,7 @@ class KVStore:
         # puts end (header, fdatasync, rename, directory fsync) on these threads, off the workers
         self._committer = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="kvk-store-commit")
         self._closed = False
+        self._submit_lock = threading.Lock()
         self._stats = {k: 0 for k in ("puts", "put_errors", "gets", "hits", "misses", "corrupt", "replaced_reads",
                                       "evictions", "bytes_written", "bytes_read")}
         self._stats.update(write_s=0.0, read_s=0.0)
@@ -195,7 +197,7 @@ class KVStore:
 
     # ------------------------------------------------------------------ recovery
     def _recover(self) -> dict:
-        report = {"removed_temporaries": 0, "bad_files": [], "entries": 0}
+        report = {"removed_temporaries": 0, "removed_duplicates": 0, "bad_files": [], "entries": 0}
         found = []
         for root in self.paths:
             for shard in sorted(os.listdir(root)):
@@ -229,6 +231,11 @@ class KVStore:
                     except (OSError, EOFError) as exc:
                         report["bad_files"].append((p, str(exc)))
         for _, digest, ent in sorted(found, key=lambda x: x[0]):
+            old = self._index.pop(digest, None)
+            if old is not None:  # a copy under another root (the paths changed): the newest wins
+                self._used -= old.nbytes
+                self._unlink(old.path)
+                report["removed_duplicates"] += 1
             self._index[digest] = ent
             self._used += ent.nbytes
         report["entries"] = len(self._index)
@@ -236,19 +243,30 @@ class KVStore:
 
     # ------------------------------------------------------------------ workers
     def _submit(self, prio: int, fn) -> Future:
-        if self._closed:
-            raise RuntimeError("KVStore is closed")
-        fut: Future = Future()
-        self._q.put((prio if self.read_priority else 0, next(self._seq), fn, fut))
-        return fut
+        return self._submit_many(prio, [fn])[0]
+
+    def _submit_many(self, prio: int, fns) -> list[Future]:
+        """Queue requests, all or none (a closed store raises). Their futures are already running:
+        a request holds reservations (in-flight bytes, a reader of its entry) that only running
+        it gives back, so a caller's ``cancel()`` must not skip it. The closed check and the
+        enqueue are one step with ``close()``, so nothing is queued behind the workers' stop."""
+        futs = []
+        for _ in fns:
+            fut: Future = Future()
+            fut.set_running_or_notify_cancel()
+            futs.append(fut)
+        with self._submit_lock:
+            if self._closed:
+                raise RuntimeError("KVStore is closed")
+            for fn, fut in zip(fns, futs):
+                self._q.put((prio if self.read_priority else 0, next(self._seq), fn, fut))
+        return futs
 
     def _worker(self) -> None:
         while True:
             _, _, fn, fut = self._q.get()
             if fn is None:
                 return
-            if not fut.set_running_or_notify_cancel():
-                continue
             try:
                 res = fn()
             except BaseException as exc:  # delivered through the future
@@ -370,32 +388,51 @@ class KVStore:
             with self._lock:  # renames happen under the lock, as drops' unlinks do
                 os.replace(tmp, final)
                 self._publishing[digest] = self._publishing.get(digest, 0) + 1
+                gen = self._renames[digest] = self._renames.get(digest, 0) + 1  # this rename's order
         except BaseException:
             self._put_failed(tmp, nbytes, reserved)
             raise
+        sync_error = None
         try:
             if self.fsync:  # the rename is durable before the entry becomes visible
                 _fsync_dir(os.path.dirname(final))
-        except BaseException:
-            with self._lock:  # the file stays on disk (a reopen recovers it); it never became visible
-                self._unpublish(digest)
-            self._put_failed(None, nbytes, reserved)
-            raise
-        with self._lock:  # visible now: the old version (its file was replaced by the rename) leaves the index
+        except BaseException as exc:  # noqa: BLE001 - reported through the future, after indexing
+            sync_error = exc
+        with self._lock:
+            # the index follows the file at `final`: the last rename wins. A put whose file was
+            # replaced by a later rename of the same key does not index its header (two puts that
+            # renamed in one order and indexed in the other left a header describing another file)
+            if self._renames.get(digest) == gen:
+                old = self._index.pop(digest, None)
+                if old is not None:
+                    self._used -= old.nbytes
+                    self._retire(old, final)
+                self._index[digest] = _Entry(final, header, header.file_nbytes)
+                self._used += header.file_nbytes
             self._unpublish(digest)
-            old = self._index.pop(digest, None)
-            if old is not None:
-                self._used -= old.nbytes
-                old.doomed = None
-            self._index[digest] = _Entry(final, header, header.file_nbytes)
-            self._used += header.file_nbytes
             self._reserved -= reserved
             self._room.notify_all()
-            self._stats["puts"] += 1
-            self._stats["bytes_written"] += nbytes
-            self._stats["write_s"] += time.perf_counter() - t0
+            if sync_error is None:
+                self._stats["puts"] += 1
+                self._stats["bytes_written"] += nbytes
+                self._stats["write_s"] += time.perf_counter() - t0
+            else:  # the new file is in place and indexed (a get must not call it corrupt), not durable
+                self._stats["put_errors"] += 1
         self._release_inflight(nbytes)
+        if sync_error is not None:
+            raise sync_error
         return header
+
+    def _retire(self, old: "_Entry", new_path: str) -> None:
+        """An older version leaves the index (lock held). Its file was replaced by the rename when it
+        lived at the same path; at another path (the store's ``paths`` changed) it is deleted, once
+        its last reader is done."""
+        if old.path == new_path:
+            old.doomed = None
+        elif old.readers:
+            old.doomed = ""
+        else:
+            self._unlink(old.path)
 
     def _unpublish(self, digest: bytes) -> None:
         n = self._publishing[digest] - 1
@@ -403,6 +440,7 @@ class KVStore:
             self._publishing[digest] = n
         else:
             del self._publishing[digest]
+            self._renames.pop(digest, None)  # no rename of this key in flight: nothing to order
 
     def _put_failed(self, tmp: str | None, nbytes: int, reserved: int = 0) -> None:
         with self._lock:
@@ -542,14 +580,18 @@ class KVStore:
                 dests = [[out[j * region : j * region + r.stored]] for j, r in enumerate(sel)]
             ent.readers += 1
             self._index.move_to_end(digest)
-        if self.io_threads > 1 and self._q.empty():
-            # a lone get (nothing else queued) of a large entry: its groups are read in parallel by
-            # several workers (one O_DIRECT stream reads slower than several: dd's QD 1 runs at
-            # ~1.0 GB/s on the CPU host's disk where 4 readers reach ~1.6)
-            groups = _plan_groups(sel, dests, min(READ_GROUP_SPLIT, self.io_threads))
-            if len(groups) > 1 and sum(r.stored for r in sel) >= 2 * READ_GROUP_MIN:
-                return self._fan_out(digest, ent, sel, dests, groups, out)
-        return self._submit(0, lambda: self._do_get(digest, ent, sel, dests, out))
+        try:
+            if self.io_threads > 1 and self._q.empty():
+                # a lone get (nothing else queued) of a large entry: its groups are read in parallel
+                # by several workers (one O_DIRECT stream reads slower than several: dd's QD 1 runs
+                # at ~1.0 GB/s on the CPU host's disk where 4 readers reach ~1.6)
+                groups = _plan_groups(sel, dests, min(READ_GROUP_SPLIT, self.io_threads))
+                if len(groups) > 1 and sum(r.stored for r in sel) >= 2 * READ_GROUP_MIN:
+                    return self._fan_out(digest, ent, sel, dests, groups, out)
+            return self._submit(0, lambda: self._do_get(digest, ent, sel, dests, out))
+        except BaseException:  # nothing was queued (a closed store): the reader goes back
+            self._release_reader(ent)
+            raise
 
     def _read_failed(self, digest: bytes, ent: _Entry, sel, dests, out, attempt: int, why: str) -> _Later:
         """A read whose bytes failed their checksum, ended early or found no file.
@@ -593,12 +635,17 @@ class KVStore:
         """One get as parallel group reads (each verifies its own regions); the returned future
         completes when all have, with the same outcomes as :meth:`_do_get`."""
         t0 = time.perf_counter()
-        with self._lock:
-            ent.readers += len(groups) - 1  # one per group read (get() took the first)
         outer: Future = Future()
         outer.set_running_or_notify_cancel()
-        subs = [self._submit(0, functools.partial(self._read_group, ent, off, segs, js, sel, dests))
-                for off, segs, js in groups]
+        with self._lock:
+            ent.readers += len(groups) - 1  # one per group read (get() took the first)
+        try:  # all groups queued, or none
+            subs = self._submit_many(0, [functools.partial(self._read_group, ent, off, segs, js, sel, dests)
+                                         for off, segs, js in groups])
+        except BaseException:
+            for _ in range(len(groups) - 1):  # the caller gives back the first
+                self._release_reader(ent)
+            raise
         left = [len(subs)]
         lock = threading.Lock()
 
@@ -628,8 +675,12 @@ class KVStore:
         with self._lock:  # the file is no longer read: a deferred drop may unlink it now
             ent.readers -= 1
             if ent.readers == 0 and ent.doomed is not None:
-                # unless a newer version of the key was published at the same path meanwhile
-                if ent.header.digest not in self._index and ent.header.digest not in self._publishing:
+                # unless a newer version of the key lives (or is being published) at the same path
+                digest = ent.header.digest
+                cur = self._index.get(digest)
+                same_path = (cur is not None and cur.path == ent.path) or (
+                    digest in self._publishing and self._path_for(digest) == ent.path)
+                if not same_path:
                     self._unlink(ent.path, ent.doomed or None)
                 ent.doomed = None
 
@@ -752,11 +803,12 @@ class KVStore:
 
     def close(self) -> None:
         """Finish queued work, stop the workers. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for _ in self._workers:
-            self._q.put((9, next(self._seq), None, None))
+        with self._submit_lock:
+            if self._closed:
+                return
+            self._closed = True
+            for _ in self._workers:  # after everything queued so far (priority 9 sorts last)
+                self._q.put((9, next(self._seq), None, None))
         for w in self._workers:
             w.join()
         self._committer.shutdown(wait=True)

@@ -630,3 +630,131 @@ def test_kvikio_and_posix_read_each_others_files(tmp_path):
         assert torch.equal(kv.get("p", out=out).result(), buf)  # read straight into device memory
         pinned = torch.empty(buf.numel(), dtype=torch.uint8).pin_memory()
         assert torch.equal(kv.get("k", out=pinned).result(), buf.cpu())
+
+
+# ------------------------------------------------ regressions found by review (2026-11-23)
+def test_queued_requests_cannot_be_cancelled_into_leaking_their_reservations(tmp_path):
+    # a skipped (cancelled) put kept its in-flight bytes (later puts blocked for good) and a
+    # skipped get kept its reader (a remove left the file, which came back after a reopen)
+    _, buf, meta = staged()
+    store = KVStore(tmp_path, io_threads=1, max_inflight_bytes=buf.numel())
+    try:
+        store.put("a", buf, meta).result()
+        release = threading.Event()
+        real = store.engine.read_into
+        store.engine.read_into = lambda p, pc: (release.wait(10), real(p, pc))[1]
+        blocker = store.get("a")
+        time.sleep(0.1)
+        f_put, f_get = store.put("b", buf, meta), store.get("a")
+        assert not f_put.cancel() and not f_get.cancel()
+        release.set()
+        store.engine.read_into = real
+        blocker.result(timeout=10), f_put.result(timeout=10), f_get.result(timeout=10)
+        assert store.stats()["inflight_bytes"] == 0
+        done = threading.Event()
+        threading.Thread(target=lambda: (store.put("c", buf, meta).result(), done.set()), daemon=True).start()
+        assert done.wait(10)
+        assert store.remove("a")
+    finally:
+        store.close()
+    with KVStore(tmp_path) as again:
+        assert not again.contains("a") and again.contains("b") and again.contains("c")
+
+
+def test_concurrent_puts_of_one_key_index_the_file_that_won_the_rename(tmp_path, monkeypatch):
+    import kvkernels.io.store as store_mod
+
+    _, v1, meta = staged(seed=1)
+    _, v2, _ = staged(seed=2)
+    real = store_mod._fsync_dir
+    calls = []
+
+    def slow_first(d):  # the first put's directory sync is slow: the second put renames and indexes first
+        calls.append(d)
+        if len(calls) == 1:
+            time.sleep(0.5)
+        real(d)
+
+    monkeypatch.setattr(store_mod, "_fsync_dir", slow_first)
+    with KVStore(tmp_path, io_threads=2) as store:
+        f1 = store.put("k", v1, meta)
+        time.sleep(0.1)
+        f2 = store.put("k", v2, meta)
+        f1.result(timeout=10), f2.result(timeout=10)
+        assert torch.equal(store.get("k").result(timeout=10), v2)  # the file's version, read clean
+        assert store.stats()["corrupt"] == 0 and not [p for p in files(tmp_path) if p.endswith(".corrupt")]
+        assert store.stats()["bytes_used"] == store.header("k").file_nbytes
+
+
+def test_failed_directory_sync_fails_the_put_but_keeps_the_index_true(tmp_path, monkeypatch):
+    import kvkernels.io.store as store_mod
+
+    _, v1, meta = staged(seed=1)
+    _, v2, _ = staged(seed=2)
+    with KVStore(tmp_path) as store:
+        store.put("k", v1, meta).result()
+
+        def failing(d):
+            raise OSError(errno.EIO, "injected EIO on directory fsync")
+
+        monkeypatch.setattr(store_mod, "_fsync_dir", failing)
+        with pytest.raises(OSError, match="injected EIO"):
+            store.put("k", v2, meta).result()
+        monkeypatch.undo()
+        # the new file is in place: a get reads it clean instead of calling it corrupt and dropping it
+        assert torch.equal(store.get("k").result(), v2)
+        assert store.stats()["corrupt"] == 0 and store.stats()["put_errors"] == 1
+
+
+def test_changed_paths_leave_one_copy_per_key(tmp_path):
+    from kvkernels.io.format import key_digest
+
+    _, v1, meta = staged(seed=1)
+    _, v2, _ = staged(seed=2)
+    a, b = str(tmp_path / "ssd0"), str(tmp_path / "ssd1")
+    with KVStore([a, b]) as probe:
+        key = next(f"k{i}" for i in range(200) if probe._path_for(key_digest(f"k{i}")).startswith(b))
+    with KVStore([a]) as one:  # one SSD at first
+        one.put(key, v1, meta).result()
+    with KVStore([a, b]) as two:  # a second SSD added: the key now maps to it
+        assert two.contains(key)
+        two.put(key, v2, meta).result()
+        assert [p for p in files(tmp_path) if p.endswith(".kvk")] == [two._path_for(key_digest(key))]
+    # copies left by an older layout (e.g. a crash before the delete) are resolved at recovery
+    with KVStore([a]) as one:
+        one.put(key, v1, meta).result()
+    time.sleep(0.01)
+    with KVStore([b]) as only_b:
+        only_b.put(key, v2, meta).result()
+    with KVStore([a, b]) as both:
+        assert both.recovery["removed_duplicates"] == 1 and both.stats()["entries"] == 1
+        assert torch.equal(both.get(key).result(), v2)  # the newest copy
+        assert both.remove(key)
+    with KVStore([a, b]) as again:
+        assert not again.contains(key)
+
+
+def test_requests_racing_close_are_refused_or_completed_never_stranded(tmp_path):
+    _, buf, meta = staged()
+    store = KVStore(tmp_path, io_threads=2)
+    store.put("a", buf, meta).result()
+    real_put = store._q.put
+
+    def slow_put(item, *a, **k):
+        if item[2] is not None:
+            time.sleep(0.3)  # a thread switch inside the submit
+        return real_put(item, *a, **k)
+
+    store._q.put = slow_put
+    res = {}
+    t = threading.Thread(target=lambda: res.setdefault("f", store.get("a")))
+    t.start()
+    time.sleep(0.1)
+    store.close()
+    t.join()
+    assert torch.equal(res["f"].result(timeout=5), buf)  # queued before the workers' stop: it ran
+    with pytest.raises(RuntimeError, match="closed"):
+        store.get("a")
+    from kvkernels.io.format import key_digest
+
+    assert store._index[key_digest("a")].readers == 0  # the refused get gave its reader back
