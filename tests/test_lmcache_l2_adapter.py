@@ -597,3 +597,51 @@ def test_storage_manager_store_then_prefetch_from_l2(tmp_path):
     finally:
         sm.close()
     assert a.report_status()["is_healthy"] is False  # the StorageManager closed the adapter
+
+
+# ------------------------------------------------ regressions found by review (2026-11-23)
+def test_lmcache_eviction_recovers_from_entries_the_store_evicted_itself(l1, tmp_path):
+    # the store's own LRU (capacity_bytes) drops entries without telling LMCache; delete() ignored
+    # keys the store no longer held, so LMCache's usage never came down and its eviction was stuck
+    from lmcache.v1.distributed.config import EvictionConfig
+    from lmcache.v1.distributed.storage_controllers.eviction_controller import (
+        L2AdapterEvictionState,
+        L2EvictionController,
+    )
+
+    one = 69632  # a 64 KiB object's entry (plus its header)
+    a = _make(l1, tmp_path / "kv", capacity_bytes=6 * one)
+    try:
+        state = L2AdapterEvictionState(0, a, EvictionConfig(eviction_policy="LRU", trigger_watermark=0.8,
+                                                             eviction_ratio=0.2))
+        ctl = L2EvictionController([state])  # not started: its passes are run by hand
+        for i in range(0, 24, 4):
+            objs = l1.alloc(4, seed=i)
+            assert _store(a, [_key(j) for j in range(i, i + 4)], objs).is_successful()
+            l1.mm.free(objs)
+            l1.live = [o for o in l1.live if o not in objs]
+        assert a.get_usage().usage_fraction > 1.0  # LMCache was told 24, the store holds 6
+        for _ in range(20):
+            ctl._check_and_evict_global(state)
+        assert a.get_usage().usage_fraction <= 0.8
+        assert a.counters["deleted_already_evicted"] > 0  # keys the store had dropped, taken back
+    finally:
+        a.close()
+
+
+def test_byteshuffle_setting_stores_fp32_objects_unshuffled(l1, tmp_path):
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+
+    a = _make(l1, tmp_path / "kv", compression="zstd", byteshuffle=True)
+    try:
+        desc = MemoryLayoutDesc(shapes=[torch.Size([2, L, T, H * D])], dtypes=[torch.float32])
+        objs = l1.alloc(2, desc=desc, seed=1)
+        res = _store(a, [_key(1), _key(2)], objs)
+        assert res.is_successful() and a.counters["store_errors"] == 0
+        assert _lookup(a, [_key(1), _key(2)]) == [0, 1]
+        back = l1.alloc(2, desc=desc, fill=0)
+        assert _load(a, [_key(1), _key(2)], back) == [0, 1]
+        for o, b in zip(objs, back):
+            assert torch.equal(o.raw_tensor[: o.get_size()], b.raw_tensor[: b.get_size()])
+    finally:
+        a.close()

@@ -14,6 +14,8 @@ import asyncio
 import glob
 import logging
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -779,3 +781,84 @@ def test_docs_yaml_config_creates_the_plugin(tmp_path):
         for b in reversed(list(backends.values())):
             b.close()
         loop.close()
+
+
+# ------------------------------------------------ regressions found by review (2026-11-23)
+def test_manager_close_with_puts_in_flight_drains_them_before_the_pool_is_freed(tmp_path):
+    # StorageManager.close() closes LocalCPUBackend (freeing the pinned pool) before the plugins:
+    # in-place puts still reading that pool crashed the process (SIGSEGV in the checksum)
+    code = f"""
+import sys, torch, glob, logging
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+logging.disable(logging.WARNING)
+import test_lmcache_plugin as t
+m = t.Manager({str(tmp_path / 'kv')!r}, fsync=True, io_threads=1, put_threads=1)
+keys, objs = [], []
+for i in range(24):
+    o, _ = m.chunk(100 + i)
+    keys.append(t._key(100 + i)); objs.append(o)
+m.sm.batched_put(keys, objs)
+m.sm.close()
+print("entries", len(glob.glob({str(tmp_path / 'kv')!r} + "/**/*.kvk", recursive=True)))
+"""
+    r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "entries 24" in r.stdout
+
+
+def test_sync_layerwise_retrieval_leaves_other_lookups_pins(tmp_path):
+    # LMCache's sync layer-wise path pins in lookup, calls batched_get_non_blocking("fake_lookup_id")
+    # and unpins in lookup_unpin: the plugin must not unpin there too (it took request B's pin)
+    from lmcache.utils import LayerCacheEngineKey
+
+    m = Manager(tmp_path / "kv", lmcache_options={"use_layerwise": True}, fsync=False)
+    try:
+        p = m.plugin
+        keys = [LayerCacheEngineKey(MODEL, 1, 0, 1, torch.bfloat16, layer_id=l) for l in range(L)]
+        objs = [m.sm.allocate(torch.Size((T, 2, H * D)), torch.bfloat16, MemoryFormat.KV_T2D) for _ in keys]
+        for o in objs:
+            o.tensor.normal_()
+        m.put(keys, objs)
+        for _req in ("A", "B"):  # two requests sharing the chunk look it up with pin=True
+            hit, _ = m.sm.batched_contains(keys, ["kvkernels"], pin=True)
+            assert hit == L
+        for task in m.sm.layerwise_batched_get([[k] for k in keys], location="kvkernels"):  # A retrieves
+            for o in task.result(30):
+                o.ref_count_down()
+        m.sm.batched_unpin(keys, ["kvkernels"])  # A's lookup_unpin
+        assert p.pin_count(keys[0]) == 1 and p.store.pin_count(key_string(keys[0])) == 1  # B's pin stays
+    finally:
+        m.close()
+
+
+def test_async_lookup_pins_are_released_by_their_prefetch_only(mgr):
+    keys = [_key(300 + i) for i in range(3)]
+    objs = [mgr.chunk(300 + i)[0] for i in range(3)]
+    mgr.put(keys, objs)
+    assert mgr.run(mgr.plugin.batched_async_contains("req-1", keys, pin=True)) == 3
+    assert mgr.plugin.unpin(keys[2])  # LMCache releases a rounded-off tail itself
+    got = mgr.run(mgr.plugin.batched_get_non_blocking("req-1", keys[:2]))
+    for o in got:
+        o.ref_count_down()
+    assert len(got) == 2 and all(mgr.plugin.pin_count(k) == 0 for k in keys)
+    assert not mgr.plugin._lookup_pins  # nothing left recorded for the finished lookup
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn], ids=str)
+def test_byteshuffle_setting_stores_non_16bit_chunks_unshuffled(tmp_path, dtype):
+    m = Manager(tmp_path / "kv", dtype=dtype, fsync=False, compression="zstd", byteshuffle=True)
+    try:
+        k = _key(7, dtype)
+        obj = m.sm.allocate(torch.Size((2, L, T, H * D)), dtype, MemoryFormat.KV_2LTD)
+        obj.tensor.view(torch.uint8).copy_(torch.randint(0, 256, obj.tensor.shape, dtype=torch.uint8)
+                                           if dtype.itemsize == 1 else
+                                           torch.randint(0, 256, (*obj.tensor.shape[:-1], obj.tensor.shape[-1] * 4),
+                                                         dtype=torch.uint8))
+        ref = obj.tensor.clone()
+        m.put([k], [obj])
+        assert m.plugin.contains(k) and m.plugin.stats()["put_errors"] == 0
+        back = m.plugin.get_blocking(k)
+        assert torch.equal(back.tensor.view(torch.uint8), ref.view(torch.uint8))
+        back.ref_count_down()
+    finally:
+        m.close()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -114,6 +114,7 @@ class KVKernelsBackend(StoragePluginInterface):
         self._lock = threading.Lock()
         self._put_tasks: dict[str, int] = {}
         self._pins: dict[str, int] = defaultdict(int)
+        self._lookup_pins: dict[str, Counter] = {}  # lookup id -> pins its batched_async_contains took
         self._store_pins = hasattr(self.store, "pin") and hasattr(self.store, "unpin")
         n_io = self.store.io_threads
         self._put_pool = ThreadPoolExecutor(self.settings.put_threads, thread_name_prefix="kvk-lmc-put")
@@ -123,6 +124,15 @@ class KVKernelsBackend(StoragePluginInterface):
                           keep=self.settings.put_threads + self._read_window + 2)
         self._warned: set[str] = set()
         self._closed = False
+        # StorageManager.close() closes LocalCPUBackend -- which frees the memory pool -- before the
+        # plugins; puts and reads still in flight work on that pool (in-place I/O): drain them first
+        close_pool = getattr(local_cpu_backend, "close", None)
+        if callable(close_pool):
+            def close_after_kvkernels(*args, **kwargs):
+                self.close()
+                return close_pool(*args, **kwargs)
+
+            local_cpu_backend.close = close_after_kvkernels
         self.counters = {k: 0 for k in ("puts", "put_skipped", "put_errors", "gets", "hits", "misses", "corrupt",
                                         "alloc_failures")}
         log.info("kvkernels LMCache plugin: store %s, engine %s, capacity %s, %d entries recovered",
@@ -159,7 +169,11 @@ class KVKernelsBackend(StoragePluginInterface):
         from kvkernels.io import EntryMeta
 
         s = self.settings
-        scheme = "shuffle" if s.byteshuffle else "raw"
+        # byte-plane shuffle is defined for 16-bit elements; other chunks are stored raw (+ codec)
+        scheme = "shuffle" if s.byteshuffle and shape.element_size == 2 else "raw"
+        if s.byteshuffle and shape.element_size != 2:
+            self._warn_once(f"shuffle-{shape.dtype}", "kvkernels LMCache plugin: %s chunks are stored without "
+                            "byte-plane shuffle (kvkernels.byteshuffle applies to 16-bit elements)", shape.dtype)
         if s.quant == "fp8":
             if shape.dtype in FP8_SOURCE_DTYPES:
                 scheme = f"fp8-{s.quant_granularity}"
@@ -221,12 +235,17 @@ class KVKernelsBackend(StoragePluginInterface):
             return key_string(key) in self._put_tasks
 
     async def batched_async_contains(self, lookup_id: str, keys: List[CacheEngineKey], pin: bool = False) -> int:
-        """Number of leading keys stored (prefix semantics); pins them when ``pin``."""
+        """Number of leading keys stored (prefix semantics); pins them when ``pin``, recorded under
+        ``lookup_id`` so that ``batched_get_non_blocking`` of that lookup releases exactly those."""
         n = 0
         for key in keys:
             if not self.contains(key, pin=pin):
                 break
             n += 1
+        if pin and n:
+            with self._lock:
+                rec = self._lookup_pins.setdefault(lookup_id, Counter())
+                rec.update(key_string(k) for k in keys[:n])
         return n
 
     def batched_contains(self, keys: List[CacheEngineKey], pin: bool = False) -> int:
@@ -252,6 +271,25 @@ class KVKernelsBackend(StoragePluginInterface):
 
     def unpin(self, key: CacheEngineKey) -> bool:
         ks = key_string(key)
+        res = self._unpin_ks(ks)
+        with self._lock:
+            # LMCache unpins a lookup's rounded-off tail itself: pins recorded for lookups may never
+            # exceed the pins held, so such a record gives the key up (and an empty record goes)
+            excess = sum(rec.get(ks, 0) for rec in self._lookup_pins.values()) - self._pins.get(ks, 0)
+            for lid, rec in list(self._lookup_pins.items()):
+                if excess <= 0:
+                    break
+                take = min(excess, rec.get(ks, 0))
+                if take:
+                    rec[ks] -= take
+                    excess -= take
+                    if rec[ks] == 0:
+                        del rec[ks]
+                    if not rec:
+                        del self._lookup_pins[lid]
+        return res
+
+    def _unpin_ks(self, ks: str) -> bool:
         with self._lock:
             had = self._pins.get(ks, 0) > 0
             if had:
@@ -425,7 +463,9 @@ class KVKernelsBackend(StoragePluginInterface):
                                        transfer_spec: Any = None) -> list[MemoryObj]:
         """Prefetch ``keys``; returns the leading chunks read successfully (prefix semantics).
 
-        Unpins every key it was given (they were pinned by ``batched_async_contains``).
+        Releases the pins ``batched_async_contains`` took for this ``lookup_id`` on these keys,
+        and only those: LMCache's synchronous layer-wise path calls this with
+        ``"fake_lookup_id"`` on keys pinned by its lookup, which it unpins itself later.
         """
         try:
             self._count("gets", len(keys))
@@ -459,8 +499,13 @@ class KVKernelsBackend(StoragePluginInterface):
                     result.append(obj)
             return result
         finally:
+            with self._lock:
+                mine = self._lookup_pins.pop(lookup_id, Counter())
             for k in keys:
-                self.unpin(k)
+                ks = key_string(k)
+                if mine.get(ks):
+                    mine[ks] -= 1
+                    self._unpin_ks(ks)
 
     def get_layers(self, key: CacheEngineKey, layers) -> Optional[torch.Tensor]:
         """Read only ``layers`` of a stored chunk: ``[num_kv, len(layers), T, H*D]`` CPU tensor, or None.

@@ -258,6 +258,7 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         self._done_load: dict[L2TaskId, Bitmap] = {}
         self._locks: dict[str, int] = {}
         self._storing: set[str] = set()
+        self._told: dict[str, int] = {}  # key -> bytes reported stored to LMCache (until deleted)
         # KVStore.pin/unpin (when the store has them) keep locked entries out of its LRU eviction
         self._store_pins = callable(getattr(self.store, "pin", None)) and callable(getattr(self.store, "unpin", None))
         n_io = self.store.io_threads
@@ -273,7 +274,7 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         self._closed = False
         self.counters = {k: 0 for k in ("store_tasks", "stored", "store_skipped", "store_errors", "lookup_tasks",
                                         "lookup_hits", "load_tasks", "loaded", "load_misses", "load_mismatch",
-                                        "corrupt", "load_errors", "deleted", "delete_refused_locked")}
+                                        "corrupt", "load_errors", "deleted", "deleted_already_evicted", "delete_refused_locked")}
         log.info("kvkernels L2 adapter: store %s, engine %s, capacity %s, %d entries recovered", self.store.paths,
                  self.store.engine.name, settings.capacity_bytes, len(self.store))
 
@@ -323,7 +324,8 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                 if HD % heads:
                     raise ValueError(f"hidden size {HD} is not a multiple of adapter_params.num_kv_heads={heads}")
                 cs = ChunkShape(kv, L, T, heads, HD // heads, dtypes[0])
-                scheme = "shuffle" if s.byteshuffle else "raw"
+                # byte-plane shuffle is defined for 16-bit elements; others are stored raw (+ codec)
+                scheme = "shuffle" if s.byteshuffle and cs.element_size == 2 else "raw"
                 if s.quant == "fp8" and dtypes[0] in FP8_SOURCE_DTYPES:
                     scheme = f"fp8-{s.quant_granularity}"  # 8-bit objects are stored as they are
                 meta = EntryMeta(layers=tuple(range(L)), num_blocks=1, block_size=T, num_heads=heads,
@@ -409,6 +411,9 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                     self._storing.discard(ks)
         self._count("stored", len(stored))
         if stored:
+            with self._lock:  # what LMCache counts for each key, to take back on delete
+                for key, nbytes in zip(stored, sizes):
+                    self._told[object_key_string(key)] = nbytes
             try:
                 self._notify_keys_stored(stored, sizes)
             except Exception as exc:  # a listener's failure must not lose the completion
@@ -579,7 +584,10 @@ class KVKernelsL2Adapter(L2AdapterInterface):
 
     # ------------------------------------------------------------------ eviction / status / lifecycle
     def delete(self, keys: list["ObjectKey"]) -> None:
-        """Remove the entries of ``keys``; locked keys are kept (refused), absent ones ignored."""
+        """Remove the entries of ``keys``; locked keys are kept (refused). A key the store no
+        longer holds (its own LRU evicted it) is still reported deleted with the size LMCache was
+        told when it was stored: otherwise LMCache's usage never comes down and its eviction
+        keeps choosing keys that free nothing."""
         deleted, sizes = [], []
         for key in keys:
             ks = object_key_string(key)
@@ -587,14 +595,19 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                 if self._locks.get(ks, 0) > 0:
                     self.counters["delete_refused_locked"] += 1
                     continue
+                told = self._told.pop(ks, None)
                 header = self.store.header(ks)
-                if header is None or not self.store.remove(ks):
-                    continue
-                self.counters["deleted"] += 1
-            m = header.meta
+                if header is not None and self.store.remove(ks):
+                    self.counters["deleted"] += 1
+                    m = header.meta
+                    told = m.num_kv * len(m.layers) * m.num_blocks * m.block_size * m.num_heads * m.head_dim \
+                        * m.element_size
+                elif told is not None:
+                    self.counters["deleted_already_evicted"] += 1
+                else:
+                    continue  # unknown to LMCache and to the store: nothing to report
             deleted.append(key)
-            sizes.append(m.num_kv * len(m.layers) * m.num_blocks * m.block_size * m.num_heads * m.head_dim
-                         * m.element_size)
+            sizes.append(told)
         if deleted:
             self._notify_keys_deleted(deleted, sizes)
 
