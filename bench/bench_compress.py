@@ -158,7 +158,8 @@ def ssd_restore_rows(variants, codecs, packs, fmt, dtype, device, *, reps: int =
                         continue  # a plane split alone saves nothing on disk
                     if c == "none":
                         regions = [buf[off: off + nb].cpu() for _, off, nb in vf.regions()]
-                        stored, scheme = [r.numel() for r in regions], "raw"
+                        stored = [r.numel() for r in regions]
+                        scheme = f"fp8-{vf.granularity}" if vname == "fp8" else "raw"  # how to restore it
                     else:
                         packed = packs[(vname, c)]  # compressed above
                         regions = [r.cpu() for r in packed.regions]

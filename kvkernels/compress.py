@@ -91,6 +91,11 @@ _TABLE_VERSION = 1
 
 
 # --------------------------------------------------------------------------------------- formats
+def _is_fp8(fmt) -> bool:
+    """An FP8 staging format (``kvkernels.quant.QuantStagingFormat``)."""
+    return hasattr(fmt, "granularity") and hasattr(fmt, "q_entry_nbytes")
+
+
 def _esize(fmt) -> int:
     """Bytes per element of a format's payload (1 for FP8 staging: codes and scales are opaque)."""
     return 1 if hasattr(fmt, "q_nbytes") else int(fmt.element_size)
@@ -189,6 +194,7 @@ class CompressedStaging:
     byteshuffle: bool = False
     chunk_nbytes: int = CHUNK_NBYTES
     extra: dict = field(default_factory=dict)
+    staging_scheme: str = "raw"  # how the staging itself was gathered: raw, shuffle, fp8-token, fp8-block
 
     @property
     def nbytes(self) -> int:
@@ -202,8 +208,15 @@ class CompressedStaging:
 
     @property
     def scheme(self) -> str:
-        """The store header's ``scheme`` for these regions: ``"shuffle"`` or ``"raw"``."""
-        return "shuffle" if self.byteshuffle else "raw"
+        """The store header's ``scheme``: how the *decompressed* staging must be restored.
+
+        ``"fp8-token"`` / ``"fp8-block"`` for FP8 staging (``scatter_quant(quant="fp8",
+        granularity=...)``); ``"shuffle"`` when the stored bytes are byte planes (a staging
+        gathered with ``shuffle=True``, or planes split here with ``byteshuffle=True``: the bytes
+        are the same); ``"raw"`` otherwise. :func:`kvkernels.quant.scheme_args` maps it back."""
+        if self.staging_scheme.startswith("fp8"):
+            return self.staging_scheme
+        return "shuffle" if self.byteshuffle or self.staging_scheme == "shuffle" else "raw"
 
     @classmethod
     def from_buffer(cls, buf: torch.Tensor, fmt: StagingFormat, stored_nbytes, codec: str, *,
@@ -221,8 +234,13 @@ class CompressedStaging:
             check(0 < s <= fmt.region_nbytes, f"stored_nbytes[{j}]", f"1..{fmt.region_nbytes}", s)
         need = (fmt.num_regions - 1) * fmt.region_nbytes + stored[-1] if stored else 0
         check(buf.numel() >= need, "buf", f"at least {need} bytes (all stored regions)", f"{buf.numel()} bytes")
+        check(isinstance(byteshuffle, bool), "byteshuffle", "a bool", type(byteshuffle).__name__, TypeError)
+        if byteshuffle:  # as compress_regions: planes of 16/32-bit elements only
+            _check_planes(_esize(fmt))
         regions = [buf[j * fmt.region_nbytes: j * fmt.region_nbytes + s] for j, s in enumerate(stored)]
-        return cls(fmt, codec, regions, stored, (fmt.payload_nbytes,) * fmt.num_regions, bool(byteshuffle))
+        scheme = f"fp8-{fmt.granularity}" if _is_fp8(fmt) else "raw"
+        return cls(fmt, codec, regions, stored, (fmt.payload_nbytes,) * fmt.num_regions, byteshuffle,
+                   staging_scheme=scheme)
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -587,6 +605,7 @@ def compress_regions(
     byteshuffle: bool = False,
     chunk_nbytes: int = CHUNK_NBYTES,
     level: int | None = None,
+    staging_shuffled: bool = False,
 ) -> CompressedStaging:
     """Compress every region of a staging buffer, one independent stream per region.
 
@@ -609,6 +628,10 @@ def compress_regions(
         Uncompressed bytes per zstd frame / nvCOMP chunk (default 64 KiB, multiple of 4096).
     level : int, optional
         zstd level for the CPU encoder (default :data:`ZSTD_LEVEL`).
+    staging_shuffled : bool
+        The staging was gathered with ``gather_quant(shuffle=True)`` (its payloads are byte
+        planes already): recorded so that ``.scheme`` says ``"shuffle"``. Excludes
+        ``byteshuffle`` (planes of planes). FP8 staging is recognised from ``fmt``.
 
     Returns
     -------
@@ -621,6 +644,11 @@ def compress_regions(
           "a contiguous 1-D buffer", describe(staging))
     check(staging.numel() >= fmt.nbytes, "staging", f"at least {fmt.nbytes} bytes", f"{staging.numel()} bytes")
     check(isinstance(byteshuffle, bool), "byteshuffle", "a bool", type(byteshuffle).__name__, TypeError)
+    check(isinstance(staging_shuffled, bool), "staging_shuffled", "a bool", type(staging_shuffled).__name__, TypeError)
+    check(not (staging_shuffled and byteshuffle), "byteshuffle", "False for a staging gathered with shuffle=True "
+          "(it is byte planes already)", True)
+    check(not (staging_shuffled and _is_fp8(fmt)), "staging_shuffled", "False for an FP8 staging format", True)
+    staging_scheme = f"fp8-{fmt.granularity}" if _is_fp8(fmt) else "shuffle" if staging_shuffled else "raw"
     check_int(chunk_nbytes, "chunk_nbytes", lo=4096, hi=1 << 24)
     check(chunk_nbytes % 4096 == 0, "chunk_nbytes", "a multiple of 4096", chunk_nbytes)
     lvl = ZSTD_LEVEL if level is None else check_int(level, "level", lo=1, hi=22)
@@ -632,7 +660,7 @@ def compress_regions(
     offsets = [j * fmt.region_nbytes for j in range(fmt.num_regions)]
     if n == 0 or fmt.num_regions == 0:
         return CompressedStaging(fmt, c, [staging[:0] for _ in offsets], (0,) * len(offsets),
-                                 (n,) * len(offsets), byteshuffle, chunk_nbytes)
+                                 (n,) * len(offsets), byteshuffle, chunk_nbytes, staging_scheme=staging_scheme)
 
     base = staging
     if byteshuffle:
@@ -662,7 +690,8 @@ def compress_regions(
             s = p  # raw fallback: stored == raw marks an uncompressed region
         regions.append(s)
         sizes.append(int(s.numel()))
-    return CompressedStaging(fmt, c, regions, tuple(sizes), (n,) * len(offsets), byteshuffle, chunk_nbytes)
+    return CompressedStaging(fmt, c, regions, tuple(sizes), (n,) * len(offsets), byteshuffle, chunk_nbytes,
+                             staging_scheme=staging_scheme)
 
 
 @dataclass(frozen=True)
@@ -768,6 +797,13 @@ def decompress_regions(
         check(out.dtype == torch.uint8, "out", "dtype torch.uint8", out.dtype, TypeError)
         check(out.dim() == 1 and (out.stride(0) == 1 or out.numel() <= 1), "out", "a contiguous 1-D buffer", describe(out))
         check(out.numel() >= ofmt.nbytes, "out", f"at least {ofmt.nbytes} bytes", f"{out.numel()} bytes")
+        if out.device.type == src_dev.type:  # decoding in place would overwrite frames not yet read
+            lo, hi = out.data_ptr(), out.data_ptr() + ofmt.nbytes
+            for j in idx:
+                r = cs.regions[j]
+                if r.numel() and r.data_ptr() < hi and lo < r.data_ptr() + r.numel():
+                    fail("out", "memory apart from the compressed regions (decoding is not in place)",
+                         f"a buffer overlapping region {j}")
     if ofmt.nbytes == 0:
         return out
     if codec in _GPU_ONLY and (dev.type != "cuda" or not torch.cuda.is_available()):

@@ -38,6 +38,8 @@ from .ops import _caps, _check_buffer, _err_counter, _prepare
 from .staging import RegionArithmetic, StagingFormat, normalize_layers
 
 __all__ = [
+    "STORE_SCHEMES",
+    "scheme_args",
     "FP8_MAX",
     "CANONICAL_NAN_BITS",
     "QUANT_SCHEMES",
@@ -58,6 +60,17 @@ FP8_MAX = 448.0
 # The one NaN that FP8 dequantization writes, per cache dtype (positive quiet NaN).
 CANONICAL_NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00, torch.float32: 0x7FC00000}
 QUANT_SCHEMES = (None, "fp8")
+# the store header's ``scheme`` (io/format.py EntryMeta): how a staging buffer must be restored
+STORE_SCHEMES = ("raw", "shuffle", "fp8-token", "fp8-block")
+
+
+def scheme_args(scheme: str) -> dict:
+    """``quant`` / ``shuffle`` / ``granularity`` of :func:`scatter_quant` for a store header's
+    ``scheme`` (``"raw"``, ``"shuffle"``, ``"fp8-token"``, ``"fp8-block"``)."""
+    check(scheme in STORE_SCHEMES, "scheme", f"one of {STORE_SCHEMES}", repr(scheme))
+    if scheme.startswith("fp8-"):
+        return {"quant": "fp8", "shuffle": False, "granularity": scheme[4:]}
+    return {"quant": None, "shuffle": scheme == "shuffle", "granularity": "token"}
 GRANULARITIES = ("token", "block")
 SECTION_ALIGN = 16  # every codes / scales section starts 16-byte aligned (vector access, fp32 scales)
 FP8_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -661,6 +674,7 @@ def scatter_quant(
     backend: str = "auto",
     max_ctas: int | None = None,
     validate: bool | None = None,
+    scheme: str | None = None,
 ) -> None:
     """:func:`kvkernels.scatter` of a buffer written by :func:`gather_quant` with the same
     ``quant`` / ``shuffle`` / ``granularity`` / ``layers``: dequantizes (RNE into the cache dtype)
@@ -675,9 +689,20 @@ def scatter_quant(
     block_ids : Tensor or sequence of int
         ``[n]`` distinct destination blocks; ``-1`` skips the slot.
     quant, shuffle, granularity, layers, backend, max_ctas, validate
-        As in :func:`gather_quant`. The scheme is not recorded in the buffer: the caller (the
-        store's header) must pass the one the buffer was written with.
+        As in :func:`gather_quant`. The scheme is not recorded in the buffer: the caller must
+        pass the one the buffer was written with, or ``scheme``.
+    scheme : str, optional
+        The store header's scheme (``header.meta.scheme``: ``"raw"``, ``"shuffle"``,
+        ``"fp8-token"``, ``"fp8-block"``): sets ``quant`` / ``shuffle`` / ``granularity``. An
+        explicit ``quant`` or ``shuffle`` that contradicts it raises ``ValueError`` before
+        anything is written (a buffer written with FP8 restored as raw, or the reverse).
     """
+    if scheme is not None:
+        want = scheme_args(scheme)
+        if (quant is not None and quant != want["quant"]) or (shuffle and not want["shuffle"]):
+            fail("scheme", f"quant={want['quant']!r}, shuffle={want['shuffle']} for a buffer stored as {scheme!r}",
+                 f"quant={quant!r}, shuffle={shuffle}")
+        quant, shuffle, granularity = want["quant"], want["shuffle"], want["granularity"]
     _check_scheme(quant, shuffle, granularity)
     if quant is None and not shuffle:
         from .ops import scatter

@@ -24,6 +24,8 @@ def _byte_view(v: torch.Tensor) -> torch.Tensor:
     """``[nb, bs, H, D]`` of any dtype -> ``[nb, bs, H, D * e]`` uint8 view of the same memory."""
     if v.dtype == torch.uint8:
         return v
+    if v.shape[-1] == 1 and v.stride(-1) != 1:  # head_dim 1: its stride is never stepped (torch wants 1)
+        v = v.as_strided(v.shape, (*v.stride()[:-1], 1))
     return v.view(torch.uint8)
 
 

@@ -440,3 +440,108 @@ def test_nvcomp_allocator_setting_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="KVKERNELS_NVCOMP_ALLOCATOR"):
         compress._nvcomp_ready()
 
+
+
+# ------------------------------------------------ regressions found by review (2026-11-23)
+@pytest.mark.parametrize("granularity", ["token", "block"])
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_fp8_and_shuffled_staging_record_the_scheme_they_restore_with(tmp_path, granularity, codec):
+    # .scheme said "raw" for FP8 staging and for a staging gathered with shuffle=True: a reader
+    # following the header restored garbage (max error ~1e38) without any error
+    from kvkernels.io import EntryMeta, KVStore
+    from kvkernels.models import make_cache
+    from kvkernels.quant import QuantStagingFormat, gather_quant, scatter_quant
+
+    lay = make_cache("vllm-nhd", num_layers=2, num_blocks=8, block_size=4, num_heads=2, head_dim=64,
+                     dtype=torch.bfloat16, fill="random", seed=3)
+    lay.views[0][0].normal_()
+    lay.views[0][1].normal_()
+    lay.views[1][0].normal_()
+    lay.views[1][1].normal_()
+    ids = [5, 1, 6]
+    cases = {
+        f"fp8-{granularity}": (gather_quant(lay, ids, quant="fp8", granularity=granularity, backend="torch"),
+                               QuantStagingFormat.for_layout(lay, 3, granularity=granularity), {}),
+        "shuffle": (gather_quant(lay, ids, shuffle=True, backend="torch"), kvkernels.StagingFormat.for_layout(lay, 3),
+                    {"staging_shuffled": True}),
+    }
+    with KVStore(tmp_path) as store:
+        for want, (staging, fmt, kw) in cases.items():
+            packed = compress_regions(staging, fmt, codec, **kw)
+            assert packed.scheme == want
+            store.put(want, packed.regions, EntryMeta.for_layout(lay, 3, scheme=packed.scheme, codec=codec)).result()
+            h = store.header(want)
+            # the store's regions are sized for the raw geometry: read each into the format's place
+            buf = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+            R = fmt.region_nbytes
+            store.get(want, out=[buf[j * R: (j + 1) * R] for j in range(fmt.num_regions)]).result()
+            back = decompress_regions(CompressedStaging.from_buffer(buf, fmt, [r.stored for r in h.regions],
+                                                                    h.meta.codec))
+            a = make_cache("vllm-nhd", num_layers=2, num_blocks=8, block_size=4, num_heads=2, head_dim=64,
+                           dtype=torch.bfloat16, fill="zero")
+            b = make_cache("vllm-nhd", num_layers=2, num_blocks=8, block_size=4, num_heads=2, head_dim=64,
+                           dtype=torch.bfloat16, fill="zero")
+            scatter_quant(back, a, [0, 2, 3], scheme=h.meta.scheme, backend="torch")  # following the header
+            scatter_quant(staging, b, [0, 2, 3], backend="torch", **({"shuffle": True} if want == "shuffle" else
+                                                                     {"quant": "fp8", "granularity": granularity}))
+            assert all(torch.equal(x.view(torch.int16), y.view(torch.int16))
+                       for rx, ry in zip(a.views, b.views) for x, y in zip(rx, ry))
+
+
+def test_scatter_with_a_scheme_refuses_a_contradicting_request_before_writing():
+    from kvkernels.models import make_cache
+    from kvkernels.quant import gather_quant, scatter_quant, scheme_args
+
+    lay = make_cache("vllm-nhd", num_layers=1, num_blocks=4, block_size=4, num_heads=2, head_dim=64, seed=1)
+    raw = kvkernels.gather(lay, [1, 2], backend="torch")
+    dst = make_cache("vllm-nhd", num_layers=1, num_blocks=4, block_size=4, num_heads=2, head_dim=64, fill="zero")
+    with pytest.raises(ValueError, match="`scheme`"):
+        scatter_quant(raw, dst, [0, 3], scheme="raw", quant="fp8", backend="torch")
+    with pytest.raises(ValueError, match="`scheme`"):
+        scatter_quant(raw, dst, [0, 3], scheme="raw", shuffle=True, backend="torch")
+    with pytest.raises(ValueError, match="`scheme`: expected one of"):
+        scatter_quant(raw, dst, [0, 3], scheme="fp8", backend="torch")
+    assert not dst.views[0][0].view(torch.int16).any()  # nothing written
+    assert scheme_args("fp8-block") == {"quant": "fp8", "shuffle": False, "granularity": "block"}
+    shuffled = gather_quant(lay, [1, 2], shuffle=True, backend="torch")
+    scatter_quant(shuffled, dst, [0, 3], scheme="shuffle", backend="torch")
+    assert torch.equal(dst.views[0][0][0].view(torch.int16), lay.views[0][0][1].view(torch.int16))
+
+
+def test_compress_arguments_that_cannot_describe_the_staging_are_refused():
+    from kvkernels.quant import QuantStagingFormat
+
+    staging, fmt, layout, ids = kv_like(SHAPES[0], torch.bfloat16)
+    with pytest.raises(ValueError, match="`byteshuffle`: expected False for a staging gathered with shuffle=True"):
+        compress_regions(staging, fmt, "zstd", byteshuffle=True, staging_shuffled=True)
+    f32, fmt32, _, _ = kv_like(SHAPES[0], torch.float32)
+    packed = compress_regions(f32, fmt32, "zstd")
+    buf = torch.zeros(fmt32.nbytes, dtype=torch.uint8)
+    for j, r in enumerate(packed.regions):
+        buf[j * fmt32.region_nbytes: j * fmt32.region_nbytes + r.numel()] = r
+    q = QuantStagingFormat.from_staging(fmt)
+    with pytest.raises(ValueError, match="byteshuffle"):  # planes only of 16/32-bit payloads, as compress_regions
+        CompressedStaging.from_buffer(torch.zeros(q.nbytes, dtype=torch.uint8), q, [16] * q.num_regions, "zstd",
+                                      byteshuffle=True)
+    # decoding into memory that holds the compressed regions is refused, not reported as corruption
+    packed = compress_regions(staging, fmt, "zstd")
+    inplace = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+    for j, r in enumerate(packed.regions):
+        inplace[j * fmt.region_nbytes: j * fmt.region_nbytes + r.numel()] = r
+    cs = CompressedStaging.from_buffer(inplace, fmt, packed.stored_nbytes, "zstd")
+    with pytest.raises(ValueError, match="`out`: expected memory apart from the compressed regions"):
+        decompress_regions(cs, out=inplace)
+
+
+def test_torch_backend_moves_a_head_dim_of_one_with_any_stride():
+    # a [.., D=1] view whose last stride is not 1 (accepted by from_tensor) crashed the torch
+    # backend's byte view
+    from kvkernels import PagedLayout
+
+    t = torch.randn(2, 2, 5, 4, 1, 3).bfloat16()
+    lay = PagedLayout.from_tensor(t, "LKBNDH")
+    ref = torch.stack([lay.views[0][c][b].reshape(-1).view(torch.int16) for c in range(2) for b in (1, 3)])
+    got = kvkernels.gather(lay, [1, 3], layers=[0], backend="torch")
+    fmt = kvkernels.StagingFormat.for_layout(lay, 2, [0])
+    vals = got[: fmt.payload_nbytes].view(torch.int16).view(2, 2, -1)
+    assert torch.equal(vals.reshape(4, -1), ref)
