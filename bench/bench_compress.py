@@ -57,10 +57,14 @@ def load_input(sample: str | None, tiny: bool):
 
 
 def fp8_variant(staging: torch.Tensor, fmt, dtype):
-    """FP8 staging (per region: K e4m3 | V e4m3 | K scales | V scales) and its format-like record.
+    """FP8 payload per region (K e4m3 | V e4m3 | K scales | V scales) and a format describing it as
+    one opaque byte payload per region.
 
-    Uses ``kvkernels.quant.gather_quant`` layout when available; otherwise the same bytes made with
-    plain PyTorch (one fp32 scale per token and head, amax / 448, zero rows -> scale 1)."""
+    Made with plain PyTorch from the staging sample (the sample holds staging, not a cache to run
+    ``gather_quant`` on): one fp32 scale per (token, head) row, amax / 448 (zero rows -> 1). The
+    section order is that of ``QuantStagingFormat`` with token granularity, without its 16-byte
+    section padding: what the codecs see is the same kind of bytes, which is what the ratio rows
+    measure."""
     n_el = fmt.payload_nbytes // fmt.element_size
     rows = n_el // fmt.head_dim
     regions = []
