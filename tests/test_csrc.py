@@ -400,7 +400,10 @@ def test_cuda_matches_triton_and_reference_large(layout):
 @pytest.mark.gpu
 def test_compute_sanitizer_memcheck_clean(tmp_path):
     exe = shutil.which("compute-sanitizer")
-    assert exe is not None, "compute-sanitizer is part of the GPU image"
+    if exe is None and build.nvcc():  # not on PATH: it ships beside nvcc in the toolkit
+        cand = os.path.join(os.path.dirname(os.path.realpath(build.nvcc())), "compute-sanitizer")
+        exe = cand if os.path.isfile(cand) else None
+    assert exe is not None, "compute-sanitizer is part of the CUDA toolkit on the GPU image"
     script = tmp_path / "run.py"
     script.write_text(
         "import torch, kvkernels\n"
@@ -468,19 +471,26 @@ def test_cuda_bulk_copy_matches_reference(monkeypatch, shape, max_ctas):
 
 
 @pytest.mark.gpu
-def test_cuda_bulk_copy_rejects_what_it_cannot_do():
+def test_cuda_bulk_copy_rejects_what_it_cannot_do(monkeypatch):
     _cuda = _bulk_or_skip()
     lib = _cuda._load()[0]
-    t = torch.zeros(1 << 12, dtype=torch.int64, device=DEVICE)
-    args = lambda staging, sn, sh: (1, t.data_ptr(), t.data_ptr(), 1, staging, t.data_ptr(), 1, 1, 2, 1, 2,
-                                    32, 256, 1 << 14, sn, sh, 1 << 14, 1 << 13, 0, 0, 0)
+    # real buffers: the accepted call launches (a 16 KiB chunk of block 0 of both entries)
+    src = torch.arange(1 << 14, device=DEVICE).to(torch.uint8)
+    tab = torch.full((2,), src.data_ptr(), dtype=torch.int64, device=DEVICE)
+    bids = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    err = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    stg = torch.zeros(1 << 15, dtype=torch.uint8, device=DEVICE)
+    args = lambda staging, sn, sh: (1, tab.data_ptr(), bids.data_ptr(), 1, staging, err.data_ptr(), 1, 1, 2, 1, 2,
+                                    32, 256, 1 << 14, sn, sh, 1 << 15, 1 << 14, 0, 0, 0)
     host = torch.zeros(1 << 15, dtype=torch.uint8, pin_memory=True)
-    assert lib.kvk_bulk_copy(*args(t.data_ptr(), 512, 256)) == 0  # contiguous NHD chunk, device staging
+    assert lib.kvk_bulk_copy(*args(stg.data_ptr(), 512, 256)) == 0  # contiguous NHD chunk, device staging
     torch.cuda.synchronize()
-    assert lib.kvk_bulk_copy(*args(t.data_ptr(), 256, 4096)) != 0 and b"contiguous" in lib.kvk_last_error()
+    assert torch.equal(stg[: 1 << 14], src) and torch.equal(stg[1 << 14:], src)  # K and V entries
+    assert lib.kvk_bulk_copy(*args(stg.data_ptr(), 256, 4096)) != 0 and b"contiguous" in lib.kvk_last_error()
     assert lib.kvk_bulk_copy(*args(host.data_ptr(), 512, 256)) != 0 and b"device memory" in lib.kvk_last_error()
-    assert lib.kvk_bulk_copy(*args(t.data_ptr() + 8, 512, 256)) != 0 and b"multiples of 16" in lib.kvk_last_error()
+    assert lib.kvk_bulk_copy(*args(stg.data_ptr() + 8, 512, 256)) != 0 and b"multiples of 16" in lib.kvk_last_error()
     # pinned host staging through the Python launcher falls back to the 16-byte paged copy
+    monkeypatch.setenv("KVKERNELS_CUDA_BULK", "1")
     lay = make_cache("vllm-nhd", num_layers=2, num_blocks=8, block_size=16, num_heads=2, head_dim=128, device=DEVICE)
     out = torch.zeros(kvkernels.gather(lay, [1, 2], backend="torch").numel(), dtype=torch.uint8, pin_memory=True)
     assert not _cuda._staging_on_device(lay, out)

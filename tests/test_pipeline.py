@@ -405,6 +405,12 @@ def test_streamed_ssd_restore_starts_before_the_read_ends(monkeypatch):
     expect = snapshot(lay, [5, 6])
     store = _SlowStore(delay=0.05)
     with _saved_to(store, lay, [5, 6], monkeypatch) as pipe:
+        run_step_saves(pipe, {"w": ids([1])})  # warm-up: the restore path's kernels compile here,
+        run_step_loads(pipe, {"w": ids([9])})  # not in the timed window below
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        _drain_loads(pipe)
+        dst = ids([20, 21])  # a host-to-device copy: before the sync-debug window
         fut = pipe.prefetch("k", num_blocks=2)
         time.sleep(0.01)
         assert pipe.entries["k"].state == "loading"  # the restore is issued while the read runs
@@ -413,7 +419,7 @@ def test_streamed_ssd_restore_starts_before_the_read_ends(monkeypatch):
             torch.cuda.set_sync_debug_mode("error")
         try:
             t0 = time.perf_counter()
-            run_step_loads(pipe, {"k": ids([20, 21])})
+            run_step_loads(pipe, {"k": dst})
             issue = time.perf_counter() - t0
         finally:
             if sync_debug:
