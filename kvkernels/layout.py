@@ -45,6 +45,7 @@ def _views_from_order(t: torch.Tensor, order: str, name: str) -> list[list[torch
     """Split one tensor whose dims are named by ``order`` into ``[L][C]`` canonical views."""
     check(isinstance(order, str), "order", "a string of dim letters", repr(order), TypeError)
     order = order.upper()
+    check(t.dim() == len(order), name, f"{len(order)} dims for order {order!r}", describe(t))  # before indexing
     if "C" in order:
         if "K" in order or "D" in order:
             fail("order", "'C' (packed K|V) without 'K' or 'D'", repr(order))
@@ -153,6 +154,10 @@ class PagedLayout:
                 check(v.dim() == 4, nm, "4 dims [num_blocks, block_size, num_heads, head_dim]", describe(v))
                 check(v.numel() > 0, nm, "a non-empty tensor", describe(v))
                 check(v.stride(3) == 1 or v.shape[3] == 1, nm, "a contiguous head dim (stride 1)", describe(v))
+                # an expanded dim (stride 0) makes blocks / tokens / heads share memory: a scatter
+                # would write one place from several slots (the backends disagree on the result)
+                check(all(n == 1 or st != 0 for n, st in zip(v.shape, v.stride())), nm,
+                      "no dimension of size > 1 with stride 0 (expanded views alias their elements)", describe(v))
                 if ref is None:
                     ref = v
                     check(not v.is_complex() and v.dtype != torch.bool, nm, "a real dtype", v.dtype, TypeError)
@@ -170,6 +175,13 @@ class PagedLayout:
             if out:
                 check(len(row) == len(out[0]), f"views[{li}]", f"{len(out[0])} entries like views[0]", len(row))
             out.append(tuple(row))
+        seen: dict[int, str] = {}  # same strides everywhere: two views at one address are the same memory
+        for li, row in enumerate(out):
+            for ci, v in enumerate(row):
+                nm = f"views[{li}][{ci}]"
+                if v.data_ptr() in seen:
+                    fail(nm, f"memory of its own (it is the same memory as {seen[v.data_ptr()]})", describe(v))
+                seen[v.data_ptr()] = nm
         return cls(views=tuple(out), kind=kind)
 
     @classmethod
@@ -297,16 +309,19 @@ class PagedLayout:
         """vLLM packed K|V (2026 refactor): logical ``[num_blocks, H, block_size, 2*D]`` per layer.
 
         ``kv_caches`` is either a list/dict of per-layer tensors in that logical shape (any strides:
-        the physical order lives in them; ``order`` then need not be given), or one tensor in
-        physical order ``order`` (one of ``LBNHC`` (default), ``LBHNC``, ``LHBNC``, ``BLHNC``,
-        ``BLNHC``, ``BHLNC``), its dims in that order.
+        the physical order lives in them), or, with ``order``, per-layer tensors whose dims are in
+        that physical order without ``L``, or one tensor in physical order ``order`` (one of
+        ``LBNHC`` (default), ``LBHNC``, ``LHBNC``, ``BLHNC``, ``BLNHC``, ``BHLNC``), its dims in
+        that order.
         """
         if isinstance(kv_caches, torch.Tensor):
             order = "LBNHC" if order is None else str(order).upper()
             check(order in VLLM_PACKED_ORDERS, "order", f"one of {VLLM_PACKED_ORDERS}", repr(order))
             return cls.from_tensor(kv_caches, order, kind=f"vllm-packed-{order}")
-        if order is not None:
-            check(str(order).upper() in VLLM_PACKED_ORDERS, "order", f"one of {VLLM_PACKED_ORDERS}", repr(order))
+        if order is not None:  # per-layer tensors whose dims are in that physical order (L dropped)
+            order = str(order).upper()
+            check(order in VLLM_PACKED_ORDERS, "order", f"one of {VLLM_PACKED_ORDERS}", repr(order))
+            return cls.from_layers(kv_caches, order.replace("L", ""), kind=f"vllm-packed-{order}")
         return cls.from_layers(kv_caches, "BHNC", kind="vllm-packed")
 
     @classmethod

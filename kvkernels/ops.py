@@ -43,7 +43,11 @@ def check_errors(device=None) -> None:
     Reads the per-device counter (a host sync on GPU) and resets it. ``device`` defaults to all
     devices used so far.
     """
-    keys = [str(torch.device(device))] if device is not None else list(_ERR)
+    if device is None:
+        keys = list(_ERR)
+    else:  # "cuda" names the current device, whose counter is kept under "cuda:<index>"
+        want = torch.device(device)
+        keys = [k for k in _ERR if same_device(torch.device(k), want)]
     for key in keys:
         t = _ERR.get(key)
         if t is None:
@@ -93,6 +97,37 @@ def _validate_ids(ids: torch.Tensor, layout: PagedLayout, *, unique: bool) -> No
             fail("block_ids", "distinct destination ids for scatter", f"duplicates {vals[counts > 1][:4].tolist()}")
 
 
+def _cache_extents(layout: PagedLayout) -> list[tuple[int, int]]:
+    """Byte ranges ``[lo, hi)`` spanned by the cache's views, merged (computed once per layout)."""
+    ext = layout._memo.get("extents")
+    if ext is None:
+        spans = []
+        for row in layout.views:
+            for v in row:
+                hi = v.data_ptr() + v.element_size() * (1 + sum((n - 1) * st for n, st in zip(v.shape, v.stride())))
+                spans.append((v.data_ptr(), hi))
+        spans.sort()
+        ext = []
+        for lo, hi in spans:
+            if ext and lo <= ext[-1][1]:
+                ext[-1] = (ext[-1][0], max(ext[-1][1], hi))
+            else:
+                ext.append((lo, hi))
+        layout._memo["extents"] = ext
+    return ext
+
+
+def _check_disjoint(buf: torch.Tensor, name: str, layout: PagedLayout, nbytes: int) -> None:
+    """A staging buffer inside the cache's memory would be read and written by the same copy
+    (the backends would not even agree on the result)."""
+    if nbytes == 0 or buf.device.type != layout.device.type:
+        return
+    lo, hi = buf.data_ptr(), buf.data_ptr() + nbytes
+    for a, b in _cache_extents(layout):
+        if lo < b and a < hi:
+            fail(name, "memory disjoint from the cache's", f"a buffer overlapping the cache at [{a:#x}, {b:#x})")
+
+
 def _check_buffer(buf, name: str, layout: PagedLayout, nbytes: int) -> torch.Tensor:
     check_tensor(buf, name)
     check(buf.dtype == torch.uint8, name, "dtype torch.uint8", buf.dtype, TypeError)
@@ -105,6 +140,7 @@ def _check_buffer(buf, name: str, layout: PagedLayout, nbytes: int) -> torch.Ten
             fail(name, f"memory on {layout.device} or pinned host memory", f"{buf.device} (pinned={buf.is_pinned()})")
     else:
         check(buf.device.type == layout.device.type, name, f"a tensor on {layout.device}", buf.device)
+    _check_disjoint(buf, name, layout, nbytes)
     return buf
 
 

@@ -375,3 +375,67 @@ def test_fuzz_cross_order_round_trip(src_order, dst_order, blocks, bs, heads, di
     staging = kvkernels.gather(src, src_ids, backend=backend)
     kvkernels.scatter(staging, dst, dst_ids, backend=backend)
     assert torch.equal(kvkernels.gather(dst, dst_ids, backend="torch").cpu(), staging.cpu())
+
+
+# ------------------------------------------------ regressions found by review (2026-11-23)
+def test_check_errors_with_a_bare_device_name_finds_the_indexed_counter(monkeypatch):
+    # counters live under "cuda:0"; check_errors("cuda") looked up "cuda" and found nothing
+    from kvkernels import ops
+
+    monkeypatch.setitem(ops._ERR, "cpu", torch.ones(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"1 id\(s\)"):
+        kvkernels.check_errors(torch.device("cpu"))
+    if torch.cuda.is_available():
+        kvkernels.gather(make_cache("vllm-nhd", num_layers=1, num_blocks=4, block_size=2, num_heads=1, head_dim=8,
+                                    device="cuda"), [1, 9], validate=False)
+        with pytest.raises(ValueError, match=r"1 id\(s\)"):
+            kvkernels.check_errors("cuda")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_staging_inside_the_cache_memory_is_refused(backend):
+    t = torch.arange(2 * 8 * 4 * 2 * 64, dtype=torch.int16).view(2, 8, 4, 2, 64).clone().to(DEVICE)
+    lay = kvkernels.PagedLayout.from_vllm([t])
+    fmt = StagingFormat.for_layout(lay, 2)
+    out = t.view(-1).view(torch.uint8)[: fmt.nbytes]  # the cache's own memory
+    with pytest.raises(ValueError, match="`out`: expected memory disjoint from the cache"):
+        kvkernels.gather(lay, [1, 0], out=out, backend=backend)
+    with pytest.raises(ValueError, match="`staging`: expected memory disjoint from the cache"):
+        kvkernels.scatter(out, lay, [1, 0], backend=backend)
+
+
+def test_layouts_whose_views_share_memory_are_refused():
+    v = torch.zeros(1, 2, 1, 8).expand(4, 2, 1, 8)
+    with pytest.raises(ValueError, match="stride 0"):
+        kvkernels.PagedLayout.from_views([[v, v]])
+    k = torch.zeros(4, 2, 1, 8)
+    with pytest.raises(ValueError, match=r"`views\[0\]\[1\]`: expected memory of its own"):
+        kvkernels.PagedLayout.from_views([[k, k]])
+    with pytest.raises(ValueError, match=r"`views\[1\]\[0\]`: expected memory of its own"):
+        kvkernels.PagedLayout.from_views([[k], [k]])
+
+
+def test_packed_per_layer_tensors_follow_the_order_given():
+    L, B, N, H, D = 2, 4, 4, 2, 8
+    phys = torch.randn(L, B, N, H, 2 * D)  # physical LBNHC
+    one = kvkernels.PagedLayout.from_vllm_packed(phys, order="LBNHC")
+    per = kvkernels.PagedLayout.from_vllm_packed([phys[l] for l in range(L)], order="LBNHC")
+    assert (per.block_size, per.num_heads) == (one.block_size, one.num_heads) == (N, H)
+    assert torch.equal(kvkernels.gather(one, [0, 1], backend="torch"), kvkernels.gather(per, [0, 1], backend="torch"))
+    with pytest.raises(ValueError, match=r"5 dims for order"):  # too few dims: a clear error, not IndexError
+        kvkernels.PagedLayout.from_tensor(torch.zeros(4, 2, 16), "LBNHC")
+
+
+@pytest.mark.skipif(not kvkernels.backends.triton_available(DEVICE), reason="Triton")
+def test_triton_staging_view_over_an_unaligned_storage_base():
+    lay = make_cache("vllm-nhd", num_layers=2, num_blocks=6, block_size=2, num_heads=2, head_dim=8)
+    ids = [3, -1, 0]
+    ref = kvkernels.gather(lay, ids, backend="torch")
+    n = ref.numel()
+    ba = bytearray(n + 64)
+    j = next(j for j in range(8) if (torch.frombuffer(ba, dtype=torch.uint8).data_ptr() + j) % 8 == 5)
+    base = torch.frombuffer(memoryview(ba)[j:], dtype=torch.uint8)  # a storage that starts 5 bytes past 8
+    s = (-base.data_ptr()) % 8
+    out = base[s: s + n]  # an 8-aligned address, storage offset not a multiple of 8
+    assert out.data_ptr() % 8 == 0 and out.storage_offset() % 8
+    assert torch.equal(kvkernels.gather(lay, ids, out=out, backend="triton"), ref)

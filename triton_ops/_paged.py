@@ -154,7 +154,8 @@ def launch(kernel, layout, block_ids: torch.Tensor, fmt, staging: torch.Tensor, 
     if n == 0 or fmt.num_regions == 0:
         return
     ptr = staging.data_ptr()
-    wb = layout.access_width(ptr, cap=8)  # the kernels' word: 8, 4, 2 or 1 bytes
+    # the kernels' word: 8, 4, 2 or 1 bytes; the staging's storage offset too (viewing it as words needs it)
+    wb = layout.access_width(ptr, staging.storage_offset(), cap=8)
     tab, (sb, sn, sh), num_items, grid = geometry(layout, fmt, max_ctas, wb)
     words = staging[: fmt.nbytes].view(_WORD_DTYPE[wb])
     rows = layout.block_size * layout.num_heads
