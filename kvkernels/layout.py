@@ -126,7 +126,7 @@ class PagedLayout:
 
     # ------------------------------------------------------------------ generic constructors
     @classmethod
-    def from_views(cls, views, *, kind: str = "custom") -> "PagedLayout":
+    def from_views(cls, views, *, kind: str = "custom", _names=None) -> "PagedLayout":
         """Generic constructor: ``views[l][c]`` are ``[num_blocks, block_size, H, D]`` tensors.
 
         Every preset ends here. All views must share shape, dtype, device and strides, and have a
@@ -136,7 +136,10 @@ class PagedLayout:
         if isinstance(views, torch.Tensor) or not isinstance(views, (Sequence, Mapping)):
             fail("views", "a list of per-layer [K, V] (or [latent]) tensor lists", type(views).__name__, TypeError)
         items = list(views.values()) if isinstance(views, Mapping) else list(views)
-        check(len(items) > 0, "views", "at least one layer", "an empty collection")
+        # error messages name the caller's argument (a preset passes how its own inputs are named)
+        name = _names or (lambda li, ci: f"views[{li}][{ci}]")
+        check(len(items) > 0, name(0, 0).split("[")[0] if _names else "views", "at least one layer",
+              "an empty collection")
         out: list[tuple[torch.Tensor, ...]] = []
         ref = None
         norm: list[list[torch.Tensor]] = []
@@ -149,7 +152,7 @@ class PagedLayout:
         for li, entry in enumerate(norm):
             row = []
             for ci, v in enumerate(entry):
-                nm = f"views[{li}][{ci}]"
+                nm = name(li, ci)
                 check_tensor(v, nm)
                 check(v.dim() == 4, nm, "4 dims [num_blocks, block_size, num_heads, head_dim]", describe(v))
                 check(v.numel() > 0, nm, "a non-empty tensor", describe(v))
@@ -162,13 +165,13 @@ class PagedLayout:
                     ref = v
                     check(not v.is_complex() and v.dtype != torch.bool, nm, "a real dtype", v.dtype, TypeError)
                 else:
-                    check(v.shape == ref.shape, nm, f"shape {tuple(ref.shape)} like views[0][0]", describe(v))
-                    check(v.dtype == ref.dtype, nm, f"dtype {ref.dtype} like views[0][0]", v.dtype, TypeError)
-                    check(same_device(v.device, ref.device), nm, f"device {ref.device} like views[0][0]", v.device)
+                    check(v.shape == ref.shape, nm, f"shape {tuple(ref.shape)} like {name(0, 0)}", describe(v))
+                    check(v.dtype == ref.dtype, nm, f"dtype {ref.dtype} like {name(0, 0)}", v.dtype, TypeError)
+                    check(same_device(v.device, ref.device), nm, f"device {ref.device} like {name(0, 0)}", v.device)
                     check(
                         v.stride() == ref.stride(),
                         nm,
-                        f"strides {tuple(ref.stride())} like views[0][0] (layers must agree)",
+                        f"strides {tuple(ref.stride())} like {name(0, 0)} (layers must agree)",
                         describe(v),
                     )
                 row.append(v)
@@ -178,7 +181,7 @@ class PagedLayout:
         seen: dict[int, str] = {}  # same strides everywhere: two views at one address are the same memory
         for li, row in enumerate(out):
             for ci, v in enumerate(row):
-                nm = f"views[{li}][{ci}]"
+                nm = name(li, ci)
                 if v.data_ptr() in seen:
                     fail(nm, f"memory of its own (it is the same memory as {seen[v.data_ptr()]})", describe(v))
                 seen[v.data_ptr()] = nm
@@ -191,7 +194,8 @@ class PagedLayout:
         ``"KBNHD"`` is one vLLM FlashAttention layer, ``"BLKNHD"`` a block-major cross-layer cache.
         """
         check_tensor(kv_cache, "kv_cache")
-        return cls.from_views(_views_from_order(kv_cache, order, "kv_cache"), kind=kind)
+        return cls.from_views(_views_from_order(kv_cache, order, "kv_cache"), kind=kind,
+                              _names=lambda li, ci: "kv_cache")
 
     @classmethod
     def from_layers(cls, kv_caches, order: str, *, kind: str = "layers") -> "PagedLayout":
@@ -201,7 +205,7 @@ class PagedLayout:
         views = []
         for i, t in enumerate(layers):
             views.extend(_views_from_order(t, order, f"kv_caches[{i}]"))
-        return cls.from_views(views, kind=kind)
+        return cls.from_views(views, kind=kind, _names=lambda li, ci: f"kv_caches[{li}]")
 
     @classmethod
     def from_strides(
@@ -343,7 +347,8 @@ class PagedLayout:
                 s0, s1, s2 = t.stride()
                 row.append(t.as_strided((nb, page_size, t.shape[1], t.shape[2]), (page_size * s0, s0, s1, s2)))
             views.append(row)
-        return cls.from_views(views, kind=f"sglang-page{page_size}")
+        return cls.from_views(views, kind=f"sglang-page{page_size}",
+                              _names=lambda li, ci: f"{'kv'[ci]}_buffers[{li}]")
 
     # ------------------------------------------------------------------ properties
     @property

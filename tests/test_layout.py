@@ -195,3 +195,12 @@ def test_access_width_covers_rows_strides_bases_and_extra_addresses():
     assert aligned.access_width(p, cap=8) == 8
     assert odd.access_width(p) == 2 and odd.access_width(p + 1) == 1
     assert aligned.access_width(p + 2) == 2  # computed once per layout, the extra address each call
+
+
+def test_preset_errors_name_the_presets_own_arguments():
+    with pytest.raises(ValueError, match=r"`kv_caches\[1\]`: expected shape .* like kv_caches\[0\]"):
+        kvkernels.PagedLayout.from_vllm([torch.zeros(2, 4, 2, 1, 8), torch.zeros(2, 4, 3, 1, 8)])
+    with pytest.raises(ValueError, match=r"`v_buffers\[0\]`: expected shape .* like k_buffers\[0\]"):
+        kvkernels.PagedLayout.from_sglang([torch.zeros(16, 1, 8)], [torch.zeros(8, 1, 8)], 4)
+    with pytest.raises(ValueError, match=r"`kv_cache`: expected at least one layer"):
+        kvkernels.PagedLayout.from_tensor(torch.zeros(0, 2, 4, 2, 2, 8), "LKBNHD")
