@@ -158,6 +158,11 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         for l in range(L):
             proxy.layer(l)
 
+    def compute_layer(l: int):
+        """Layer ``l``'s compute; after the last one, the compute-end event (see ``_timed``)."""
+        proxy.layer(l)
+        return _compute_end(device) if l == L - 1 else None
+
     compute_only()  # warm-up: kernels, cuBLAS handles
     _sync(device)
     c_wall, c_ms = best(compute_only)
@@ -193,9 +198,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         def offload_with_compute():
             end = None
             for l in range(L):
-                proxy.layer(l)
-                if l == L - 1:
-                    end = _compute_end(device)
+                end = compute_layer(l) or end
                 t0 = time.perf_counter()
                 pipe.save_layer(l, {"req": src})
                 issue_s["offload"].append(time.perf_counter() - t0)
@@ -258,9 +261,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
             def fn():
                 end = None
                 for l in range(L):
-                    proxy.layer(l)
-                    if l == L - 1:
-                        end = _compute_end(device)
+                    end = compute_layer(l) or end
                     ev = torch.cuda.Event()
                     ev.record()
                     side.wait_event(ev)
@@ -398,7 +399,7 @@ def _ssd_rows(lay, proxy, src, dst, fmt, base, device, c_ms, c_wall, reps) -> li
         # store's number of streams, reads 3 s after the writes settled (virtual disks flush late)
         settle = 0.0 if device.type == "cpu" else 3.0
         dds = [dd_ceiling(root, max(fmt.nbytes, 1 << 20), settle_s=settle,
-                          threads=config.env_int("KVKERNELS_IO_THREADS", 4, lo=1)) for _ in range(3 if reps > 1 else 1)]
+                          threads=config.io_threads()) for _ in range(3 if reps > 1 else 1)]
         dd = {"dd_read_gbps": statistics.median(d["dd_read_gbps"] for d in dds)}
         with KVStore(os.path.join(root, "store")) as store, LayerPipeline(
             lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2, store=store

@@ -144,7 +144,7 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
     os.makedirs(directory, exist_ok=True)
     meta = common.env_record()
     meta["directory"] = directory
-    dd_streams = config.env_int("KVKERNELS_IO_THREADS", 4, lo=1)  # the store's queue depth: the ceiling reads as wide
+    dd_streams = config.io_threads()  # the store's queue depth: the ceiling reads as wide
     runs = [dd_ceiling(directory, dd_bytes, settle_s=0.0 if tiny else 3.0, threads=dd_streams) for _ in range(reps)]  # median of reps: virtual disks are noisy
     ceil = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k.endswith("_gbps")}
     ceil["o_direct"] = runs[0]["o_direct"]

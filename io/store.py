@@ -152,7 +152,7 @@ class KVStore:
             os.makedirs(p, exist_ok=True)
         self.capacity_bytes = capacity_bytes
         self.engine = make_engine(engine)
-        self.io_threads = io_threads if io_threads is not None else config.env_int("KVKERNELS_IO_THREADS", 4, lo=1)
+        self.io_threads = io_threads if io_threads is not None else config.io_threads()
         check_int(self.io_threads, "io_threads", lo=1)
         self.max_inflight_bytes = (max_inflight_bytes if max_inflight_bytes is not None
                                    else config.env_int("KVKERNELS_IO_INFLIGHT_BYTES", 1 << 30, lo=1))

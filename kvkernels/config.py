@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["env_int", "env_str", "env_bool", "backend", "max_ctas", "validate_default", "cache_dir", "cuda_bulk"]
+__all__ = ["env_int", "env_str", "env_bool", "backend", "max_ctas", "validate_default", "cache_dir", "cuda_bulk", "io_threads"]
 
 
 def env_str(name: str, default: str) -> str:
@@ -67,3 +67,8 @@ def cuda_bulk() -> bool:
     """``KVKERNELS_CUDA_BULK``: the CUDA backend copies contiguous chunks with SM90 bulk copies
     (``cp.async.bulk``) instead of 16-byte loads/stores (default 0: not yet measured on a GPU)."""
     return env_bool("KVKERNELS_CUDA_BULK", False)
+
+
+def io_threads() -> int:
+    """``KVKERNELS_IO_THREADS``: SSD store worker threads = its queue depth (default 4)."""
+    return env_int("KVKERNELS_IO_THREADS", 4, lo=1)

@@ -14,6 +14,8 @@ caller's next convenient sync point. Scatter duplicates are not detected with ``
 
 from __future__ import annotations
 
+import bisect
+
 from typing import Sequence
 
 import torch
@@ -123,9 +125,11 @@ def _check_disjoint(buf: torch.Tensor, name: str, layout: PagedLayout, nbytes: i
     if nbytes == 0 or buf.device.type != layout.device.type:
         return
     lo, hi = buf.data_ptr(), buf.data_ptr() + nbytes
-    for a, b in _cache_extents(layout):
-        if lo < b and a < hi:
-            fail(name, "memory disjoint from the cache's", f"a buffer overlapping the cache at [{a:#x}, {b:#x})")
+    ext = _cache_extents(layout)  # sorted, disjoint: only the last extent starting below hi can overlap
+    k = bisect.bisect_left(ext, (hi,)) - 1
+    if k >= 0 and lo < ext[k][1]:
+        a, b = ext[k]
+        fail(name, "memory disjoint from the cache's", f"a buffer overlapping the cache at [{a:#x}, {b:#x})")
 
 
 def _check_buffer(buf, name: str, layout: PagedLayout, nbytes: int) -> torch.Tensor:
