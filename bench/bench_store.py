@@ -149,6 +149,9 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
     ceil = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k.endswith("_gbps")}
     ceil["o_direct"] = runs[0]["o_direct"]
     meta["ceiling"] = ceil
+    # printed now, not only with the table: a run cut off by its time cap still shows its ceiling
+    common.progress({"ceiling": {k: round(v, 3) if isinstance(v, float) else v for k, v in ceil.items()},
+                     "streams": dd_streams, "reps": reps})
     lay, buf, emeta = _entry(blocks, tiny)
     nbytes = buf.numel()
     tokens = blocks * 16

@@ -549,7 +549,12 @@ def _gpu_compress(codec: str, fmt, stream, chunk: int, shuffled: bool, base: tor
     return [buf[a: a + ln] for a, ln in zip(starts, lens)]
 
 
-def _gpu_decompress(regions: list[torch.Tensor], codec: str, fmt, out: torch.Tensor, stream, chunk_hint: int) -> None:
+def _gpu_decompress(regions: list[torch.Tensor], codec: str, fmt, out: torch.Tensor, stream, chunk_hint: int,
+                    element_size: int, shuffled: bool) -> None:
+    """Decode ``regions`` into ``out``. ``element_size`` / ``shuffled`` must be what the encoder was
+    given (``_esize(fmt)``, ``byteshuffle``): the codec options derived from them (ANS ``<f2``, LZ4
+    integer type + bitshuffle) are not recorded in nvCOMP's stream, and a decoder built without
+    them returns garbage without an error (seen on the H100, 2026-11-23)."""
     nvcomp = _nvcomp_ready()
     dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
     s = stream if stream is not None else torch.cuda.current_stream(out.device)
@@ -584,7 +589,7 @@ def _gpu_decompress(regions: list[torch.Tensor], codec: str, fmt, out: torch.Ten
             # nvCOMP's decoders need 8-16 byte aligned input: regions sliced out of a larger
             # buffer at other offsets are copied to 16-byte aligned ones first
             src_batch = nvcomp.as_arrays([r if r.data_ptr() % 16 == 0 else r.clone() for r in regions], ptr)
-    c = _codec(nvcomp, codec, ptr, dev, 1, chunk, True)
+    c = _codec(nvcomp, codec, ptr, dev, element_size, chunk, shuffled)
     try:
         dec = c.decode(src_batch, out=nvcomp.as_arrays(out, dst_offs, dst_sizes, ptr))
         got = [int(x) for x in dec.buffer_sizes]
@@ -819,7 +824,7 @@ def decompress_regions(
             sub = _SubFmt(fmt.region_nbytes, fmt.payload_nbytes, len(comp_j))
             scratch = tgt if comp_j == list(range(len(idx))) else torch.empty(sub.nbytes, dtype=torch.uint8, device=dev)
             _gpu_decompress([r if r.device == dev else r.to(dev) for r in regs], codec, sub, scratch, stream,
-                            cs.chunk_nbytes)
+                            cs.chunk_nbytes, _esize(fmt), cs.byteshuffle)
             if scratch is not tgt:
                 for q, k in enumerate(comp_j):
                     tgt[k * ofmt.region_nbytes: k * ofmt.region_nbytes + n].copy_(

@@ -474,14 +474,15 @@ def test_cuda_bulk_copy_matches_reference(monkeypatch, shape, max_ctas):
 def test_cuda_bulk_copy_rejects_what_it_cannot_do(monkeypatch):
     _cuda = _bulk_or_skip()
     lib = _cuda._load()[0]
-    # real buffers: the accepted call launches (a 16 KiB chunk of block 0 of both entries)
+    # real buffers: the accepted call launches (a 16 KiB chunk of block 0 of both entries: 32
+    # tokens x 2 heads = 64 rows of 256 bytes)
     src = torch.arange(1 << 14, device=DEVICE).to(torch.uint8)
     tab = torch.full((2,), src.data_ptr(), dtype=torch.int64, device=DEVICE)
     bids = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     err = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     stg = torch.zeros(1 << 15, dtype=torch.uint8, device=DEVICE)
     args = lambda staging, sn, sh: (1, tab.data_ptr(), bids.data_ptr(), 1, staging, err.data_ptr(), 1, 1, 2, 1, 2,
-                                    32, 256, 1 << 14, sn, sh, 1 << 15, 1 << 14, 0, 0, 0)
+                                    64, 256, 1 << 14, sn, sh, 1 << 15, 1 << 14, 0, 0, 0)
     host = torch.zeros(1 << 15, dtype=torch.uint8, pin_memory=True)
     assert lib.kvk_bulk_copy(*args(stg.data_ptr(), 512, 256)) == 0  # contiguous NHD chunk, device staging
     torch.cuda.synchronize()

@@ -78,6 +78,19 @@ def _e4m3_code(y):
 
 
 @triton.jit
+def _code_of(x, s, DIV_MODE: tl.constexpr, HW_CVT: tl.constexpr):
+    """e4m3 code (int32) of ``x`` scaled by ``s`` (per-row ``[R, 1]`` or a scalar). DIV_MODE /
+    HW_CVT other than 0 / False are probes for bench/fp8_tuning.py, not the format's rule."""
+    if DIV_MODE == 0:
+        y = tl.div_rn(x, tl.zeros_like(x) + s)
+    else:
+        y = x * tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    if HW_CVT:
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    return _e4m3_code(y)
+
+
+@triton.jit
 def _quant_gather_kernel(
     ptr_tab,  # int64 [R, C]: byte address of block 0 of (requested layer j, entry c)
     block_ids,  # int32/int64 [n]: cache block of staging slot i (outside [0, num_blocks) = padding)
@@ -96,6 +109,8 @@ def _quant_gather_kernel(
     BLOCK_R: tl.constexpr,  # rows per tile ((token, head) rows; tokens when PER_BLOCK)
     BLOCK_D: tl.constexpr,  # next_power_of_2(D)
     ALIGN16: tl.constexpr,  # host checked (align16): cache and staging rows 16-byte aligned
+    DIV_MODE: tl.constexpr = 0,  # 0: x / s (tl.div_rn, the format's rule); 1: x * (1 / s) (tuning probe)
+    HW_CVT: tl.constexpr = False,  # e4m3 code by the fp8 conversion instruction (tuning probe, GPU only)
 ):
     # grid: (min(num_items, max_ctas),); each program strides over the work items
     ROWS: tl.constexpr = BS * H
@@ -135,7 +150,7 @@ def _quant_gather_kernel(
                     off = c_row[:, None] + d_ar[None, :]
                     mv = (t < tok_lim)[:, None] & d_ok[None, :]
                     x = _load_f32(cache + off, mv, IN_KIND)
-                    code = _e4m3_code(tl.div_rn(x, tl.zeros_like(x) + s))
+                    code = _code_of(x, s, DIV_MODE, HW_CVT)
                     q_off = _staging_rows(t * H + h, D, ALIGN16)[:, None] + d_ar[None, :]
                     tl.store(q_out + q_off, code.to(tl.uint8), mask=(t < BS)[:, None] & d_ok[None, :])
         else:
@@ -147,25 +162,28 @@ def _quant_gather_kernel(
                 mv = (rows < row_lim)[:, None] & d_ok[None, :]
                 x = _load_f32(cache + off, mv, IN_KIND)
                 s = _scale_from_amax_bits(tl.max(_abs_bits(x), axis=1))
-                code = _e4m3_code(tl.div_rn(x, s[:, None] + tl.zeros_like(x)))
+                code = _code_of(x, s[:, None], DIV_MODE, HW_CVT)
                 q_off = _staging_rows(rows, D, ALIGN16)[:, None] + d_ar[None, :]
                 tl.store(q_out + q_off, code.to(tl.uint8), mask=(rows < ROWS)[:, None] & d_ok[None, :])
                 s_st = tl.where(rows < row_lim, s, 0.0).to(tl.int32, bitcast=True)
                 tl.store(s_out + rows, s_st, mask=rows < ROWS)
 
 
-def tile_rows(rows: int, head_dim: int) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_D): rows of a power-of-two padded head dim, ~TILE_ELEMS elements."""
+def tile_rows(rows: int, head_dim: int, tile_elems: int = TILE_ELEMS) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_D): rows of a power-of-two padded head dim, ~``tile_elems`` elements."""
     block_d = triton.next_power_of_2(head_dim)
-    return max(1, min(triton.next_power_of_2(rows), TILE_ELEMS // block_d)), block_d
+    return max(1, min(triton.next_power_of_2(rows), tile_elems // block_d)), block_d
 
 
-def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor, err: torch.Tensor, max_ctas: int = 0) -> torch.Tensor:
+def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor, err: torch.Tensor, max_ctas: int = 0,
+                        _probe: dict | None = None) -> torch.Tensor:
     """Quantize ``fmt.layers`` of ``layout`` into ``out`` (uint8, 16-byte aligned, validated by the
     caller) in the :class:`~kvkernels.quant.QuantStagingFormat` ``fmt``; one launch.
 
     ``block_ids`` int32/int64 ``[n]`` and ``err`` int32 ``[1]`` on the cache device; ``max_ctas``
     caps the grid (0 = one program per work item). Section gaps and region padding are zeroed.
+    ``_probe``: kernel variants for bench/fp8_tuning.py only (``DIV_MODE``, ``HW_CVT``,
+    ``num_warps``, ``tile_elems``); their codes may differ from the format's.
     """
     n = fmt.num_blocks
     if n == 0 or fmt.num_regions == 0:
@@ -174,13 +192,17 @@ def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor,
     tab, (sb, sn, sh), num_items, grid = geometry(layout, fmt, max_ctas, layout.element_size)
     stage = out[: fmt.nbytes]
     per_block = fmt.granularity == "block"
-    block_r, block_d = tile_rows(layout.block_size if per_block else layout.block_size * layout.num_heads, layout.head_dim)
+    probe = dict(_probe or {})
+    warps = probe.pop("num_warps", NUM_WARPS)
+    block_r, block_d = tile_rows(layout.block_size if per_block else layout.block_size * layout.num_heads, layout.head_dim,
+                                 probe.pop("tile_elems", TILE_ELEMS))
     _quant_gather_kernel[grid](
         tab, block_ids, stage, stage.view(torch.int32), err,
         n, layout.num_blocks, num_items, sb, sn, sh,
         fmt.region_nbytes, fmt.q_entry_nbytes, fmt.num_kv * fmt.q_entry_nbytes, fmt.scale_entry_nbytes,
         C=fmt.num_kv, H=layout.num_heads, BS=layout.block_size, D=layout.head_dim, IN_KIND=kind,
-        PER_BLOCK=per_block, BLOCK_R=block_r, BLOCK_D=block_d, ALIGN16=align16(layout, stage), num_warps=NUM_WARPS,
+        PER_BLOCK=per_block, BLOCK_R=block_r, BLOCK_D=block_d, ALIGN16=align16(layout, stage), num_warps=warps,
+        **probe,
     )
     regions = stage.view(fmt.num_regions, fmt.region_nbytes)
     for a, b in fmt.gaps():
