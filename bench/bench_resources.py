@@ -68,7 +68,8 @@ def compile_triton_variants(align: bool = True, which=("copy", "quant", "shuffle
         for kind, dt in enumerate(("bf16", "fp16", "fp32")):
             for pb in (False, True):
                 out[f"quant_gather_{dt}_{'block' if pb else 'token'}"] = _compile(_quant_gather_kernel, qn, qt, dict(
-                    C=2, H=8, BS=16, D=128, IN_KIND=kind, PER_BLOCK=pb, BLOCK_R=32, BLOCK_D=128, ALIGN16=align), div)
+                    C=2, H=8, BS=16, D=128, IN_KIND=kind, PER_BLOCK=pb, BLOCK_R=32, BLOCK_D=128, ALIGN16=align,
+                    HW_CVT=True, FMA_DIV=True), div)
             out[f"dequant_scatter_{dt}"] = _compile(_dequant_scatter_kernel, qn, qt[:3] + ["*fp32"] + qt[4:], dict(
                 C=2, H=8, BS=16, D=128, OUT_KIND=kind, PER_BLOCK=False, BLOCK_R=32, BLOCK_D=128, ALIGN16=align), div)
     if "shuffle" in which:

@@ -65,8 +65,19 @@ def cache_dir() -> str:
 
 def cuda_bulk() -> bool:
     """``KVKERNELS_CUDA_BULK``: the CUDA backend copies contiguous chunks with SM90 bulk copies
-    (``cp.async.bulk``) instead of 16-byte loads/stores (default 0: not yet measured on a GPU)."""
+    (``cp.async.bulk``) instead of 16-byte loads/stores (default 0: on the H100, 2026-11-23, it
+    moved 86-96 % of the copy peak with every SM against 96-99 % for the 16-byte kernels; it wins
+    only under an SM cap with large chunks, docs/PERF_NOTES.md)."""
     return env_bool("KVKERNELS_CUDA_BULK", False)
+
+
+def fp8_fma_div() -> bool:
+    """``KVKERNELS_FP8_FMA_DIV``: the Triton FP8 quantizing gather on a GPU computes ``x / s`` from
+    one reciprocal per row and an FMA correction per element (the same bytes; ~4x faster in the
+    probe on the H100) instead of ``div.rn.f32`` per element. Default 0 until ``.ci/gpu`` has run
+    the GPU tests with it (written 2026-11-23 after the device time was spent; the CUDA backend's
+    same arithmetic is checked on the CPU through its host emulation)."""
+    return env_bool("KVKERNELS_FP8_FMA_DIV", False)
 
 
 def io_threads() -> int:

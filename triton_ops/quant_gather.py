@@ -4,17 +4,25 @@ Format: :class:`kvkernels.quant.QuantStagingFormat` (``docs/quant.md``). Same wo
 :mod:`._paged`: work item ``w = (j * C + c) * n + i`` (region j, entry c, staging slot i), a
 persistent grid of ``min(num_items, max_ctas)`` programs striding over the items.
 
-Rounding never uses Triton's fp32 -> fp8 conversion (wrong in the interpreter, field notes
-section 7) nor its fp32 division (approximate on the GPU): ``x / s`` is ``tl.div_rn`` (IEEE), and
-the e4m3 code is built from the fp32 bits with integer operations (:func:`_e4m3_code`), so the
-interpreter and the GPU produce the same bytes as ``torch``'s saturating RNE cast.
+Rounding: the code of ``RN(x / s)`` (IEEE quotient, as torch's ``x / s``), never a plain ``/``
+(approximate on the GPU). On the GPU the quotient is a reciprocal per row / tile and a Markstein
+FMA correction per element (:func:`_quotient`: bit-identical to the IEEE division, without its
+per-element cost) and the e4m3 code the conversion instruction; under the interpreter (whose FMA
+rounds twice and whose fp8 conversion is wrong, field notes section 7) ``tl.div_rn`` per element
+and integer operations on the fp32 bits (:func:`_e4m3_code`). Both give torch's bytes. With
+``tl.div_rn`` per element on the GPU (until 2026-11-23) the kernel ran at 22-30 % of its bound on the
+H100 (docs/PERF_NOTES.md, "FP8 gather").
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+from kvkernels import config
 
 from ._paged import _block_ptr, _cache_rows, _slot, _staging_rows, geometry
 
@@ -78,15 +86,41 @@ def _e4m3_code(y):
 
 
 @triton.jit
-def _code_of(x, s, DIV_MODE: tl.constexpr, HW_CVT: tl.constexpr):
-    """e4m3 code (int32) of ``x`` scaled by ``s`` (per-row ``[R, 1]`` or a scalar). DIV_MODE /
-    HW_CVT other than 0 / False are probes for bench/fp8_tuning.py, not the format's rule."""
-    if DIV_MODE == 0:
-        y = tl.div_rn(x, tl.zeros_like(x) + s)
+def _recip(s):
+    """``(f, s * f, RN(1 / (s * f)))`` of scales ``s``: ``f = 2**64`` where ``s < 2**-64`` (so the
+    reciprocal stays finite), else 1 (see :func:`_quotient`); one IEEE division per row / tile."""
+    f = tl.where(s < 5.421010862427522e-20, 18446744073709551616.0, 1.0)  # 2**-64, 2**64
+    sf = s * f
+    return f, sf, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), sf)
+
+
+@triton.jit
+def _quotient(x, s, f, sf, r, FMA_DIV: tl.constexpr):
+    """``RN(x / s)`` (the format's quotient) for per-row ``[R, 1]`` or scalar ``s`` and its
+    :func:`_recip` values. FMA_DIV (the GPU): no division per element: ``q0 = RN((x * f) * r)`` is
+    within one ulp, the residual ``e = x*f - q0 * s*f`` is exact in an FMA, and ``RN(q0 + e * r)``
+    is the correctly rounded quotient (Markstein) wherever it can reach a nonzero e4m3 code (the
+    pre-scale keeps every step out of underflow there; below, the code is +-0 either way);
+    ``e == 0`` and non-finite ``q0`` keep ``q0``. Checked exactly in tests/test_quant.py. Without
+    FMA_DIV (the interpreter, whose ``tl.fma`` rounds twice): ``tl.div_rn`` per element."""
+    if FMA_DIV:
+        xs = x * f
+        q0 = xs * r
+        e = tl.fma(-q0, sf, xs)
+        keep = (e == 0) | ((q0.to(tl.int32, bitcast=True) & 0x7FFFFFFF) >= 0x7F800000)
+        return tl.where(keep, q0, tl.fma(e, r, q0))
     else:
-        y = x * tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        return tl.div_rn(x, tl.zeros_like(x) + s)
+
+
+@triton.jit
+def _code_of(y, HW_CVT: tl.constexpr):
+    """e4m3 code (int32) of ``y``. HW_CVT (the GPU): the conversion instruction (saturating RNE),
+    every NaN made 0x7F; else integer operations (the interpreter's conversion is wrong, field notes
+    section 7). The H100 run of 2026-11-23 found no byte differing between them (bench/fp8_tuning.py)."""
     if HW_CVT:
-        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        return tl.where(y != y, 0x7F, code)
     return _e4m3_code(y)
 
 
@@ -109,8 +143,8 @@ def _quant_gather_kernel(
     BLOCK_R: tl.constexpr,  # rows per tile ((token, head) rows; tokens when PER_BLOCK)
     BLOCK_D: tl.constexpr,  # next_power_of_2(D)
     ALIGN16: tl.constexpr,  # host checked (align16): cache and staging rows 16-byte aligned
-    DIV_MODE: tl.constexpr = 0,  # 0: x / s (tl.div_rn, the format's rule); 1: x * (1 / s) (tuning probe)
-    HW_CVT: tl.constexpr = False,  # e4m3 code by the fp8 conversion instruction (tuning probe, GPU only)
+    HW_CVT: tl.constexpr,  # e4m3 code by the fp8 conversion instruction (GPU) or integer ops (interpreter)
+    FMA_DIV: tl.constexpr,  # x / s by reciprocal + FMA correction (GPU) or tl.div_rn per element (interpreter)
 ):
     # grid: (min(num_items, max_ctas),); each program strides over the work items
     ROWS: tl.constexpr = BS * H
@@ -140,6 +174,7 @@ def _quant_gather_kernel(
                     mv = (t < tok_lim)[:, None] & d_ok[None, :]
                     amax = tl.maximum(amax, tl.max(_abs_bits(_load_f32(cache + off, mv, IN_KIND)), axis=1))
                 s = _scale_from_amax_bits(tl.max(amax, axis=0))
+                f, sf, rc = _recip(s)
                 tl.store(s_out + h, tl.where(valid, s, 0.0).to(tl.int32, bitcast=True))
                 # pass 2: quantize (the re-read should hit L2; not measured)
                 for t0 in tl.range(0, BS, BLOCK_R):
@@ -150,7 +185,7 @@ def _quant_gather_kernel(
                     off = c_row[:, None] + d_ar[None, :]
                     mv = (t < tok_lim)[:, None] & d_ok[None, :]
                     x = _load_f32(cache + off, mv, IN_KIND)
-                    code = _code_of(x, s, DIV_MODE, HW_CVT)
+                    code = _code_of(_quotient(x, s, f, sf, rc, FMA_DIV), HW_CVT)
                     q_off = _staging_rows(t * H + h, D, ALIGN16)[:, None] + d_ar[None, :]
                     tl.store(q_out + q_off, code.to(tl.uint8), mask=(t < BS)[:, None] & d_ok[None, :])
         else:
@@ -162,7 +197,8 @@ def _quant_gather_kernel(
                 mv = (rows < row_lim)[:, None] & d_ok[None, :]
                 x = _load_f32(cache + off, mv, IN_KIND)
                 s = _scale_from_amax_bits(tl.max(_abs_bits(x), axis=1))
-                code = _code_of(x, s[:, None], DIV_MODE, HW_CVT)
+                f, sf, rc = _recip(s)
+                code = _code_of(_quotient(x, s[:, None], f[:, None], sf[:, None], rc[:, None], FMA_DIV), HW_CVT)
                 q_off = _staging_rows(rows, D, ALIGN16)[:, None] + d_ar[None, :]
                 tl.store(q_out + q_off, code.to(tl.uint8), mask=(rows < ROWS)[:, None] & d_ok[None, :])
                 s_st = tl.where(rows < row_lim, s, 0.0).to(tl.int32, bitcast=True)
@@ -182,8 +218,8 @@ def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor,
 
     ``block_ids`` int32/int64 ``[n]`` and ``err`` int32 ``[1]`` on the cache device; ``max_ctas``
     caps the grid (0 = one program per work item). Section gaps and region padding are zeroed.
-    ``_probe``: kernel variants for bench/fp8_tuning.py only (``DIV_MODE``, ``HW_CVT``,
-    ``num_warps``, ``tile_elems``); their codes may differ from the format's.
+    ``_probe``: kernel variants for bench/fp8_tuning.py only (``HW_CVT``, ``FMA_DIV``,
+    ``num_warps``, ``tile_elems``).
     """
     n = fmt.num_blocks
     if n == 0 or fmt.num_regions == 0:
@@ -194,6 +230,9 @@ def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor,
     per_block = fmt.granularity == "block"
     probe = dict(_probe or {})
     warps = probe.pop("num_warps", NUM_WARPS)
+    on_gpu = stage.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    hw_cvt = probe.pop("HW_CVT", on_gpu)
+    fma_div = probe.pop("FMA_DIV", on_gpu and config.fp8_fma_div())
     block_r, block_d = tile_rows(layout.block_size if per_block else layout.block_size * layout.num_heads, layout.head_dim,
                                  probe.pop("tile_elems", TILE_ELEMS))
     _quant_gather_kernel[grid](
@@ -201,8 +240,8 @@ def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor,
         n, layout.num_blocks, num_items, sb, sn, sh,
         fmt.region_nbytes, fmt.q_entry_nbytes, fmt.num_kv * fmt.q_entry_nbytes, fmt.scale_entry_nbytes,
         C=fmt.num_kv, H=layout.num_heads, BS=layout.block_size, D=layout.head_dim, IN_KIND=kind,
-        PER_BLOCK=per_block, BLOCK_R=block_r, BLOCK_D=block_d, ALIGN16=align16(layout, stage), num_warps=warps,
-        **probe,
+        PER_BLOCK=per_block, BLOCK_R=block_r, BLOCK_D=block_d, ALIGN16=align16(layout, stage), HW_CVT=hw_cvt, FMA_DIV=fma_div,
+        num_warps=warps, **probe,
     )
     regions = stage.view(fmt.num_regions, fmt.region_nbytes)
     for a, b in fmt.gaps():

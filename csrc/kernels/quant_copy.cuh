@@ -112,7 +112,7 @@ __device__ __forceinline__ uint32_t row_amax(const uint8_t* row, int64_t D, int 
 
 // Quantize one cache row (D elements) with scale s into D codes at q (valid = false: zero codes).
 template <int kKind, bool kVec>
-__device__ __forceinline__ void quantize_row(const uint8_t* row, uint8_t* q, int64_t D, float s, bool valid,
+__device__ __forceinline__ void quantize_row(const uint8_t* row, uint8_t* q, int64_t D, Recip rs, bool valid,
                                              int lane) {
   using E = Elem<kKind>;
   if (kVec) {
@@ -124,14 +124,14 @@ __device__ __forceinline__ void quantize_row(const uint8_t* row, uint8_t* q, int
         const typename E::T* e = reinterpret_cast<const typename E::T*>(&v);
         uint8_t* o = reinterpret_cast<uint8_t*>(&out);
 #pragma unroll
-        for (int x = 0; x < E::kPerVec; ++x) o[x] = e4m3_encode(div_rn(load_as_f32<kKind>(e[x]), s));
+        for (int x = 0; x < E::kPerVec; ++x) o[x] = e4m3_encode(quotient(load_as_f32<kKind>(e[x]), rs));
       }
       reinterpret_cast<typename E::Codes*>(q)[k] = out;
     }
   } else {
     for (int64_t d = lane; d < D; d += 32) {
       uint8_t code = 0;
-      if (valid) code = e4m3_encode(div_rn(load_as_f32<kKind>(reinterpret_cast<const typename E::T*>(row)[d]), s));
+      if (valid) code = e4m3_encode(quotient(load_as_f32<kKind>(reinterpret_cast<const typename E::T*>(row)[d]), rs));
       q[d] = code;
     }
   }
@@ -166,8 +166,9 @@ __global__ void __launch_bounds__(kThreads) quant_gather_kernel(QuantCopyParams 
         }
         const float s = scale_from_amax_bits(amax);
         if (lane == 0) s_out[h] = it.valid ? s : 0.0f;
+        const Recip rs = recip_of_scale(s);
         for (int64_t t = 0; t < p.block_size; ++t)
-          quantize_row<kKind, kVec>(cache + t * p.stride_n + h * p.stride_h, q_out + (t * p.H + h) * D, D, s,
+          quantize_row<kKind, kVec>(cache + t * p.stride_n + h * p.stride_h, q_out + (t * p.H + h) * D, D, rs,
                                     it.valid, lane);
       }
     } else {
@@ -179,7 +180,7 @@ __global__ void __launch_bounds__(kThreads) quant_gather_kernel(QuantCopyParams 
         const uint32_t amax = it.valid ? row_amax<kKind, kVec>(row, D, lane) : 0u;
         const float s = scale_from_amax_bits(amax);
         if (lane == 0) s_out[r] = it.valid ? s : 0.0f;
-        quantize_row<kKind, kVec>(row, q_out + r * D, D, s, it.valid, lane);
+        quantize_row<kKind, kVec>(row, q_out + r * D, D, recip_of_scale(s), it.valid, lane);
       }
     }
   }

@@ -41,7 +41,8 @@ int kvk_host_quantize_rows(const void* x, int kind, int64_t rows, int64_t D, uin
       amax = a > amax ? a : amax;
     }
     s[r] = kvk::scale_from_amax_bits(amax);
-    for (int64_t d = 0; d < D; ++d) q[r * D + d] = kvk::e4m3_encode(kvk::div_rn(v[d], s[r]));
+    const kvk::Recip rs = kvk::recip_of_scale(s[r]);
+    for (int64_t d = 0; d < D; ++d) q[r * D + d] = kvk::e4m3_encode(kvk::quotient(v[d], rs));
   }
   return 0;
 }
