@@ -28,7 +28,8 @@ calls per layer (``issue_us_per_layer``: median of ``save_layer``, or median
 ``wait_for_layer_load`` plus median ``start_load`` / layers; target <= 50 us; on the offload
 transfer-alone row: ``save_layer`` with no compute queued) and ``issue_cpu_us_per_layer`` (the
 same calls' CPU time in the calling thread: a wall far above it means the call waited on something,
-added after the H100 run of 2026-11-23 measured 190-640 us of wall). Targets (issue 4):
+added after the H100 run of 2026-11-23 measured 190-640 us of wall; the first case also writes
+``pipeline_issue_profile.txt``, a cProfile of those calls alone). Targets (issue 4):
 >= 95 % of the one-shot copy, slowdown <= 5 %, wall <= 1.05x.
 
 Method (from a review of the bench, 2026-11-23): every method's compute time ends at an event
@@ -132,8 +133,45 @@ def _timed(dev, fn):
     return ms, ms
 
 
+def _profile_issue(pipe, src, dst, L, device, path, case, rounds: int = 3) -> None:
+    """cProfile of the step-path calls only (``save_layer``, ``start_load``, ``wait_for_layer_load``;
+    the profiler is off between them), written to ``path``: where the host time per layer goes
+    (2026-11-23: 190-640 us measured against a 50 us target, 110 us explained on a CPU host)."""
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+
+    def call(fn, *a):
+        pr.enable()
+        fn(*a)
+        pr.disable()
+
+    for _ in range(rounds):
+        pipe.get_finished()
+        for l in range(L):
+            call(pipe.save_layer, l, {"req": src})
+        pipe.wait_for_save()
+        _sync(device)
+        pipe.get_finished()
+        call(pipe.start_load, {"req": dst})
+        for l in range(L):
+            call(pipe.wait_for_layer_load, l)
+        _sync(device)
+        pipe.get_finished()
+    out = io.StringIO()
+    out.write(f"# {case}: {rounds} x ({L} save_layer + start_load + {L} wait_for_layer_load)\n")
+    st = pstats.Stats(pr, stream=out)
+    st.sort_stats("tottime").print_stats(40)
+    st.sort_stats("cumulative").print_stats(30)
+    with open(path, "w") as f:
+        f.write(out.getvalue())
+    print(f"[bench] issue profile: {path}", file=sys.stderr)
+
+
 def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, heads=None,
-               timeline_out: dict | None = None) -> list[dict]:
+               timeline_out: dict | None = None, profile_path: str | None = None) -> list[dict]:
     shape = get_model(model)
     if layers or heads:
         shape = shape.scaled(num_layers=layers, num_kv_heads=heads)
@@ -256,6 +294,8 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
     rows.append({**base, "direction": "-", "method": "compute-alone", "compute_ms": c_ms, "wall_ms": c_wall})
     pipe = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2)  # default 64 MiB slots
     pipeline_rows(pipe)
+    if profile_path is not None:
+        _profile_issue(pipe, src, dst, L, device, profile_path, f"{model} {seq} tokens, {base['chunk_kb']} KB chunks")
 
     rows += _ssd_rows(lay, proxy, src, dst, fmt, base, device, c_ms, c_wall, reps)
     if timeline_out is not None:
@@ -486,13 +526,15 @@ def run(*, models=("llama3-8b",), seqs=(4096, 8192), block_sizes=(16, 2), out_di
     tl_box: dict = {}
     if tiny:
         rows += bench_case("smollm2-135m", 64, 16, device=device, peaks=peaks, layers=2, reps=1, heads=1,
-                           timeline_out=tl_box)
+                           timeline_out=tl_box, profile_path=os.path.join(out_dir, "pipeline_issue_profile.txt"))
     else:
         for m in models:
             for seq in seqs:
                 for bs in block_sizes:
+                    first = not tl_box
                     rows += bench_case(m, seq, bs, device=device, peaks=peaks,
-                                       timeline_out=None if tl_box else tl_box)
+                                       timeline_out=tl_box if first else None,
+                                       profile_path=os.path.join(out_dir, "pipeline_issue_profile.txt") if first else None)
                     torch.cuda.empty_cache()
                     common.write_results(rows, {**meta, "partial": True}, out_dir, "pipeline")  # kept if cut
     paths = common.write_results(rows, meta, out_dir, "pipeline")
