@@ -10,6 +10,7 @@ For each prompt length and block size, in one run:
   copy-engine D2H, layer by layer; restore: H2D -> scatter, ``wait_for_layer_load`` per layer);
   ``transfer-alone`` / ``kvk-pipeline`` ``[cuda-bulk]`` (or ``[cuda]``): the same with the CUDA
   backend's kernels (its SM90 bulk-copy path where it applies: ``KVKERNELS_CUDA_BULK=1``);
+  ``[ctas=4]`` / ``[ctas=64]`` (first case only): the Triton pipeline with another SM cap than 16;
 * ``sm-zero-copy[ctas]``: compute + an SM gather writing pinned host directly on a side stream
   (LMCache / SGLang style), full grid and 2 CTAs;
 * ``memcpy-per-chunk``: compute + one ``cudaMemcpyAsync`` per chunk on a side stream (vLLM
@@ -360,6 +361,16 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                     pipeline_rows(pipe, "[cuda-bulk]" if bulk else "[cuda]")
                 finally:
                     pipe.close()
+    if device.type == "cuda" and profile_path is not None:
+        # first case only: the SM cap of the pipeline's gather/scatter. 16 CTAs cost the compute
+        # 4-15 % on the H100 (2026-11-23) while a batched DMA of 32 KB pieces cost ~0 %: does a
+        # smaller (or larger) cap change the slowdown, and does the transfer still keep up?
+        for ctas in (4, 64):
+            p2 = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=ctas, prefetch_depth=2)
+            try:
+                pipeline_rows(p2, f"[ctas={ctas}]")
+            finally:
+                p2.close()
     return rows
 
 
