@@ -3,8 +3,11 @@
 * ``"triton"`` — kernels in ``triton_ops/``; on CUDA tensors, or on CPU tensors when
   ``TRITON_INTERPRET=1`` was set before anything imported triton (the CI path).
 * ``"cuda"`` — the compiled C++ kernels in ``csrc/`` (C ABI via ctypes; built at install with
-  ``KVKERNELS_BUILD_CUDA=1`` or just in time on first use). ``auto`` does not pick it yet: the
-  choice between Triton and CUDA waits for GPU measurements (docs/csrc.md).
+  ``KVKERNELS_BUILD_CUDA=1`` or just in time on first use). ``auto`` does not pick it: on the
+  H100 (2026-11-23, docs/PERF_NOTES.md) Triton was at or above it on every registered shape
+  (98.6 vs 96.2 % on 4 KB chunks, 97.0 vs 97.2 % on 32 KB, FP8 and shuffle well above) except
+  the deepseek-v3 MLA plain copy (94.7 vs 97.5 %), where 3 points do not justify an nvcc build on
+  first use; pass ``backend="cuda"`` there (docs/csrc.md).
 * ``"torch"`` — :mod:`kvkernels.reference`, any device; the CPU fallback.
 
 ``auto`` (or ``KVKERNELS_BACKEND``): CUDA tensors -> triton if importable, else torch; CPU tensors
