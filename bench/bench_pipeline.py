@@ -166,6 +166,7 @@ def _profile_issue(pipe, src, dst, L, device, path, case, rounds: int = 3) -> No
     st = pstats.Stats(pr, stream=out)
     st.sort_stats("tottime").print_stats(40)
     st.sort_stats("cumulative").print_stats(30)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         f.write(out.getvalue())
     print(f"[bench] issue profile: {path}", file=sys.stderr)
@@ -542,9 +543,9 @@ def run(*, models=("llama3-8b",), seqs=(4096, 8192), block_sizes=(16, 2), out_di
         for m in models:
             for seq in seqs:
                 for bs in block_sizes:
-                    first = not tl_box
+                    first = not rows  # the extras (timeline, issue profile, other SM caps) once
                     rows += bench_case(m, seq, bs, device=device, peaks=peaks,
-                                       timeline_out=tl_box if first else None,
+                                       timeline_out=None if tl_box else tl_box,
                                        profile_path=os.path.join(out_dir, "pipeline_issue_profile.txt") if first else None)
                     torch.cuda.empty_cache()
                     common.write_results(rows, {**meta, "partial": True}, out_dir, "pipeline")  # kept if cut

@@ -685,7 +685,9 @@ def compress_regions(
     if c == "none":
         stored = payloads
     elif dev.type == "cuda":
-        stored = _gpu_compress(c, fmt, stream, chunk_nbytes, byteshuffle, base, offsets, frames)
+        # the codec options follow the stored bytes: byte planes (split here or at gather) get no
+        # element data type, and the decoder derives the same from the recorded scheme
+        stored = _gpu_compress(c, fmt, stream, chunk_nbytes, byteshuffle or staging_shuffled, base, offsets, frames)
     else:
         stored = _zstd_compress_cpu(payloads, frames, chunk_nbytes, lvl)
 
@@ -824,7 +826,7 @@ def decompress_regions(
             sub = _SubFmt(fmt.region_nbytes, fmt.payload_nbytes, len(comp_j))
             scratch = tgt if comp_j == list(range(len(idx))) else torch.empty(sub.nbytes, dtype=torch.uint8, device=dev)
             _gpu_decompress([r if r.device == dev else r.to(dev) for r in regs], codec, sub, scratch, stream,
-                            cs.chunk_nbytes, _esize(fmt), cs.byteshuffle)
+                            cs.chunk_nbytes, _esize(fmt), cs.byteshuffle or cs.staging_scheme == "shuffle")
             if scratch is not tgt:
                 for q, k in enumerate(comp_j):
                     tgt[k * ofmt.region_nbytes: k * ofmt.region_nbytes + n].copy_(

@@ -16,6 +16,7 @@ H100 (docs/PERF_NOTES.md, "FP8 gather").
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -205,6 +206,12 @@ def _quant_gather_kernel(
                 tl.store(s_out + rows, s_st, mask=rows < ROWS)
 
 
+@functools.lru_cache(maxsize=None)
+def _has_fp8_cvt(device_index) -> bool:
+    """Triton compiles fp8e4nv conversions only for sm_89 and later."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
 def tile_rows(rows: int, head_dim: int, tile_elems: int = TILE_ELEMS) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_D): rows of a power-of-two padded head dim, ~``tile_elems`` elements."""
     block_d = triton.next_power_of_2(head_dim)
@@ -231,7 +238,8 @@ def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor,
     probe = dict(_probe or {})
     warps = probe.pop("num_warps", NUM_WARPS)
     on_gpu = stage.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
-    hw_cvt = probe.pop("HW_CVT", on_gpu)
+    # Triton has fp8e4nv only from sm_89 (it refuses to compile it for an A100)
+    hw_cvt = probe.pop("HW_CVT", on_gpu and _has_fp8_cvt(stage.device.index))
     fma_div = probe.pop("FMA_DIV", on_gpu and config.fp8_fma_div())
     block_r, block_d = tile_rows(layout.block_size if per_block else layout.block_size * layout.num_heads, layout.head_dim,
                                  probe.pop("tile_elems", TILE_ELEMS))
