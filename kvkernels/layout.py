@@ -408,10 +408,13 @@ class PagedLayout:
         never stepped, so its stride is reported as 0: torch gives such a dimension an arbitrary
         stride (MLA's single head: 2 bytes), which must not decide the kernels' access width (it
         made the CUDA backend move MLA caches in 2-byte words, 31 % of the copy peak on the H100)."""
-        e = self.element_size
-        s = self._ref.stride()
-        sizes = (self.num_blocks, self.block_size, self.num_heads)
-        return tuple(0 if n == 1 else st * e for n, st in zip(sizes, s[:3]))
+        got = self._memo.get("byte_strides")  # on every launch's path: computed once per layout
+        if got is None:
+            e = self.element_size
+            s = self._ref.stride()
+            sizes = (self.num_blocks, self.block_size, self.num_heads)
+            got = self._memo["byte_strides"] = tuple(0 if n == 1 else st * e for n, st in zip(sizes, s[:3]))
+        return got
 
     def is_contiguous_chunk(self) -> bool:
         """True when one (block, layer, entry) chunk is one contiguous run of bytes (NHD-like)."""

@@ -204,3 +204,22 @@ def test_preset_errors_name_the_presets_own_arguments():
         kvkernels.PagedLayout.from_sglang([torch.zeros(16, 1, 8)], [torch.zeros(8, 1, 8)], 4)
     with pytest.raises(ValueError, match=r"`kv_cache`: expected at least one layer"):
         kvkernels.PagedLayout.from_tensor(torch.zeros(0, 2, 4, 2, 2, 8), "LKBNHD")
+
+
+def test_staging_format_cache_keeps_the_checks():
+    """StagingFormat.for_layout looks formats up in a per-layout cache (it is on every copy's
+    path): a hit must equal a fresh build, and a cached count must not let a bool or a bad layer
+    through."""
+    lay = make_cache("vllm-nhd", num_layers=4, num_blocks=8, block_size=4, num_heads=2, head_dim=64)
+    a = StagingFormat.for_layout(lay, 3, (1, 2))
+    assert StagingFormat.for_layout(lay, 3, (1, 2)) is a
+    assert StagingFormat.for_layout(lay, 3, [2, 1]) == a  # lists are normalised, not cached
+    assert StagingFormat.for_layout(lay, 1) == StagingFormat(tuple(range(4)), 1, 4, 2, 64, lay.element_size)
+    with pytest.raises(TypeError):
+        StagingFormat.for_layout(lay, True)
+    with pytest.raises(ValueError, match="layers"):
+        StagingFormat.for_layout(lay, 3, (5,))
+    with pytest.raises(ValueError, match="layers"):
+        StagingFormat.for_layout(lay, 3, (1, 1))
+    with pytest.raises(ValueError):
+        StagingFormat.for_layout(lay, -1)

@@ -9,6 +9,8 @@ stride over the items (persistent grid), which is how the SM cap works.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -125,6 +127,7 @@ def _paged_copy(
                 tl.store(cache + c_off, tl.load(stage + s_off, mask=mv), mask=mv)
 
 
+@functools.lru_cache(maxsize=4096)
 def tile_shape(rows: int, row_words: int) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_W): a power-of-two tile covering a row, ~TILE_WORDS words."""
     block_w = triton.next_power_of_2(row_words)
