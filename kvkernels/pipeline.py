@@ -113,6 +113,20 @@ class _NullStream:
         pass
 
 
+@functools.lru_cache(maxsize=4096)
+def _copy_pieces(f, cfmt, layer: int, a: int, num_kv: int) -> tuple[tuple[int, int, int], ...]:
+    """:meth:`LayerPipeline._pieces` (pure function of immutable formats)."""
+    out: list[list[int]] = []
+    for c in range(num_kv):
+        h = f.entry_offset(layer, c) + a * f.chunk_nbytes
+        d = c * cfmt.entry_nbytes
+        if out and out[-1][0] + out[-1][2] == h and out[-1][1] + out[-1][2] == d:
+            out[-1][2] += cfmt.entry_nbytes
+        else:
+            out.append([h, d, cfmt.entry_nbytes])
+    return tuple(tuple(x) for x in out)
+
+
 def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
@@ -314,21 +328,13 @@ class LayerPipeline:
         for a in range(0, n, self.chunk_blocks):
             yield a, min(n, a + self.chunk_blocks)
 
-    def _pieces(self, f: StagingFormat, cfmt: StagingFormat, layer: int, a: int) -> list[tuple[int, int, int]]:
+    def _pieces(self, f: StagingFormat, cfmt: StagingFormat, layer: int, a: int) -> tuple[tuple[int, int, int], ...]:
         """``(host offset, slot offset, nbytes)`` of the copies that move blocks ``a..`` of ``layer``
         between the host entry (format ``f``) and a slot (format ``cfmt``): one per K/V entry,
         merged where both sides are contiguous (a whole layer in one slot: one copy). Each DMA
         costs a fixed setup; on the H100 32 per-layer pairs of 8.4 MB copies reached 75 % of one
-        large copy."""
-        out: list[list[int]] = []
-        for c in range(self.layout.num_kv):
-            h = f.entry_offset(layer, c) + a * f.chunk_nbytes
-            d = c * cfmt.entry_nbytes
-            if out and out[-1][0] + out[-1][2] == h and out[-1][1] + out[-1][2] == d:
-                out[-1][2] += cfmt.entry_nbytes
-            else:
-                out.append([h, d, cfmt.entry_nbytes])
-        return [tuple(x) for x in out]
+        large copy. Cached (formats are immutable; on every layer's path)."""
+        return _copy_pieces(f, cfmt, layer, a, self.layout.num_kv)
 
     def _take_slot(self, direction: str) -> int:
         s = self._slot_next[direction]

@@ -98,7 +98,7 @@ def test_whole_layer_in_one_slot_moves_in_one_copy(layout):
     f = StagingFormat.for_layout(lay, 5)
     with LayerPipeline(lay, host_bytes=1 << 20, slot_bytes=64 * per_block) as pipe:
         whole = pipe._pieces(f, StagingFormat.for_layout(lay, 5, (1,)), 1, 0)
-        assert whole == [(f.entry_offset(1, 0), 0, lay.num_kv * f.entry_nbytes)]
+        assert list(whole) == [(f.entry_offset(1, 0), 0, lay.num_kv * f.entry_nbytes)]
     with LayerPipeline(lay, host_bytes=1 << 20, slot_bytes=2 * per_block) as pipe:
         part = pipe._pieces(f, StagingFormat.for_layout(lay, 2, (1,)), 1, 2)
         assert len(part) == lay.num_kv
