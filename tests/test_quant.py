@@ -567,6 +567,49 @@ print(json.dumps({name: sorted(set(re.findall(r"(?:ld|st|div|cvt|fma)\.[\w.]*", 
 """
 
 
+SPLIT_PROBE = r"""
+import json, re, sys
+from kvkernels.bench.bench_resources import compile_triton_variants
+ks = compile_triton_variants(True, which=("quant_split",))
+print(json.dumps({name: sorted(set(re.findall(r"(?:ld|st|div|cvt|fma)\.[\w.]*", k.asm["ptx"])))
+                  + ["ndiv=%d" % k.asm["ptx"].count("div.rn.f32")] for name, k in ks.items()}))
+"""
+
+
+def test_split_d_probe_compiles_for_sm90():
+    """The FP8 gather's split-D probe (MLA's 576-wide rows as a 512 tile plus a 64 tile; correct
+    under the interpreter in the tests above only when selected, so checked here for the GPU
+    compiler): sm_90 PTX with the e4m3 conversion, the FMA quotient, few divisions and 16-byte loads."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", SPLIT_PROBE], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    insns = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(insns) == 2
+    for name, ins in insns.items():
+        assert {"cvt.rn.satfinite.e4m3x2.f32", "fma.rn.f32", "ld.global.v4.b32"} <= set(ins), (name, ins)
+        assert int(ins[-1].split("=")[1]) <= 4, (name, ins[-1])
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_split_d_probe_gives_the_same_bytes(granularity, dtype):
+    """bench/fp8_tuning.py's ``split_d`` probe (a head dim that is not a power of two as a
+    power-of-two tile plus a tail tile) writes the reference's bytes: MLA 576, 80, 96."""
+    from kvkernels.triton_ops.quant_gather import quant_gather_triton
+
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel on CPU needs TRITON_INTERPRET=1")
+    for kind, h, d in (("mla", 1, 576), ("vllm-nhd", 2, 80), ("vllm-hnd", 3, 96)):
+        lay = cache(kind, dtype=dtype, head_dim=d, heads=h, block_size=4, blocks=8, layers=2, seed=3)  # random bytes
+        ids = torch.tensor([3, -1, 5, 0], device=DEVICE)
+        fmt = QuantStagingFormat.for_layout(lay, 4, granularity=granularity)
+        ref = gather_quant(lay, ids, quant="fp8", granularity=granularity, backend="torch")
+        out = torch.zeros(fmt.nbytes, dtype=torch.uint8, device=DEVICE)
+        quant_gather_triton(lay, ids, fmt, out, torch.zeros(1, dtype=torch.int32, device=DEVICE),
+                            _probe={"split_d": True})
+        assert torch.equal(out, ref[: fmt.nbytes]), (kind, d)
+
+
 @pytest.mark.parametrize("align", ["align16", "unaligned"])
 def test_kernels_compile_for_sm90(align):
     """Every kernel variant compiles to sm_90 PTX here (no GPU): the divisions are IEEE (div.rn.f32)

@@ -146,6 +146,8 @@ def _quant_gather_kernel(
     ALIGN16: tl.constexpr,  # host checked (align16): cache and staging rows 16-byte aligned
     HW_CVT: tl.constexpr,  # e4m3 code by the fp8 conversion instruction (GPU) or integer ops (interpreter)
     FMA_DIV: tl.constexpr,  # x / s by reciprocal + FMA correction (GPU) or tl.div_rn per element (interpreter)
+    D_TAIL: tl.constexpr = 0,  # > 0: BLOCK_D is a power of two < D and columns BLOCK_D.. come as a second
+    # tile of D_TAIL (a probe for 576-wide MLA rows, padded to 1024 otherwise; bench/fp8_tuning.py)
 ):
     # grid: (min(num_items, max_ctas),); each program strides over the work items
     ROWS: tl.constexpr = BS * H
@@ -154,6 +156,9 @@ def _quant_gather_kernel(
     r_ar = tl.arange(0, BLOCK_R)
     d_ar = tl.arange(0, BLOCK_D)
     d_ok = d_ar < D
+    TAIL_W: tl.constexpr = D_TAIL if D_TAIL > 0 else 1
+    e_ar = BLOCK_D + tl.arange(0, TAIL_W)  # the tail tile's columns (unused when D_TAIL == 0)
+    e_ok = e_ar < D
     for w32 in tl.range(tl.program_id(0), num_items, tl.num_programs(0)):
         j, c, i, bid, valid = _slot(w32, block_ids, err_ptr, n, num_blocks, C)
         row_lim = tl.where(valid, ROWS, 0)  # invalid id: no cache row is read, zeros are written
@@ -174,6 +179,10 @@ def _quant_gather_kernel(
                     off = c_row[:, None] + d_ar[None, :]
                     mv = (t < tok_lim)[:, None] & d_ok[None, :]
                     amax = tl.maximum(amax, tl.max(_abs_bits(_load_f32(cache + off, mv, IN_KIND)), axis=1))
+                    if D_TAIL > 0:
+                        mv2 = (t < tok_lim)[:, None] & e_ok[None, :]
+                        x2 = _load_f32(cache + c_row[:, None] + e_ar[None, :], mv2, IN_KIND)
+                        amax = tl.maximum(amax, tl.max(_abs_bits(x2), axis=1))
                 s = _scale_from_amax_bits(tl.max(amax, axis=0))
                 f, sf, rc = _recip(s)
                 tl.store(s_out + h, tl.where(valid, s, 0.0).to(tl.int32, bitcast=True))
@@ -187,8 +196,15 @@ def _quant_gather_kernel(
                     mv = (t < tok_lim)[:, None] & d_ok[None, :]
                     x = _load_f32(cache + off, mv, IN_KIND)
                     code = _code_of(_quotient(x, s, f, sf, rc, FMA_DIV), HW_CVT)
-                    q_off = _staging_rows(t * H + h, D, ALIGN16)[:, None] + d_ar[None, :]
-                    tl.store(q_out + q_off, code.to(tl.uint8), mask=(t < BS)[:, None] & d_ok[None, :])
+                    q_row = _staging_rows(t * H + h, D, ALIGN16)
+                    tl.store(q_out + q_row[:, None] + d_ar[None, :], code.to(tl.uint8),
+                             mask=(t < BS)[:, None] & d_ok[None, :])
+                    if D_TAIL > 0:
+                        mv2 = (t < tok_lim)[:, None] & e_ok[None, :]
+                        x2 = _load_f32(cache + c_row[:, None] + e_ar[None, :], mv2, IN_KIND)
+                        code2 = _code_of(_quotient(x2, s, f, sf, rc, FMA_DIV), HW_CVT)
+                        tl.store(q_out + q_row[:, None] + e_ar[None, :], code2.to(tl.uint8),
+                                 mask=(t < BS)[:, None] & e_ok[None, :])
         else:
             s_out = s_out + i * ROWS
             for r0 in tl.range(0, ROWS, BLOCK_R):
@@ -197,11 +213,21 @@ def _quant_gather_kernel(
                 off = c_row[:, None] + d_ar[None, :]
                 mv = (rows < row_lim)[:, None] & d_ok[None, :]
                 x = _load_f32(cache + off, mv, IN_KIND)
-                s = _scale_from_amax_bits(tl.max(_abs_bits(x), axis=1))
+                am = tl.max(_abs_bits(x), axis=1)
+                if D_TAIL > 0:
+                    mv2 = (rows < row_lim)[:, None] & e_ok[None, :]
+                    x2 = _load_f32(cache + c_row[:, None] + e_ar[None, :], mv2, IN_KIND)
+                    am = tl.maximum(am, tl.max(_abs_bits(x2), axis=1))
+                s = _scale_from_amax_bits(am)
                 f, sf, rc = _recip(s)
                 code = _code_of(_quotient(x, s[:, None], f[:, None], sf[:, None], rc[:, None], FMA_DIV), HW_CVT)
-                q_off = _staging_rows(rows, D, ALIGN16)[:, None] + d_ar[None, :]
-                tl.store(q_out + q_off, code.to(tl.uint8), mask=(rows < ROWS)[:, None] & d_ok[None, :])
+                q_row = _staging_rows(rows, D, ALIGN16)
+                tl.store(q_out + q_row[:, None] + d_ar[None, :], code.to(tl.uint8),
+                         mask=(rows < ROWS)[:, None] & d_ok[None, :])
+                if D_TAIL > 0:
+                    code2 = _code_of(_quotient(x2, s[:, None], f[:, None], sf[:, None], rc[:, None], FMA_DIV), HW_CVT)
+                    tl.store(q_out + q_row[:, None] + e_ar[None, :], code2.to(tl.uint8),
+                             mask=(rows < ROWS)[:, None] & e_ok[None, :])
                 s_st = tl.where(rows < row_lim, s, 0.0).to(tl.int32, bitcast=True)
                 tl.store(s_out + rows, s_st, mask=rows < ROWS)
 
@@ -226,7 +252,8 @@ def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor,
     ``block_ids`` int32/int64 ``[n]`` and ``err`` int32 ``[1]`` on the cache device; ``max_ctas``
     caps the grid (0 = one program per work item). Section gaps and region padding are zeroed.
     ``_probe``: kernel variants for bench/fp8_tuning.py only (``HW_CVT``, ``FMA_DIV``,
-    ``num_warps``, ``tile_elems``).
+    ``num_warps``, ``tile_elems``, ``split_d``: a head dim that is not a power of two as a
+    power-of-two tile plus a tail tile instead of one padded tile).
     """
     n = fmt.num_blocks
     if n == 0 or fmt.num_regions == 0:
@@ -241,14 +268,22 @@ def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor,
     # Triton has fp8e4nv only from sm_89 (it refuses to compile it for an A100)
     hw_cvt = probe.pop("HW_CVT", on_gpu and _has_fp8_cvt(stage.device.index))
     fma_div = probe.pop("FMA_DIV", on_gpu and config.fp8_fma_div())
-    block_r, block_d = tile_rows(layout.block_size if per_block else layout.block_size * layout.num_heads, layout.head_dim,
-                                 probe.pop("tile_elems", TILE_ELEMS))
+    rows = layout.block_size if per_block else layout.block_size * layout.num_heads
+    tile = probe.pop("tile_elems", TILE_ELEMS)
+    block_r, block_d = tile_rows(rows, layout.head_dim, tile)
+    d_tail = 0
+    D = layout.head_dim
+    if probe.pop("split_d", False) and D & (D - 1):  # D not a power of two: main tile + tail tile
+        block_d = 1 << (D.bit_length() - 1)
+        d_tail = triton.next_power_of_2(D - block_d)
+        block_r = max(1, min(triton.next_power_of_2(rows), tile // block_d))
     _quant_gather_kernel[grid](
         tab, block_ids, stage, stage.view(torch.int32), err,
         n, layout.num_blocks, num_items, sb, sn, sh,
         fmt.region_nbytes, fmt.q_entry_nbytes, fmt.num_kv * fmt.q_entry_nbytes, fmt.scale_entry_nbytes,
         C=fmt.num_kv, H=layout.num_heads, BS=layout.block_size, D=layout.head_dim, IN_KIND=kind,
         PER_BLOCK=per_block, BLOCK_R=block_r, BLOCK_D=block_d, ALIGN16=align16(layout, stage), HW_CVT=hw_cvt, FMA_DIV=fma_div,
+        D_TAIL=d_tail,
         num_warps=warps, **probe,
     )
     regions = stage.view(fmt.num_regions, fmt.region_nbytes)
