@@ -26,18 +26,18 @@ backend's kernel beside it. GPU only:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+try:
+    from . import common
+except ImportError:  # pragma: no cover - run as a script
+    import common  # type: ignore
 
-from bench import common  # noqa: E402
-from kvkernels import StagingFormat  # noqa: E402
-from kvkernels.models import get_model, make_cache  # noqa: E402
-from kvkernels.quant import QuantStagingFormat, gather_quant  # noqa: E402
+from kvkernels import StagingFormat
+from kvkernels.models import get_model, make_cache
+from kvkernels.quant import QuantStagingFormat, gather_quant
 
 VARIANTS = {
     "div_rn": {"FMA_DIV": False},
@@ -50,7 +50,7 @@ VARIANTS = {
 
 
 def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_results") -> list[dict]:
-    from triton_ops.quant_gather import quant_gather_triton
+    from kvkernels.triton_ops.quant_gather import quant_gather_triton
 
     device = torch.device("cuda")
     peaks = common.measure_peaks(device, 1 << 30)

@@ -98,12 +98,12 @@ def _is_fp8(fmt) -> bool:
 
 def _esize(fmt) -> int:
     """Bytes per element of a format's payload (1 for FP8 staging: codes and scales are opaque)."""
-    return 1 if hasattr(fmt, "q_nbytes") else int(fmt.element_size)
+    return 1 if _is_fp8(fmt) else int(fmt.element_size)
 
 
 def _entries(fmt) -> list[tuple[int, int]]:
     """``[(offset in the region, nbytes)]`` of the entries (K, V) of one region's payload."""
-    if hasattr(fmt, "entry_nbytes") and hasattr(fmt, "num_kv") and not hasattr(fmt, "q_nbytes"):
+    if hasattr(fmt, "entry_nbytes") and hasattr(fmt, "num_kv") and not _is_fp8(fmt):
         return [(c * fmt.entry_nbytes, fmt.entry_nbytes) for c in range(fmt.num_kv)]
     return [(0, fmt.payload_nbytes)]
 
@@ -826,7 +826,7 @@ def decompress_regions(
             sub = _SubFmt(fmt.region_nbytes, fmt.payload_nbytes, len(comp_j))
             scratch = tgt if comp_j == list(range(len(idx))) else torch.empty(sub.nbytes, dtype=torch.uint8, device=dev)
             _gpu_decompress([r if r.device == dev else r.to(dev) for r in regs], codec, sub, scratch, stream,
-                            cs.chunk_nbytes, _esize(fmt), cs.byteshuffle or cs.staging_scheme == "shuffle")
+                            cs.chunk_nbytes, _esize(fmt), cs.scheme == "shuffle")
             if scratch is not tgt:
                 for q, k in enumerate(comp_j):
                     tgt[k * ofmt.region_nbytes: k * ofmt.region_nbytes + n].copy_(

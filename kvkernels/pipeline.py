@@ -306,7 +306,10 @@ class LayerPipeline:
 
     def _gate(self, ent: HostEntry, layer: int) -> None:
         """Before the H2D of ``layer`` of a streamed entry: on the GPU, the H2D stream waits for the
-        layer's flag (no host wait); on CPU (or without the driver call) the host waits."""
+        layer's flag (no host wait); on CPU (or without the driver call) the host waits. A layer
+        already read (its flag is set before its event) needs neither."""
+        if ent.layer_read[layer].is_set():
+            return
         if self._gpu_gates:
             rc = _cu_stream_wait_value32()(self.h2d_stream.cuda_stream, ent.gate.data_ptr() + 4 * layer, GATE_READ,
                                            _CU_STREAM_WAIT_VALUE_GEQ)
@@ -367,9 +370,7 @@ class LayerPipeline:
         fmt = StagingFormat.for_layout(self.layout, n)
         with self._lock:  # re-saving a key: its old host copy goes first if nothing reads it
             old = self.entries.get(key)
-            if old is not None and old.users == 0 and old.state != "loading" and (
-                old.ssd_future is None or old.ssd_future.done()
-            ):
+            if old is not None and not self._in_use(old):
                 del self.entries[key]
                 self._release(old)  # a D2H still writing it is ordered before ours (same stream)
         off = self._alloc_host(fmt.nbytes)

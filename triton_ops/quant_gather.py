@@ -17,13 +17,13 @@ H100 (docs/PERF_NOTES.md, "FP8 gather").
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kvkernels import config
+from kvkernels.backends import triton_interpret
 
 from ._paged import _block_ptr, _cache_rows, _slot, _staging_rows, geometry
 
@@ -238,9 +238,10 @@ def _has_fp8_cvt(device_index) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
-def tile_rows(rows: int, head_dim: int, tile_elems: int = TILE_ELEMS) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_D): rows of a power-of-two padded head dim, ~``tile_elems`` elements."""
-    block_d = triton.next_power_of_2(head_dim)
+def tile_rows(rows: int, head_dim: int, tile_elems: int = TILE_ELEMS, block_d: int | None = None) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_D): rows of a power-of-two padded head dim (or of ``block_d`` columns),
+    ~``tile_elems`` elements."""
+    block_d = block_d or triton.next_power_of_2(head_dim)
     return max(1, min(triton.next_power_of_2(rows), tile_elems // block_d)), block_d
 
 
@@ -264,7 +265,7 @@ def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor,
     per_block = fmt.granularity == "block"
     probe = dict(_probe or {})
     warps = probe.pop("num_warps", NUM_WARPS)
-    on_gpu = stage.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    on_gpu = stage.is_cuda and not triton_interpret()
     # Triton has fp8e4nv only from sm_89 (it refuses to compile it for an A100)
     hw_cvt = probe.pop("HW_CVT", on_gpu and _has_fp8_cvt(stage.device.index))
     fma_div = probe.pop("FMA_DIV", on_gpu and config.fp8_fma_div())
@@ -274,9 +275,8 @@ def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor,
     d_tail = 0
     D = layout.head_dim
     if probe.pop("split_d", False) and D & (D - 1):  # D not a power of two: main tile + tail tile
-        block_d = 1 << (D.bit_length() - 1)
+        block_r, block_d = tile_rows(rows, D, tile, block_d=1 << (D.bit_length() - 1))
         d_tail = triton.next_power_of_2(D - block_d)
-        block_r = max(1, min(triton.next_power_of_2(rows), tile // block_d))
     _quant_gather_kernel[grid](
         tab, block_ids, stage, stage.view(torch.int32), err,
         n, layout.num_blocks, num_items, sb, sn, sh,
