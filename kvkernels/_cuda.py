@@ -125,6 +125,29 @@ def _use_bulk(layout, staging: torch.Tensor) -> bool:
             and bulk_supported() and _staging_on_device(layout, staging))
 
 
+def _paged_plan(to_staging: bool, layout, fmt, staging: torch.Tensor, max_ctas: int) -> tuple:
+    """The launch arguments that do not change from call to call (everything but the ids, the
+    error counter and the stream), kept per layout keyed by values (on every layer's path)."""
+    ptr = staging.data_ptr()
+    bulk_env = config.cuda_bulk()
+    key = ("paged", to_staging, fmt, ptr, staging.is_cuda, max_ctas, bulk_env)
+    plans = layout._memo.setdefault("cuda_launch", {})
+    plan = plans.get(key)
+    if plan is None:
+        tab = layout.pointer_table_for(fmt.layers)
+        sb, sn, sh = layout.byte_strides
+        dev = layout.device.index if layout.device.index is not None else torch.cuda.current_device()
+        shape = (fmt.num_blocks, layout.num_blocks, fmt.num_kv, fmt.num_regions, layout.num_heads,
+                 layout.block_size * layout.num_heads, layout.row_nbytes, sb, sn, sh, fmt.region_nbytes,
+                 fmt.entry_nbytes)
+        bulk = bulk_env and _use_bulk(layout, staging)
+        tail = (max_ctas, dev) if bulk else (_word(layout, ptr), max_ctas, dev)
+        if len(plans) >= 4096:  # bounded: request sizes and buffers vary
+            plans.clear()
+        plan = plans[key] = (bulk, tab.data_ptr(), ptr, shape, tail)
+    return plan
+
+
 def _paged_copy(to_staging: bool, layout, block_ids: torch.Tensor, fmt, staging: torch.Tensor, err: torch.Tensor,
                 max_ctas: int) -> None:
     lib, _ = _load()
@@ -132,18 +155,11 @@ def _paged_copy(to_staging: bool, layout, block_ids: torch.Tensor, fmt, staging:
         raise RuntimeError(f"`backend`: 'cuda' is not available: {reason()}")
     if fmt.num_blocks == 0 or fmt.num_regions == 0:
         return
-    tab = layout.pointer_table_for(fmt.layers)
-    sb, sn, sh = layout.byte_strides
-    dev = layout.device.index if layout.device.index is not None else torch.cuda.current_device()
+    bulk, tab, ptr, shape, tail = _paged_plan(to_staging, layout, fmt, staging, max_ctas)
     stream = torch.cuda.current_stream(layout.device).cuda_stream
-    args = [int(to_staging), tab.data_ptr(), block_ids.data_ptr(), int(block_ids.dtype == torch.int64),
-            staging.data_ptr(), err.data_ptr(), fmt.num_blocks, layout.num_blocks, fmt.num_kv, fmt.num_regions,
-            layout.num_heads, layout.block_size * layout.num_heads, layout.row_nbytes, sb, sn, sh, fmt.region_nbytes,
-            fmt.entry_nbytes]
-    if _use_bulk(layout, staging):
-        rc = lib.kvk_bulk_copy(*args, max_ctas, dev, stream)
-    else:
-        rc = lib.kvk_paged_copy(*args, _word(layout, staging.data_ptr()), max_ctas, dev, stream)
+    fn = lib.kvk_bulk_copy if bulk else lib.kvk_paged_copy
+    rc = fn(int(to_staging), tab, block_ids.data_ptr(), int(block_ids.dtype == torch.int64), ptr, err.data_ptr(),
+            *shape, *tail, stream)
     if rc != 0:
         raise RuntimeError(f"kvkernels CUDA backend: {lib.kvk_last_error().decode(errors='replace')}")
 

@@ -64,7 +64,13 @@ def check_errors(device=None) -> None:
 
 
 def as_block_ids(block_ids, layout: PagedLayout) -> torch.Tensor:
-    """Normalise ``block_ids`` to a 1-D int32/int64 tensor on the cache device (no range check)."""
+    """Normalise ``block_ids`` to a 1-D int32/int64 tensor on the cache device (no range check).
+
+    Host ids (a sequence or a CPU tensor) for a GPU cache go through pinned memory and a copy on
+    the current stream that does not block the host: the returned tensor is valid for work
+    issued on that stream (or after it). A caller's CPU tensor may be changed right after the
+    call unless it was already pinned (then it is the copy's source, as with
+    ``tensor.to(device, non_blocking=True)``)."""
     if isinstance(block_ids, torch.Tensor):
         ids = block_ids
     elif isinstance(block_ids, Sequence) and not isinstance(block_ids, (str, bytes)):
@@ -78,7 +84,12 @@ def as_block_ids(block_ids, layout: PagedLayout) -> torch.Tensor:
     check(ids.dim() == 1, "block_ids", "a 1-D tensor", describe(ids))
     if not same_device(ids.device, layout.device):
         if ids.device.type == "cpu":
-            ids = ids.to(layout.device, non_blocking=ids.is_pinned())
+            # pageable -> device would be a host sync (torch waits for the copy, i.e. for all
+            # the work queued on the current stream); a copy into a pinned block from torch's
+            # caching host allocator is not (the block is kept until the copy has run)
+            if not ids.is_pinned():
+                ids = ids.pin_memory() if layout.device.type == "cuda" else ids
+            ids = ids.to(layout.device, non_blocking=True)
         else:
             fail("block_ids", f"a tensor on {layout.device} (the cache device) or on the CPU", ids.device)
     return ids if ids.is_contiguous() else ids.contiguous()
@@ -239,6 +250,12 @@ def gather(
         out = torch.empty(fmt.nbytes, dtype=torch.uint8, device=layout.device)
     else:
         _check_buffer(out, "out", layout, fmt.nbytes)
+    return _gather_into(layout, ids, fmt, out, b, cap)
+
+
+def _gather_into(layout: PagedLayout, ids: torch.Tensor, fmt: StagingFormat, out: torch.Tensor, b: str, cap: int):
+    """The launch behind :func:`gather`, every argument already checked (``b`` resolved, ``ids``
+    on the cache device): the pipeline's per-layer path calls it directly."""
     if fmt.nbytes == 0:
         return out
     if b == "triton":
@@ -301,6 +318,12 @@ def scatter(
     layout, ids, fmt, b = _prepare(layout, block_ids, layers, validate, backend, unique=True)
     cap = _caps(max_ctas)
     _check_buffer(staging, "staging", layout, fmt.nbytes)
+    _scatter_from(staging, layout, ids, fmt, b, cap)
+
+
+def _scatter_from(staging: torch.Tensor, layout: PagedLayout, ids: torch.Tensor, fmt: StagingFormat, b: str,
+                  cap: int) -> None:
+    """The launch behind :func:`scatter`, every argument already checked (see :func:`_gather_into`)."""
     if fmt.nbytes == 0:
         return None
     if b == "triton":

@@ -53,7 +53,7 @@ from typing import Hashable, Mapping
 
 import torch
 
-from . import ops
+from . import backends, ops
 from ._validate import check, check_int, fail
 from .layout import PagedLayout
 from .staging import REGION_ALIGN, StagingFormat
@@ -206,6 +206,9 @@ class HostEntry:
     # streamed SSD read (prefetch): per-layer gate flags (pinned int32 on a GPU host) and events
     gate: torch.Tensor | None = None
     layer_read: list | None = None  # threading.Event per layer: set when its gate is released
+    # while saving: the host ids of the last layer and their device copy, reused by the next layer
+    # when the caller passes the same ids again (vLLM passes one list per request for all layers)
+    save_ids: tuple | None = None
 
 
 class LayerPipeline:
@@ -252,6 +255,7 @@ class LayerPipeline:
         self.max_ctas = max_ctas
         self.prefetch_depth = prefetch_depth
         self.backend = backend
+        self._kernels = backends.resolve(backend, layout.device)  # once: the per-layer calls skip ops' checks
         self.store = store
         self.pool = PinnedPool(host_bytes, pin=self.cuda)
         dev = layout.device
@@ -264,13 +268,19 @@ class LayerPipeline:
             self.h2d_stream = torch.cuda.Stream(device=dev)
         else:
             self.pack_stream = self.d2h_stream = self.h2d_stream = _NullStream()
+        # events are reused (a stream wait binds to the record made before it): creating and
+        # recording fresh ones cost host time on every layer. _slot_free: the slot's last reader
+        # is done; _slot_filled: the slot's gather (save) or H2D (load) is done
         self._slot_free = {d: [self._event() for _ in range(num_slots)] for d in ("save", "load")}
+        self._slot_filled = {d: [self._event() for _ in range(num_slots)] for d in ("save", "load")}
+        self._ready = {d: self._event() for d in ("save", "load")}  # the compute stream's point of entry
+        self._gathered = self._event()  # the last save_layer's gathers (the pack stream is in order)
+        self._save_pending = False
         self.entries: dict[Hashable, HostEntry] = {}
         self._lock = threading.RLock()
         self._loads: list[tuple[HostEntry, torch.Tensor, bool]] = []  # (entry, dst ids, streamed)
         self._load_events: dict[int, object] = {}
         self._next_load_layer = 0
-        self._save_events: list = []
         self._saving: dict[Hashable, HostEntry] = {}
         self._pending_loads: list[tuple[object, list]] = []  # (last layer's event, [(entry, dst ids)])
         self._load_errors: list = []  # destination ids (tensors or lists) of loads that failed
@@ -345,11 +355,36 @@ class LayerPipeline:
         return s
 
     def _ids(self, block_ids, name: str) -> torch.Tensor:
-        ids = ops.as_block_ids(block_ids, self.layout)
+        """Ids on the cache device for the pack stream (the only stream that reads them): host ids
+        are copied on that stream through pinned memory (no host sync, no race with the kernels)."""
+        if isinstance(block_ids, torch.Tensor) and block_ids.device.type != "cpu":
+            ids = ops.as_block_ids(block_ids, self.layout)  # no copy (a tensor on another GPU is refused)
+        else:
+            with self._stream(self.pack_stream):
+                ids = ops.as_block_ids(block_ids, self.layout)
         check(ids.numel() > 0, name, "at least one block id", "an empty list")
         if self.cuda:
             ids.record_stream(self.pack_stream)
         return ids
+
+    @staticmethod
+    def _host_ids_key(block_ids):
+        """What identifies host ids across layers: the values of a list or tuple, a CPU tensor's
+        identity and version counter; None for device tensors (used as they are, no copy)."""
+        if isinstance(block_ids, torch.Tensor):
+            return ("tensor", id(block_ids), block_ids._version) if block_ids.device.type == "cpu" else None
+        if isinstance(block_ids, (list, tuple)):
+            return ("seq", tuple(block_ids))
+        return None
+
+    def _save_ids(self, key, block_ids) -> tuple[torch.Tensor, object]:
+        """``(device ids, host key)`` of one layer's save: host ids equal to the previous layer's
+        (``HostEntry.save_ids``) are not converted and copied again."""
+        hk = self._host_ids_key(block_ids)
+        ent = self._saving.get(key)
+        if hk is not None and ent is not None and ent.save_ids is not None and ent.save_ids[0] == hk:
+            return ent.save_ids[1], hk
+        return self._ids(block_ids, f"saves[{key!r}]"), hk
 
     def _ensure_open(self):
         if self._closed:
@@ -400,14 +435,16 @@ class LayerPipeline:
         check_int(layer, "layer", lo=0, hi=self.layout.num_layers - 1)
         if not saves:
             return
-        ready = self._event()
+        ready = self._ready["save"]
         ready.record(self._compute_stream())  # layer's KV is final here
         self.pack_stream.wait_event(ready)
         for key, block_ids in saves.items():
-            ids = self._ids(block_ids, f"saves[{key!r}]")
+            ids, host_key = self._save_ids(key, block_ids)
             ent = self._entry_for_save(key, ids.numel(), layer)
             if ent is None:
                 continue
+            if host_key is not None and (ent.save_ids is None or ent.save_ids[0] != host_key):
+                ent.save_ids = (host_key, ids, block_ids)  # block_ids kept: the key may hold its id()
             f = ent.fmt
             for a, b in self._chunks(f.num_blocks):
                 s = self._take_slot("save")
@@ -415,9 +452,10 @@ class LayerPipeline:
                 cfmt = StagingFormat.for_layout(self.layout, b - a, (layer,))
                 self.pack_stream.wait_event(self._slot_free["save"][s])  # its last DMA is done
                 with self._stream(self.pack_stream):
-                    ops.gather(self.layout, ids[a:b], out=slot, layers=(layer,), backend=self.backend,
-                               max_ctas=self.max_ctas, validate=False)
-                    packed = self._event()
+                    # checked once in __init__ (slots, backend, cap) and in _ids: the launch alone
+                    ops._gather_into(self.layout, ids if b - a == f.num_blocks else ids[a:b], cfmt, slot,
+                                     self._kernels, self.max_ctas)
+                    packed = self._slot_filled["save"][s]
                     packed.record(self.pack_stream if self.cuda else None)
                 self.d2h_stream.wait_event(packed)
                 with self._stream(self.d2h_stream):
@@ -430,11 +468,11 @@ class LayerPipeline:
                 ev.record(self.d2h_stream if self.cuda else None)
                 ent.done_event = ev
                 del self._saving[key]
+                ent.save_ids = None
                 if self.store is not None:
                     ent.ssd_future = self._io_writes.submit(self._write_to_store, ent)
-        gathered = self._event()
-        gathered.record(self.pack_stream if self.cuda else None)
-        self._save_events.append(gathered)
+        self._gathered.record(self.pack_stream if self.cuda else None)
+        self._save_pending = True
 
     def _write_to_store(self, ent: HostEntry):
         """Background thread: wait for the entry's DMA (off the step path), then put it."""
@@ -451,10 +489,9 @@ class LayerPipeline:
         """Make the compute stream wait until every issued gather has *read* the cache (so the
         blocks may be reused by later kernels); a stream wait, not a host wait (vLLM:
         ``wait_for_save``). DMA and SSD completion are reported by :meth:`get_finished`."""
-        cs = self._compute_stream()
-        for ev in self._save_events:
-            cs.wait_event(ev)
-        self._save_events.clear()
+        if self._save_pending:  # the pack stream runs in order: its last gather's event covers all
+            self._compute_stream().wait_event(self._gathered)
+            self._save_pending = False
 
     # ------------------------------------------------------------------ load (restore)
     def prefetch(self, key, *, num_blocks: int) -> Future:
@@ -585,7 +622,7 @@ class LayerPipeline:
         self._loads = []
         self._load_events = {}
         self._next_load_layer = 0
-        start = self._event()
+        start = self._ready["load"]
         start.record(self._compute_stream())  # earlier users of the destination blocks are done
         self.h2d_stream.wait_event(start)
         self.pack_stream.wait_event(start)
@@ -622,12 +659,12 @@ class LayerPipeline:
                 with self._stream(self.h2d_stream):
                     for src, dst, nb in self._pieces(f, cfmt, layer, a):
                         slot[dst : dst + nb].copy_(ent.buf[src : src + nb], non_blocking=True)
-                    copied = self._event()
+                    copied = self._slot_filled["load"][s]
                     copied.record(self.h2d_stream if self.cuda else None)
                 self.pack_stream.wait_event(copied)
                 with self._stream(self.pack_stream):
-                    ops.scatter(slot, self.layout, ids[a:b], layers=(layer,), backend=self.backend,
-                                max_ctas=self.max_ctas, validate=False)
+                    ops._scatter_from(slot, self.layout, ids if b - a == f.num_blocks else ids[a:b], cfmt,
+                                      self._kernels, self.max_ctas)
                     self._slot_free["load"][s].record(self.pack_stream if self.cuda else None)
         ev = self._event()
         ev.record(self.pack_stream if self.cuda else None)

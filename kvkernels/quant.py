@@ -28,6 +28,7 @@ Shuffle staging (same :class:`~kvkernels.staging.StagingFormat` offsets as the r
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -123,37 +124,37 @@ class QuantStagingFormat(RegionArithmetic):
         _check_granularity(granularity)
         return cls(fmt.layers, fmt.num_blocks, fmt.block_size, fmt.num_heads, fmt.head_dim, fmt.num_kv, granularity)
 
-    @property
+    @functools.cached_property
     def rows_per_block(self) -> int:
         """(token, head) rows of ``head_dim`` values in one block: ``block_size * H``."""
         return self.block_size * self.num_heads
 
-    @property
+    @functools.cached_property
     def scales_per_block(self) -> int:
         """``block_size * H`` (token granularity) or ``H`` (block granularity)."""
         return self.rows_per_block if self.granularity == "token" else self.num_heads
 
-    @property
+    @functools.cached_property
     def q_nbytes(self) -> int:
         """Meaningful bytes of one entry's codes: ``n * block_size * H * D``."""
         return self.num_blocks * self.rows_per_block * self.head_dim
 
-    @property
+    @functools.cached_property
     def q_entry_nbytes(self) -> int:
         """One entry's codes section, rounded up to 16 bytes."""
         return _round_up(self.q_nbytes, SECTION_ALIGN)
 
-    @property
+    @functools.cached_property
     def scale_nbytes(self) -> int:
         """Meaningful bytes of one entry's scales: ``4 * n * scales_per_block``."""
         return 4 * self.num_blocks * self.scales_per_block
 
-    @property
+    @functools.cached_property
     def scale_entry_nbytes(self) -> int:
         """One entry's scales section, rounded up to 16 bytes."""
         return _round_up(self.scale_nbytes, SECTION_ALIGN)
 
-    @property
+    @functools.cached_property
     def payload_nbytes(self) -> int:
         """``num_kv`` x (codes section + scales section)."""
         return self.num_kv * (self.q_entry_nbytes + self.scale_entry_nbytes)

@@ -12,6 +12,8 @@ Storage alignment.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +63,7 @@ class RegionArithmetic:
     def payload_nbytes(self) -> int:  # pragma: no cover - defined by each format
         raise NotImplementedError
 
-    @property
+    @functools.cached_property
     def region_nbytes(self) -> int:
         """Region size, the payload rounded up to a multiple of 4096."""
         return _round_up(self.payload_nbytes, REGION_ALIGN)
@@ -70,7 +72,7 @@ class RegionArithmetic:
     def num_regions(self) -> int:
         return len(self.layers)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """Total bytes of the staging buffer."""
         return self.num_regions * self.region_nbytes
@@ -145,17 +147,17 @@ class StagingFormat(RegionArithmetic):
             fmts[key] = fmt
         return fmt
 
-    @property
+    @functools.cached_property
     def chunk_nbytes(self) -> int:
         """One block of one entry of one layer: ``block_size * H * D * e``."""
         return self.block_size * self.num_heads * self.head_dim * self.element_size
 
-    @property
+    @functools.cached_property
     def entry_nbytes(self) -> int:
         """One entry (K or V) of one region: ``n * chunk_nbytes``."""
         return self.num_blocks * self.chunk_nbytes
 
-    @property
+    @functools.cached_property
     def payload_nbytes(self) -> int:
         """Meaningful bytes of one region: ``num_kv * entry_nbytes``."""
         return self.num_kv * self.entry_nbytes

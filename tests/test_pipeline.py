@@ -209,6 +209,43 @@ def test_pinned_pool_first_fit_and_coalescing():
     assert pool.buffer.data_ptr() % 4096 == 0
 
 
+def test_host_ids_are_copied_once_per_save_and_again_only_when_they_change(monkeypatch):
+    """vLLM passes one list of ints per request for every layer: it is converted and copied to
+    the device at the first layer only. Other ids at a later layer (a new list, a CPU tensor
+    changed in place) are used for that layer, not the first layer's copy."""
+    lay = cache()
+    per_layer = [[3, 9, 1], [3, 9, 1], [4, 5, 6], [4, 5, 6]]  # layers 2-3: other blocks, same count
+    host_t = torch.tensor([7, 8, 10])
+    expect = {l: [lay.views[l][c][per_layer[l]].cpu().clone() for c in range(lay.num_kv)] for l in range(L)}
+    expect_t = {l: [lay.views[l][c][[7, 8, 10] if l < 2 else [11, 12, 13]].cpu().clone() for c in range(lay.num_kv)]
+                for l in range(L)}
+    with LayerPipeline(lay, host_bytes=1 << 20, max_ctas=4) as pipe:
+        converted = []
+        real = pipe._ids
+        monkeypatch.setattr(pipe, "_ids", lambda b, name: (converted.append(name), real(b, name))[1])
+        same = per_layer[0]
+        for layer in range(L):
+            ids_l = same if layer < 2 else list(per_layer[layer])  # layer 3: an equal but new list
+            if layer == 2:
+                host_t[:] = torch.tensor([11, 12, 13])  # in place: same object, new version
+            pipe.save_layer(layer, {"list": ids_l, "cpu": host_t})
+        pipe.wait_for_save()
+        assert converted == ["saves['list']", "saves['cpu']", "saves['list']", "saves['cpu']"]
+        saved, _ = drain(pipe)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+            saved |= pipe.get_finished()[0]
+        assert saved == {"list", "cpu"}
+        for key, want in (("list", expect), ("cpu", expect_t)):
+            run_step_loads(pipe, {key: ids([20, 21, 22])})
+            if DEVICE.type == "cuda":
+                torch.cuda.synchronize()
+            drain(pipe)
+            for l in range(L):
+                for c in range(lay.num_kv):
+                    assert bytes_equal(lay.views[l][c][[20, 21, 22]].cpu(), want[l][c]), (key, l, c)
+
+
 # ----------------------------------------------------------------------------------- GPU only
 @pytest.mark.gpu
 def test_step_path_has_no_host_sync_and_issue_cost():
@@ -221,6 +258,7 @@ def test_step_path_has_no_host_sync_and_issue_cost():
         run_step_loads(pipe, {"w": dst})
         torch.cuda.synchronize()
         drain(pipe)
+        src_list, dst_list = src.tolist(), dst.tolist()  # host ids, as vLLM passes them
         torch.cuda.set_sync_debug_mode("error")
         try:
             t0 = time.perf_counter()
@@ -230,6 +268,8 @@ def test_step_path_has_no_host_sync_and_issue_cost():
             run_step_loads(pipe, {"w": dst})
             t_load = (time.perf_counter() - t0) / 8
             pipe.get_finished()
+            run_step_saves(pipe, {"h": src_list})  # copied through pinned memory: no sync either
+            run_step_loads(pipe, {"w": dst_list})
         finally:
             torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()

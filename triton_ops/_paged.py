@@ -150,25 +150,35 @@ def geometry(layout, fmt, max_ctas: int, elem_bytes: int):
     return tab, strides, num_items, (num_items if max_ctas <= 0 else min(num_items, max_ctas),)
 
 
+def _launch_plan(kernel, layout, fmt, ptr: int, storage_offset: int, max_ctas: int):
+    """Everything :func:`launch` passes besides the ids, the staging words and the error counter:
+    a pure function of the layout, the format, the staging address and the cap, so it is kept per
+    layout (on every layer's path of the pipeline; keyed by values, never by a tensor)."""
+    key = (kernel, fmt, ptr, storage_offset, max_ctas)
+    plans = layout._memo.setdefault("triton_launch", {})
+    plan = plans.get(key)
+    if plan is None:
+        # the kernels' word: 8, 4, 2 or 1 bytes; the staging's storage offset too (viewing it as words needs it)
+        wb = layout.access_width(ptr, storage_offset, cap=8)
+        tab, (sb, sn, sh), num_items, grid = geometry(layout, fmt, max_ctas, wb)
+        rows = layout.block_size * layout.num_heads
+        row_words = layout.row_nbytes // wb
+        block_r, block_w = tile_shape(rows, row_words)
+        scalars = (fmt.num_blocks, layout.num_blocks, num_items, sb, sn, sh,
+                   fmt.region_nbytes // wb, fmt.entry_nbytes // wb)
+        consts = dict(C=fmt.num_kv, H=layout.num_heads, ROWS=rows, ROW_WORDS=row_words, WORD=wb, BLOCK_R=block_r,
+                      BLOCK_W=block_w, ALIGN16=aligned16(wb, layout, ptr), num_warps=NUM_WARPS)
+        if len(plans) >= 4096:  # bounded: request sizes and buffers vary
+            plans.clear()
+        plan = plans[key] = (_WORD_DTYPE[wb], tab, grid, scalars, consts)
+    return plan
+
+
 def launch(kernel, layout, block_ids: torch.Tensor, fmt, staging: torch.Tensor, err: torch.Tensor, max_ctas: int) -> None:
     """Launch a paged copy ``kernel`` (same signature as :func:`_paged_copy` minus TO_STAGING)
     over ``fmt.layers`` of ``layout`` on the current stream."""
-    n = fmt.num_blocks
-    if n == 0 or fmt.num_regions == 0:
+    if fmt.num_blocks == 0 or fmt.num_regions == 0:
         return
-    ptr = staging.data_ptr()
-    # the kernels' word: 8, 4, 2 or 1 bytes; the staging's storage offset too (viewing it as words needs it)
-    wb = layout.access_width(ptr, staging.storage_offset(), cap=8)
-    tab, (sb, sn, sh), num_items, grid = geometry(layout, fmt, max_ctas, wb)
-    words = staging[: fmt.nbytes].view(_WORD_DTYPE[wb])
-    rows = layout.block_size * layout.num_heads
-    row_words = layout.row_nbytes // wb
-    block_r, block_w = tile_shape(rows, row_words)
-    kernel[grid](
-        tab, block_ids, words, err,
-        n, layout.num_blocks, num_items,
-        sb, sn, sh,
-        fmt.region_nbytes // wb, fmt.entry_nbytes // wb,
-        C=fmt.num_kv, H=layout.num_heads, ROWS=rows, ROW_WORDS=row_words, WORD=wb,
-        BLOCK_R=block_r, BLOCK_W=block_w, ALIGN16=aligned16(wb, layout, ptr), num_warps=NUM_WARPS,
-    )
+    word, tab, grid, scalars, consts = _launch_plan(kernel, layout, fmt, staging.data_ptr(), staging.storage_offset(),
+                                                    max_ctas)
+    kernel[grid](tab, block_ids, staging[: fmt.nbytes].view(word), err, *scalars, **consts)
