@@ -11,6 +11,9 @@ For each prompt length and block size, in one run:
   ``transfer-alone`` / ``kvk-pipeline`` ``[cuda-bulk]`` (or ``[cuda]``): the same with the CUDA
   backend's kernels (its SM90 bulk-copy path where it applies: ``KVKERNELS_CUDA_BULK=1``);
   ``[ctas=4]`` / ``[ctas=64]`` (first case only): the Triton pipeline with another SM cap than 16;
+  ``[cudart]`` / ``[cuda+cudart]``: the pipeline with ``stream_api="cudart"`` (its event records,
+  stream waits and DMAs as direct CUDA runtime calls), with the Triton and the CUDA backend's
+  launcher — the host time per layer against the default (torch's Python API);
 * ``sm-zero-copy[ctas]``: compute + an SM gather writing pinned host directly on a side stream
   (LMCache / SGLang style), full grid and 2 CTAs;
 * ``memcpy-per-chunk``: compute + one ``cudaMemcpyAsync`` per chunk on a side stream (vLLM
@@ -134,7 +137,7 @@ def _timed(dev, fn):
     return ms, ms
 
 
-def _profile_issue(pipe, src, dst, L, device, path, case, rounds: int = 3) -> None:
+def _profile_issue(pipe, src, dst, L, device, path, case, rounds: int = 3, mode: str = "w") -> None:
     """cProfile of the step-path calls only (``save_layer``, ``start_load``, ``wait_for_layer_load``;
     the profiler is off between them), written to ``path``: where the host time per layer goes
     (2026-11-23: 190-640 us measured against a 50 us target, 110 us explained on a CPU host)."""
@@ -167,7 +170,7 @@ def _profile_issue(pipe, src, dst, L, device, path, case, rounds: int = 3) -> No
     st.sort_stats("tottime").print_stats(40)
     st.sort_stats("cumulative").print_stats(30)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
+    with open(path, mode) as f:
         f.write(out.getvalue())
     print(f"[bench] issue profile: {path}", file=sys.stderr)
 
@@ -362,6 +365,24 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                     pipeline_rows(pipe, "[cuda-bulk]" if bulk else "[cuda]")
                 finally:
                     pipe.close()
+        # the per-layer stream work through the CUDA runtime directly (stream_api="cudart"), with
+        # Triton's and with the CUDA backend's launcher: issue 4's host time per layer
+        from kvkernels import _cudart
+
+        if _cudart.load() is not None:
+            for backend, tag in (("auto", "[cudart]"), ("cuda", "[cuda+cudart]")):
+                if backend == "cuda" and not _cuda.available():
+                    continue
+                p3 = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2,
+                                   backend=backend, stream_api="cudart")
+                try:
+                    pipeline_rows(p3, tag)
+                    if profile_path is not None:
+                        _profile_issue(p3, src, dst, L, device, profile_path, f"{tag} {model} {seq} tokens", mode="a")
+                finally:
+                    p3.close()
+        else:
+            print(f"[bench] stream_api='cudart' rows skipped: {_cudart.reason()}", file=sys.stderr)
     if device.type == "cuda" and profile_path is not None:
         # first case only: the SM cap of the pipeline's gather/scatter. 16 CTAs cost the compute
         # 4-15 % on the H100 (2026-11-23) while a batched DMA of 32 KB pieces cost ~0 %: does a

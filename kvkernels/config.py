@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["env_int", "env_str", "env_bool", "backend", "max_ctas", "validate_default", "cache_dir", "cuda_bulk", "io_threads"]
+__all__ = ["env_int", "env_str", "env_bool", "backend", "max_ctas", "validate_default", "cache_dir", "cuda_bulk", "io_threads",
+           "pipeline_stream_api"]
 
 
 def env_str(name: str, default: str) -> str:
@@ -61,6 +62,17 @@ def validate_default() -> bool:
 def cache_dir() -> str:
     """``KVKERNELS_CACHE_DIR``: where compiled artefacts are cached (default ~/.cache/kvkernels)."""
     return env_str("KVKERNELS_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "kvkernels"))
+
+
+def pipeline_stream_api() -> str:
+    """``KVKERNELS_PIPELINE_STREAM_API``: how :class:`kvkernels.pipeline.LayerPipeline` on a GPU
+    issues its per-layer event records, stream waits and DMAs: ``torch`` (default, torch's Python
+    API) or ``cudart`` (the CUDA runtime called directly: less host time per layer; not yet
+    measured on a GPU, docs/pipeline.md)."""
+    val = env_str("KVKERNELS_PIPELINE_STREAM_API", "torch").strip().lower()
+    if val not in ("torch", "cudart"):
+        raise ValueError(f"`KVKERNELS_PIPELINE_STREAM_API`: expected torch|cudart, got {val!r}")
+    return val
 
 
 def cuda_bulk() -> bool:

@@ -234,11 +234,16 @@ class LayerPipeline:
         Kernel backend for gather/scatter (``"auto"``).
     read_priority : bool
         SSD writes of saved entries wait while prefetch reads are in flight (default True).
+    stream_api : {"torch", "cudart"}, optional
+        How the per-layer calls record events, make streams wait and start DMAs: through torch's
+        Python API (default) or by calling the CUDA runtime directly (``kvkernels._cudart``: ~1 us
+        a call instead of several; issue 4's host-time target). Default
+        ``KVKERNELS_PIPELINE_STREAM_API`` (``torch``); ``cudart`` needs a CUDA cache.
     """
 
     def __init__(self, layout: PagedLayout, *, host_bytes: int, slot_bytes: int = 64 << 20, num_slots: int = 3,
                  max_ctas: int = 16, prefetch_depth: int = 2, store=None, backend: str = "auto",
-                 read_priority: bool = True):
+                 read_priority: bool = True, stream_api: str | None = None):
         if not isinstance(layout, PagedLayout):
             fail("layout", "a kvkernels.PagedLayout", type(layout).__name__, TypeError)
         check_int(num_slots, "num_slots", lo=2)
@@ -246,6 +251,14 @@ class LayerPipeline:
         check_int(max_ctas, "max_ctas", lo=0)
         self.layout = layout
         self.cuda = layout.device.type == "cuda"
+        self.stream_api = self._resolve_stream_api(stream_api)
+        self._rt = None
+        if self.stream_api == "cudart":
+            from . import _cudart
+
+            self._rt = _cudart.load()
+            if self._rt is None:
+                raise RuntimeError(f"`stream_api`: 'cudart' is not available: {_cudart.reason()}")
         per_block = layout.num_kv * layout.chunk_nbytes
         check_int(slot_bytes, "slot_bytes", lo=per_block)
         # a slot holds one chunk of one layer: [K chunk | V chunk], chunk_blocks blocks each
@@ -276,6 +289,14 @@ class LayerPipeline:
         self._ready = {d: self._event() for d in ("save", "load")}  # the compute stream's point of entry
         self._gathered = self._event()  # the last save_layer's gathers (the pack stream is in order)
         self._save_pending = False
+        # one "layer restored" event per layer, re-recorded by each restore: a query of the last
+        # layer's event by get_finished may then see a later restore's record (same pack stream,
+        # so later work): an entry is released late, never early
+        self._layer_loaded = [self._event() for _ in range(layout.num_layers)]
+        if self.cuda:
+            for ev in (*self._slot_free["save"], *self._slot_free["load"], *self._slot_filled["save"],
+                       *self._slot_filled["load"], *self._ready.values(), self._gathered, *self._layer_loaded):
+                ev.record(self.pack_stream)  # creates the CUDA event (torch creates it at the first record)
         self.entries: dict[Hashable, HostEntry] = {}
         self._lock = threading.RLock()
         self._loads: list[tuple[HostEntry, torch.Tensor, bool]] = []  # (entry, dst ids, streamed)
@@ -299,6 +320,51 @@ class LayerPipeline:
         self._gpu_gates = self.cuda and store is not None and self._probe_gates()
 
     # ------------------------------------------------------------------ helpers
+    def _resolve_stream_api(self, stream_api) -> str:
+        if stream_api is None:
+            if not self.cuda:
+                return "torch"
+            from . import config
+
+            stream_api = config.pipeline_stream_api()
+        check(stream_api in ("torch", "cudart"), "stream_api", "'torch' or 'cudart'", repr(stream_api))
+        if stream_api == "cudart" and not self.cuda:
+            fail("stream_api", "'torch' for a cache on the CPU ('cudart' drives CUDA streams)", "'cudart'")
+        return stream_api
+
+    def _record(self, ev, stream) -> None:
+        """``ev`` marks the work queued so far on ``stream`` (a torch stream; None on CPU)."""
+        if self._rt is not None:
+            self._rt.record(ev.cuda_event, stream.cuda_stream)
+        else:
+            ev.record(stream if self.cuda else None)
+
+    def _wait(self, stream, ev) -> None:
+        """``stream`` waits for ``ev`` (a stream wait, never a host wait)."""
+        if self._rt is not None:
+            self._rt.wait(stream.cuda_stream, ev.cuda_event)
+        else:
+            stream.wait_event(ev)
+
+    def _dma(self, host: torch.Tensor, slot: torch.Tensor, pieces, to_host: bool) -> None:
+        """For ``(h, s, n)`` in ``pieces`` (:meth:`_pieces`): ``slot[s:s+n] -> host[h:h+n]`` on the
+        D2H stream (``to_host``) or back on the H2D stream; asynchronous (pinned pool, device slot)."""
+        stream = self.d2h_stream if to_host else self.h2d_stream
+        if self._rt is not None:
+            sh, hp, sp = stream.cuda_stream, host.data_ptr(), slot.data_ptr()
+            for h, s_, n in pieces:
+                if to_host:
+                    self._rt.memcpy(hp + h, sp + s_, n, sh)
+                else:
+                    self._rt.memcpy(sp + s_, hp + h, n, sh)
+            return
+        with self._stream(stream):
+            for h, s_, n in pieces:
+                if to_host:
+                    host[h : h + n].copy_(slot[s_ : s_ + n], non_blocking=True)
+                else:
+                    slot[s_ : s_ + n].copy_(host[h : h + n], non_blocking=True)
+
     def _probe_gates(self) -> bool:
         """Whether the driver's stream wait on a pinned flag works here (one wait on a flag that
         is already set); otherwise streamed loads wait for each layer's read on the host."""
@@ -436,8 +502,8 @@ class LayerPipeline:
         if not saves:
             return
         ready = self._ready["save"]
-        ready.record(self._compute_stream())  # layer's KV is final here
-        self.pack_stream.wait_event(ready)
+        self._record(ready, self._compute_stream())  # layer's KV is final here
+        self._wait(self.pack_stream, ready)
         for key, block_ids in saves.items():
             ids, host_key = self._save_ids(key, block_ids)
             ent = self._entry_for_save(key, ids.numel(), layer)
@@ -450,18 +516,16 @@ class LayerPipeline:
                 s = self._take_slot("save")
                 slot = self._slots["save"][s]
                 cfmt = StagingFormat.for_layout(self.layout, b - a, (layer,))
-                self.pack_stream.wait_event(self._slot_free["save"][s])  # its last DMA is done
+                self._wait(self.pack_stream, self._slot_free["save"][s])  # its last DMA is done
                 with self._stream(self.pack_stream):
                     # checked once in __init__ (slots, backend, cap) and in _ids: the launch alone
                     ops._gather_into(self.layout, ids if b - a == f.num_blocks else ids[a:b], cfmt, slot,
                                      self._kernels, self.max_ctas)
-                    packed = self._slot_filled["save"][s]
-                    packed.record(self.pack_stream if self.cuda else None)
-                self.d2h_stream.wait_event(packed)
-                with self._stream(self.d2h_stream):
-                    for dst, src, nb in self._pieces(f, cfmt, layer, a):
-                        ent.buf[dst : dst + nb].copy_(slot[src : src + nb], non_blocking=True)
-                    self._slot_free["save"][s].record(self.d2h_stream if self.cuda else None)
+                packed = self._slot_filled["save"][s]
+                self._record(packed, self.pack_stream)
+                self._wait(self.d2h_stream, packed)
+                self._dma(ent.buf, slot, self._pieces(f, cfmt, layer, a), to_host=True)
+                self._record(self._slot_free["save"][s], self.d2h_stream)
             ent.layers_done.add(layer)
             if len(ent.layers_done) == self.layout.num_layers:
                 ev = self._event()
@@ -471,7 +535,7 @@ class LayerPipeline:
                 ent.save_ids = None
                 if self.store is not None:
                     ent.ssd_future = self._io_writes.submit(self._write_to_store, ent)
-        self._gathered.record(self.pack_stream if self.cuda else None)
+        self._record(self._gathered, self.pack_stream)
         self._save_pending = True
 
     def _write_to_store(self, ent: HostEntry):
@@ -490,7 +554,7 @@ class LayerPipeline:
         blocks may be reused by later kernels); a stream wait, not a host wait (vLLM:
         ``wait_for_save``). DMA and SSD completion are reported by :meth:`get_finished`."""
         if self._save_pending:  # the pack stream runs in order: its last gather's event covers all
-            self._compute_stream().wait_event(self._gathered)
+            self._wait(self._compute_stream(), self._gathered)
             self._save_pending = False
 
     # ------------------------------------------------------------------ load (restore)
@@ -623,9 +687,9 @@ class LayerPipeline:
         self._load_events = {}
         self._next_load_layer = 0
         start = self._ready["load"]
-        start.record(self._compute_stream())  # earlier users of the destination blocks are done
-        self.h2d_stream.wait_event(start)
-        self.pack_stream.wait_event(start)
+        self._record(start, self._compute_stream())  # earlier users of the destination blocks are done
+        self._wait(self.h2d_stream, start)
+        self._wait(self.pack_stream, start)
         for key, ids in checked:
             ent = self.entries.get(key)
             ok = (ent is not None and ent.state in ("saved", "ready", "saving", "loading")
@@ -637,7 +701,7 @@ class LayerPipeline:
                 continue
             ent.users += 1
             if ent.done_event is not None and self.cuda:
-                self.h2d_stream.wait_event(ent.done_event)  # a save of it still in flight
+                self._wait(self.h2d_stream, ent.done_event)  # a save of it still in flight
             self._loads.append((ent, ids, ent.state == "loading"))  # streamed: gate each layer
         for _ in range(min(self.prefetch_depth, self.layout.num_layers)):
             self._issue_load_layer()
@@ -655,19 +719,17 @@ class LayerPipeline:
                 s = self._take_slot("load")
                 slot = self._slots["load"][s]
                 cfmt = StagingFormat.for_layout(self.layout, b - a, (layer,))
-                self.h2d_stream.wait_event(self._slot_free["load"][s])  # its last scatter is done
-                with self._stream(self.h2d_stream):
-                    for src, dst, nb in self._pieces(f, cfmt, layer, a):
-                        slot[dst : dst + nb].copy_(ent.buf[src : src + nb], non_blocking=True)
-                    copied = self._slot_filled["load"][s]
-                    copied.record(self.h2d_stream if self.cuda else None)
-                self.pack_stream.wait_event(copied)
+                self._wait(self.h2d_stream, self._slot_free["load"][s])  # its last scatter is done
+                self._dma(ent.buf, slot, self._pieces(f, cfmt, layer, a), to_host=False)
+                copied = self._slot_filled["load"][s]
+                self._record(copied, self.h2d_stream)
+                self._wait(self.pack_stream, copied)
                 with self._stream(self.pack_stream):
                     ops._scatter_from(slot, self.layout, ids if b - a == f.num_blocks else ids[a:b], cfmt,
                                       self._kernels, self.max_ctas)
-                    self._slot_free["load"][s].record(self.pack_stream if self.cuda else None)
-        ev = self._event()
-        ev.record(self.pack_stream if self.cuda else None)
+                self._record(self._slot_free["load"][s], self.pack_stream)
+        ev = self._layer_loaded[layer]
+        self._record(ev, self.pack_stream)
         self._load_events[layer] = ev
         if layer == self.layout.num_layers - 1 and self._loads:
             # the entries stay in use (not evictable, their pool regions and gates untouched) until
@@ -682,7 +744,7 @@ class LayerPipeline:
             self._issue_load_layer()
         ev = self._load_events.get(layer)
         if ev is not None:
-            self._compute_stream().wait_event(ev)
+            self._wait(self._compute_stream(), ev)
         target = layer + self.prefetch_depth
         while self._next_load_layer <= min(target, self.layout.num_layers - 1):
             self._issue_load_layer()

@@ -18,6 +18,8 @@ from kvkernels.pipeline import LayerPipeline, PinnedPool
 from kvtest import DEVICE, bytes_equal
 
 L, NB, BS, H, D = 4, 32, 4, 2, 64
+# how a GPU pipeline issues its stream work (both run on a GPU; a CPU pipeline is synchronous)
+STREAM_APIS = ["torch", "cudart"] if DEVICE.type == "cuda" else ["torch"]
 
 
 def cache(name="vllm-nhd", fill="random", seed=0):
@@ -60,12 +62,14 @@ def drain(pipe, timeout=30.0):
 
 @pytest.mark.parametrize("layout", ["vllm-nhd", "flashinfer-hnd", "mla", "sglang", "cross-layer"])
 @pytest.mark.parametrize("slot_blocks", [2, 64])  # 2: layers are chunked (5 blocks -> 3 chunks)
-def test_offload_then_restore_into_other_blocks(layout, slot_blocks):
+@pytest.mark.parametrize("stream_api", STREAM_APIS)
+def test_offload_then_restore_into_other_blocks(layout, slot_blocks, stream_api):
     lay = cache(layout)
     per_block = lay.num_kv * lay.chunk_nbytes
     a_src, b_src = [3, 9, 1, 30, 17], [4, 5]
     expect_a, expect_b = snapshot(lay, a_src), snapshot(lay, b_src)
-    with LayerPipeline(lay, host_bytes=1 << 20, slot_bytes=slot_blocks * per_block, max_ctas=4) as pipe:
+    with LayerPipeline(lay, host_bytes=1 << 20, slot_bytes=slot_blocks * per_block, max_ctas=4,
+                       stream_api=stream_api) as pipe:
         run_step_saves(pipe, {"a": ids(a_src), "b": ids(b_src)})  # interleaved requests
         saved, _ = drain(pipe)
         if DEVICE.type == "cuda":
@@ -103,6 +107,55 @@ def test_whole_layer_in_one_slot_moves_in_one_copy(layout):
         part = pipe._pieces(f, StagingFormat.for_layout(lay, 2, (1,)), 1, 2)
         assert len(part) == lay.num_kv
         assert part[0] == (f.entry_offset(1, 0) + 2 * f.chunk_nbytes, 0, StagingFormat.for_layout(lay, 2, (1,)).entry_nbytes)
+
+
+class _HostRuntime:
+    """The pipeline's ``stream_api="cudart"`` calls on CPU: DMAs are ``memmove`` between the
+    tensors' host addresses, records and waits are logged (CPU work is synchronous)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def record(self, event, stream):
+        self.calls.append("record")
+
+    def wait(self, stream, event):
+        self.calls.append("wait")
+
+    def memcpy(self, dst, src, nbytes, stream):
+        import ctypes
+
+        self.calls.append("memcpy")
+        ctypes.memmove(dst, src, nbytes)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the GPU runs the real runtime in the round-trip test")
+@pytest.mark.parametrize("layout", ["vllm-nhd", "flashinfer-hnd", "mla"])
+@pytest.mark.parametrize("slot_blocks", [2, 64])
+def test_direct_runtime_path_moves_the_same_bytes(layout, slot_blocks, monkeypatch):
+    """The ``cudart`` path's own pointer arithmetic (host and slot offsets, both directions,
+    chunked or whole layers), run on CPU with the runtime's calls done on the host."""
+    from kvkernels import pipeline as pmod
+
+    monkeypatch.setattr(pmod._NullEvent, "cuda_event", 1, raising=False)
+    monkeypatch.setattr(pmod._NullStream, "cuda_stream", 0, raising=False)
+    lay = cache(layout)
+    src, dst = [3, 9, 1, 30, 17], [20, 21, 22, 0, 2]
+    expect = snapshot(lay, src)
+    per_block = lay.num_kv * lay.chunk_nbytes
+    with LayerPipeline(lay, host_bytes=1 << 20, slot_bytes=slot_blocks * per_block, max_ctas=4) as pipe:
+        pipe._rt = rt = _HostRuntime()
+        run_step_saves(pipe, {"a": ids(src)})
+        assert drain(pipe)[0] == {"a"}
+        copies = rt.calls.count("memcpy")
+        run_step_loads(pipe, {"a": ids(dst)})
+        assert drain(pipe)[1] == {"a"}
+        assert rt.calls.count("memcpy") == 2 * copies  # the restore moves what the save moved
+        assert rt.calls.count("wait") > 0 and rt.calls.count("record") > 0
+    got = snapshot(lay, dst)
+    for l in range(L):
+        for c in range(lay.num_kv):
+            assert bytes_equal(got[l][c], expect[l][c]), (layout, l, c)
 
 
 def test_missing_key_reports_load_errors_and_writes_nothing():
@@ -177,7 +230,8 @@ def test_failed_ssd_read_marks_blocks_failed():
         (dict(host_bytes=1 << 20, prefetch_depth=0), "prefetch_depth"),
         (dict(host_bytes=1 << 20, slot_bytes=16), "slot_bytes"),
         (dict(host_bytes=1 << 20, max_ctas=-1), "max_ctas"),
-    ],
+        (dict(host_bytes=1 << 20, stream_api="cuda"), "stream_api"),
+    ] + ([(dict(host_bytes=1 << 20, stream_api="cudart"), "stream_api")] if DEVICE.type == "cpu" else []),
 )
 def test_bad_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -248,10 +302,11 @@ def test_host_ids_are_copied_once_per_save_and_again_only_when_they_change(monke
 
 # ----------------------------------------------------------------------------------- GPU only
 @pytest.mark.gpu
-def test_step_path_has_no_host_sync_and_issue_cost():
+@pytest.mark.parametrize("stream_api", STREAM_APIS)
+def test_step_path_has_no_host_sync_and_issue_cost(stream_api):
     lay = make_cache("vllm-nhd", num_layers=8, num_blocks=1024, block_size=16, num_heads=8, head_dim=128, device=DEVICE)
     src, dst = torch.randperm(1024, device=DEVICE)[:256], torch.randperm(1024, device=DEVICE)[:256]
-    with LayerPipeline(lay, host_bytes=1 << 30, slot_bytes=8 << 20) as pipe:
+    with LayerPipeline(lay, host_bytes=1 << 30, slot_bytes=8 << 20, stream_api=stream_api) as pipe:
         run_step_saves(pipe, {"w": src})  # warm-up: JIT, pointer tables
         torch.cuda.synchronize()
         drain(pipe)
@@ -273,7 +328,7 @@ def test_step_path_has_no_host_sync_and_issue_cost():
         finally:
             torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
-        print(f"host issue cost per layer: save {t_save * 1e6:.1f} us, restore {t_load * 1e6:.1f} us")
+        print(f"host issue cost per layer ({stream_api}): save {t_save * 1e6:.1f} us, restore {t_load * 1e6:.1f} us")
         assert t_save < 1e-3 and t_load < 1e-3  # target 50 us is tracked in the benchmark
 
 
@@ -679,3 +734,60 @@ def test_streamed_failure_is_reported_by_the_steps_own_get_finished(monkeypatch)
         assert pipe.entries["k"].state == "loading"  # the race window
         assert _drain_loads(pipe) == set() and pipe.get_block_ids_with_load_errors() == {20, 21}
         fut.result(timeout=10)
+
+
+def test_cudart_wrapper_passes_handles_and_raises_on_a_status():
+    """``kvkernels._cudart.Runtime`` over a stand-in library: arguments in the runtime's order,
+    a non-zero status raises with the runtime's message, an event with no handle is refused."""
+    from kvkernels._cudart import Runtime
+
+    class _Fn:
+        def __init__(self, log, name, rc=0):
+            self.log, self.name, self.rc = log, name, rc
+
+        def __call__(self, *a):
+            self.log.append((self.name, a))
+            return self.rc
+
+    log = []
+    lib = type("Lib", (), {})()
+    lib.cudaEventRecord = _Fn(log, "record")
+    lib.cudaStreamWaitEvent = _Fn(log, "wait")
+    lib.cudaMemcpyAsync = _Fn(log, "memcpy", rc=1)
+    lib.cudaGetErrorString = lambda rc: b"invalid value"
+    rt = Runtime(lib)
+    rt.record(11, 22)
+    rt.wait(22, 11)
+    assert log == [("record", (11, 22)), ("wait", (22, 11, 0))]
+    with pytest.raises(RuntimeError, match="cudaMemcpyAsync failed: invalid value"):
+        rt.memcpy(1, 2, 3, 4)
+    assert log[-1] == ("memcpy", (1, 2, 3, 4, 4))  # cudaMemcpyDefault
+    with pytest.raises(RuntimeError, match="handle"):
+        rt.record(0, 22)
+
+
+def test_stream_api_setting_is_checked(monkeypatch):
+    from kvkernels import config
+
+    monkeypatch.setenv("KVKERNELS_PIPELINE_STREAM_API", "driver")
+    with pytest.raises(ValueError, match="KVKERNELS_PIPELINE_STREAM_API"):
+        config.pipeline_stream_api()
+    monkeypatch.setenv("KVKERNELS_PIPELINE_STREAM_API", "CUDART")
+    assert config.pipeline_stream_api() == "cudart"
+    if DEVICE.type == "cpu":  # the variable only applies to GPU caches: CPU pipelines stay synchronous
+        with LayerPipeline(cache(), host_bytes=1 << 20) as pipe:
+            assert pipe.stream_api == "torch"
+
+
+def test_cudart_is_the_runtime_already_mapped(tmp_path):
+    from kvkernels._cudart import _loaded_cudart
+
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f10 r-xp 00000000 00:00 0 \n"
+                    "7f10-7f20 r--p 00000000 08:01 42   /venv/lib/python3.11/site-packages/torch/lib/libc10.so\n"
+                    "7f20-7f30 r-xp 00000000 08:01 43   /venv/nvidia/cu13/lib/libcudart.so.13\n"
+                    "7f30-7f40 rw-p 00000000 00:00 0    [heap]\n")
+    assert _loaded_cudart(str(maps)) == "/venv/nvidia/cu13/lib/libcudart.so.13"
+    maps.write_text("7f00-7f10 r-xp 00000000 00:00 0 \n")
+    assert _loaded_cudart(str(maps)) is None
+    assert _loaded_cudart(str(tmp_path / "absent")) is None

@@ -1,0 +1,103 @@
+"""The few CUDA runtime calls of the pipeline's per-layer path, called directly (ctypes).
+
+Why: issuing one layer through torch's Python API (``Event.record``, ``Stream.wait_event``, a
+stream context and a sliced ``Tensor.copy_`` per DMA) cost 190-640 us of host time per layer on
+the H100 host (2026-11-23), where issue 4 asks for <= 50 us; each of these is one runtime call of
+~1 us underneath. :class:`LayerPipeline` uses this module with ``stream_api="cudart"``
+(``KVKERNELS_PIPELINE_STREAM_API``); torch's API stays the default until the GPU benchmark shows
+the difference (``docs/pipeline.md``).
+
+The library is the CUDA runtime torch itself loaded (found in ``/proc/self/maps``), so streams and
+events are torch's own handles (``Stream.cuda_stream``, ``Event.cuda_event``) in the same runtime
+instance. Every call's status is checked; a failure raises ``RuntimeError`` with the runtime's
+message.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+__all__ = ["Runtime", "load", "reason"]
+
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
+
+
+class Runtime:
+    """Checked wrappers of ``cudaEventRecord``, ``cudaStreamWaitEvent`` and ``cudaMemcpyAsync``
+    over a loaded runtime library (``lib``: a ``ctypes.CDLL`` or anything with those attributes)."""
+
+    def __init__(self, lib, path: str = "?"):
+        self.lib, self.path = lib, path
+        lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.cudaEventRecord.restype = ctypes.c_int
+        lib.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        lib.cudaStreamWaitEvent.restype = ctypes.c_int
+        lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                        ctypes.c_void_p]
+        lib.cudaMemcpyAsync.restype = ctypes.c_int
+        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        self._record, self._wait, self._memcpy = lib.cudaEventRecord, lib.cudaStreamWaitEvent, lib.cudaMemcpyAsync
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            msg = self.lib.cudaGetErrorString(rc)
+            raise RuntimeError(f"kvkernels pipeline: {what} failed: {msg.decode(errors='replace') if msg else rc}")
+
+    def record(self, event: int, stream: int) -> None:
+        """``cudaEventRecord(event, stream)`` (handles as ints)."""
+        if not event:
+            raise RuntimeError("kvkernels pipeline: an event without a CUDA handle (record it once first)")
+        self._check(self._record(event, stream), "cudaEventRecord")
+
+    def wait(self, stream: int, event: int) -> None:
+        """``cudaStreamWaitEvent(stream, event, 0)``: a stream wait, not a host wait."""
+        if not event:
+            raise RuntimeError("kvkernels pipeline: an event without a CUDA handle (record it once first)")
+        self._check(self._wait(stream, event, 0), "cudaStreamWaitEvent")
+
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """``cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, stream)``: asynchronous for
+        pinned host <-> device (the pipeline's pool and slots)."""
+        self._check(self._memcpy(dst, src, nbytes, _MEMCPY_DEFAULT, stream), "cudaMemcpyAsync")
+
+
+def _loaded_cudart(maps: str = "/proc/self/maps") -> str | None:
+    """Path of the CUDA runtime library mapped into this process (torch's), or None."""
+    try:
+        with open(maps) as f:
+            for line in f:
+                path = line.rsplit(None, 1)[-1] if "/" in line else ""
+                if os.path.basename(path).startswith("libcudart.so"):
+                    return path
+    except OSError:
+        return None
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> tuple[Runtime | None, str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, "no CUDA device"
+    torch.cuda.init()  # torch loads its runtime here at the latest
+    path = _loaded_cudart()
+    if path is None:
+        return None, "torch's CUDA runtime library (libcudart.so) is not mapped in this process"
+    try:
+        return Runtime(ctypes.CDLL(path), path), path
+    except (OSError, AttributeError) as exc:
+        return None, f"cannot use {path}: {exc}"
+
+
+def load() -> Runtime | None:
+    """The runtime wrapper, or None (see :func:`reason`)."""
+    return _load()[0]
+
+
+def reason() -> str:
+    """Why :func:`load` returns None (or the library's path)."""
+    return _load()[1]
