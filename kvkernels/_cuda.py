@@ -103,11 +103,6 @@ def reason() -> str:
     return _load()[1]
 
 
-def _word(layout, staging_ptr: int) -> int:
-    """Access width of the paged copy: 16, 8, 4, 2 or 1 bytes (layout.access_width)."""
-    return layout.access_width(staging_ptr)
-
-
 def bulk_supported() -> bool:
     """The loaded library has the SM90 bulk-copy path (built with the CUTLASS headers)."""
     lib, _ = _load()
@@ -121,7 +116,7 @@ def _staging_on_device(layout, staging: torch.Tensor) -> bool:
 
 def _use_bulk(layout, staging: torch.Tensor) -> bool:
     """``KVKERNELS_CUDA_BULK=1`` and the case fits the bulk path (docs/csrc.md)."""
-    return (config.cuda_bulk() and layout.is_contiguous_chunk() and _word(layout, staging.data_ptr()) == 16
+    return (config.cuda_bulk() and layout.is_contiguous_chunk() and layout.access_width(staging.data_ptr()) == 16
             and bulk_supported() and _staging_on_device(layout, staging))
 
 
@@ -141,7 +136,7 @@ def _paged_plan(to_staging: bool, layout, fmt, staging: torch.Tensor, max_ctas: 
                  layout.block_size * layout.num_heads, layout.row_nbytes, sb, sn, sh, fmt.region_nbytes,
                  fmt.entry_nbytes)
         bulk = bulk_env and _use_bulk(layout, staging)
-        tail = (max_ctas, dev) if bulk else (_word(layout, ptr), max_ctas, dev)
+        tail = (max_ctas, dev) if bulk else (layout.access_width(ptr), max_ctas, dev)
         if len(plans) >= 4096:  # bounded: request sizes and buffers vary
             plans.clear()
         plan = plans[key] = (bulk, tab.data_ptr(), ptr, shape, tail)
@@ -184,7 +179,7 @@ _KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 def _vec16(layout, staging_ptr: int) -> int:
     """1 when 16-byte accesses are legal on both sides (every base address, byte stride and row,
     the staging address, and head_dim): the kernels' vectorized variant."""
-    return int(_word(layout, staging_ptr) == 16 and layout.head_dim % 16 == 0)
+    return int(layout.access_width(staging_ptr) == 16 and layout.head_dim % 16 == 0)
 
 
 def _launch_args(layout, block_ids, fmt, staging):

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._validate import check, check_int, check_tensor, describe, fail
+from .quant import store_scheme
 from .staging import StagingFormat, normalize_layers
 
 __all__ = [
@@ -238,7 +239,7 @@ class CompressedStaging:
         if byteshuffle:  # as compress_regions: planes of 16/32-bit elements only
             _check_planes(_esize(fmt))
         regions = [buf[j * fmt.region_nbytes: j * fmt.region_nbytes + s] for j, s in enumerate(stored)]
-        scheme = f"fp8-{fmt.granularity}" if _is_fp8(fmt) else "raw"
+        scheme = store_scheme(quant="fp8", granularity=fmt.granularity) if _is_fp8(fmt) else "raw"
         return cls(fmt, codec, regions, stored, (fmt.payload_nbytes,) * fmt.num_regions, byteshuffle,
                    staging_scheme=scheme)
 
@@ -653,7 +654,8 @@ def compress_regions(
     check(not (staging_shuffled and byteshuffle), "byteshuffle", "False for a staging gathered with shuffle=True "
           "(it is byte planes already)", True)
     check(not (staging_shuffled and _is_fp8(fmt)), "staging_shuffled", "False for an FP8 staging format", True)
-    staging_scheme = f"fp8-{fmt.granularity}" if _is_fp8(fmt) else "shuffle" if staging_shuffled else "raw"
+    staging_scheme = (store_scheme(quant="fp8", granularity=fmt.granularity) if _is_fp8(fmt)
+                      else store_scheme(shuffle=staging_shuffled))
     check_int(chunk_nbytes, "chunk_nbytes", lo=4096, hi=1 << 24)
     check(chunk_nbytes % 4096 == 0, "chunk_nbytes", "a multiple of 4096", chunk_nbytes)
     lvl = ZSTD_LEVEL if level is None else check_int(level, "level", lo=1, hi=22)

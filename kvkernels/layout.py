@@ -121,7 +121,8 @@ class PagedLayout:
 
     views: tuple[tuple[torch.Tensor, ...], ...]
     kind: str = "custom"
-    _ptr_tables: dict = field(default_factory=dict, repr=False, compare=False)
+    # values derived once per layout (pointer tables, strides, alignment, formats, launch plans):
+    # the layout is immutable, and these are on every copy's path
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------------ generic constructors
@@ -448,11 +449,12 @@ class PagedLayout:
         """``int64 [len(layers), num_kv]`` device table of base addresses of ``layers`` (cached per
         layer tuple, so steady-state calls do no host-to-device copy)."""
         key = tuple(layers)
-        tab = self._ptr_tables.get(key)
+        tables = self._memo.setdefault("ptr_tables", {})
+        tab = tables.get(key)
         if tab is None:
             addrs = self.base_addresses()
             tab = torch.tensor([addrs[l] for l in key], dtype=torch.int64, device=self.device)
-            self._ptr_tables[key] = tab
+            tables[key] = tab
         return tab
 
     def __repr__(self) -> str:

@@ -853,7 +853,7 @@ class LayerPipeline:
                 if self.pool.largest_free >= need:  # one piece must fit, not the sum of the pieces
                     return
                 ent = self.entries[key]
-                if ent.state in ("saved", "ready", "failed") and ent.users == 0:
+                if ent.state in ("saved", "ready", "failed") and not self._in_use(ent):
                     del self.entries[key]
                     self._release(ent)
 
@@ -861,7 +861,7 @@ class LayerPipeline:
         """Drop ``key``'s host copy (not its SSD copy). False if absent or in use."""
         with self._lock:
             ent = self.entries.get(key)
-            if ent is None or ent.users or ent.state in ("saving", "loading"):
+            if ent is None or ent.state == "saving" or self._in_use(ent):
                 return False
             del self.entries[key]
             self._release(ent)

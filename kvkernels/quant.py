@@ -41,6 +41,7 @@ from .staging import RegionArithmetic, StagingFormat, normalize_layers
 __all__ = [
     "STORE_SCHEMES",
     "scheme_args",
+    "store_scheme",
     "FP8_MAX",
     "CANONICAL_NAN_BITS",
     "QUANT_SCHEMES",
@@ -72,6 +73,19 @@ def scheme_args(scheme: str) -> dict:
     if scheme.startswith("fp8-"):
         return {"quant": "fp8", "shuffle": False, "granularity": scheme[4:]}
     return {"quant": None, "shuffle": scheme == "shuffle", "granularity": "token"}
+
+
+def store_scheme(*, quant=None, shuffle: bool = False, granularity: str = "token", dtype=None) -> str:
+    """The store header's ``scheme`` for a gather with these arguments (the inverse of
+    :func:`scheme_args`). With ``dtype`` (the cache's), the rule the integrations apply to
+    whatever chunks arrive: FP8 only for bf16/fp16/fp32 (8-bit caches pass through as they are),
+    byte-plane shuffle only for 16-bit elements; FP8 wins over shuffle."""
+    if quant == "fp8" and (dtype is None or dtype in FP8_SOURCE_DTYPES):
+        _check_granularity(granularity)
+        return f"fp8-{granularity}"
+    if shuffle and (dtype is None or torch.empty((), dtype=dtype).element_size() == 2):
+        return "shuffle"
+    return "raw"
 GRANULARITIES = ("token", "block")
 SECTION_ALIGN = 16  # every codes / scales section starts 16-byte aligned (vector access, fp32 scales)
 FP8_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

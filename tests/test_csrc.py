@@ -647,7 +647,7 @@ def test_emulated_copy_kernels_match_reference(emulated_copy, monkeypatch, layou
     lay = _emu_cache(layout, dtype, head_dim)
     dst = [_emu_cache(layout, dtype, head_dim, seed=1) for _ in range(2)]
     _copy_round_trip(lay, dst[0], dst[1], max_ctas=1 if bulk else 0)  # 1 CTA: the stage ring wraps
-    word16 = _cuda._word(lay, 0) == 16
+    word16 = lay.access_width(0) == 16
     expect = "kvk_bulk_copy" if bulk and layout in BULK_LAYOUTS and word16 else "kvk_paged_copy"
     assert emulated_copy == [expect] * 2
 

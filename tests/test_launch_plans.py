@@ -14,7 +14,6 @@ import torch
 from kvkernels import _cuda, backends, ops
 from kvkernels.models import make_cache
 from kvkernels.staging import StagingFormat
-from kvkernels.triton_ops import _paged
 from kvkernels.triton_ops import gather as tg
 
 CASES = [("vllm-nhd", 16, 8, 128), ("flashinfer-hnd", 16, 2, 64), ("mla", 8, 1, 576)]
@@ -30,7 +29,6 @@ class _Recorder:
 
 def _expected_triton(lay, fmt, out, cap):
     wb = lay.access_width(out.data_ptr(), out.storage_offset(), cap=8)
-    rows = lay.block_size * lay.num_heads
     items = fmt.num_regions * fmt.num_kv * fmt.num_blocks
     sb, sn, sh = (s // wb for s in lay.byte_strides)
     scalars = (fmt.num_blocks, lay.num_blocks, items, sb, sn, sh, fmt.region_nbytes // wb, fmt.entry_nbytes // wb)

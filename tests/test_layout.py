@@ -164,7 +164,6 @@ def test_size_one_dims_do_not_decide_the_access_width(layout, heads, block_size)
     # torch gives a size-1 dimension an arbitrary stride (MLA's single head: 2 bytes); it is never
     # stepped, so it is reported as 0 and the kernels keep 16-byte accesses (on the H100 the MLA
     # gather ran in 2-byte words: 31 % of the copy peak on the CUDA backend)
-    from kvkernels import _cuda
     from triton_ops import _paged
 
     lay = make_cache(layout, num_layers=2, num_blocks=8, block_size=block_size, num_heads=heads, head_dim=576,
@@ -172,7 +171,7 @@ def test_size_one_dims_do_not_decide_the_access_width(layout, heads, block_size)
     sizes = (lay.num_blocks, lay.block_size, lay.num_heads)
     assert all(s == 0 for n, s in zip(sizes, lay.byte_strides) if n == 1)
     out = torch.empty(StagingFormat.for_layout(lay, 4).nbytes, dtype=torch.uint8)
-    assert _cuda._word(lay, out.data_ptr()) == 16
+    assert lay.access_width(out.data_ptr()) == 16
     assert _paged.aligned16(8, lay, out.data_ptr())
     ids = torch.tensor([3, -1, 7, 0])
     ref = kvkernels.gather(lay, ids, backend="torch")

@@ -716,3 +716,18 @@ def test_gpu_quotient_gives_the_codes_of_ieee_division():
     differ = (got.view(torch.int32) != want.view(torch.int32)) & ~(torch.isnan(got) & torch.isnan(want))
     # only where x * f is subnormal (< 2**-126, with s * f >= 2**-85): quotients < 2**-41, codes +-0
     assert (want[differ].abs() < 2.0**-41).all()
+
+
+def test_store_scheme_is_the_inverse_of_scheme_args_and_the_integrations_rule():
+    from kvkernels.quant import STORE_SCHEMES, scheme_args, store_scheme
+
+    for scheme in STORE_SCHEMES:
+        assert store_scheme(**scheme_args(scheme)) == scheme
+    # the rule applied to chunks of any dtype: FP8 for bf16/fp16/fp32 only, shuffle for 16-bit only
+    assert store_scheme(quant="fp8", granularity="block", dtype=torch.float32) == "fp8-block"
+    assert store_scheme(quant="fp8", shuffle=True, dtype=torch.bfloat16) == "fp8-token"
+    assert store_scheme(quant="fp8", shuffle=True, dtype=torch.float8_e4m3fn) == "raw"  # never re-quantized
+    assert store_scheme(shuffle=True, dtype=torch.float16) == "shuffle"
+    assert store_scheme(shuffle=True, dtype=torch.float32) == "raw"
+    with pytest.raises(ValueError, match="granularity"):
+        store_scheme(quant="fp8", granularity="row")

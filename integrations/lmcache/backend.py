@@ -39,6 +39,8 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from .config import PluginConfigError, PluginSettings, parse_extra_config
+from kvkernels.quant import store_scheme
+
 from .chunk_io import FP8_SOURCE_DTYPES, ChunkIO, run_windowed, shape_of_header
 from .convert import ChunkShape
 
@@ -169,17 +171,15 @@ class KVKernelsBackend(StoragePluginInterface):
         from kvkernels.io import EntryMeta
 
         s = self.settings
-        # byte-plane shuffle is defined for 16-bit elements; other chunks are stored raw (+ codec)
-        scheme = "shuffle" if s.byteshuffle and shape.element_size == 2 else "raw"
+        # byte-plane shuffle is defined for 16-bit elements, FP8 for bf16/fp16/fp32: other chunks
+        # are stored as they are (+ codec); an fp8 KV cache is never re-quantized
+        scheme = store_scheme(quant=s.quant, shuffle=s.byteshuffle, granularity=s.quant_granularity, dtype=shape.dtype)
         if s.byteshuffle and shape.element_size != 2:
             self._warn_once(f"shuffle-{shape.dtype}", "kvkernels LMCache plugin: %s chunks are stored without "
                             "byte-plane shuffle (kvkernels.byteshuffle applies to 16-bit elements)", shape.dtype)
-        if s.quant == "fp8":
-            if shape.dtype in FP8_SOURCE_DTYPES:
-                scheme = f"fp8-{s.quant_granularity}"
-            else:  # already 8-bit (an fp8 KV cache): stored as it is, never re-quantized
-                self._warn_once(f"fp8-{shape.dtype}", "kvkernels LMCache plugin: %s chunks are stored as they are "
-                                "(kvkernels.quant: fp8 applies to bf16/fp16/fp32)", shape.dtype)
+        if s.quant == "fp8" and shape.dtype not in FP8_SOURCE_DTYPES:
+            self._warn_once(f"fp8-{shape.dtype}", "kvkernels LMCache plugin: %s chunks are stored as they are "
+                            "(kvkernels.quant: fp8 applies to bf16/fp16/fp32)", shape.dtype)
         return EntryMeta(layers=tuple(range(shape.num_layers)), num_blocks=1, block_size=shape.num_tokens,
                          num_heads=shape.num_heads, head_dim=shape.head_dim, element_size=shape.element_size,
                          num_kv=shape.num_kv, num_layers=shape.num_layers,

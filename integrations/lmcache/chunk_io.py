@@ -33,18 +33,18 @@ from typing import Any, Optional
 
 import torch
 
+from kvkernels.quant import FP8_SOURCE_DTYPES, scheme_args
+
 from .convert import ChunkShape, chunk_layout, chunk_to_staging, staging_to_chunk
 
 __all__ = ["BufferPool", "ChunkIO", "PendingRead", "shape_of_header", "fp8_granularity", "FP8_SOURCE_DTYPES",
            "run_windowed"]
 
-# chunk dtypes FP8 quantization applies to (8-bit chunks are stored as they are)
-FP8_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
 def fp8_granularity(scheme: str) -> Optional[str]:
-    """``"token"``/``"block"`` for FP8 entries (scheme ``fp8-token``/``fp8-block``), else None."""
-    return scheme[4:] if scheme.startswith("fp8-") else None
+    """``"token"``/``"block"`` for FP8 entries (scheme ``fp8-token``/``fp8-block``), else None.
+    (FP8 applies to the chunk dtypes in ``FP8_SOURCE_DTYPES``; 8-bit chunks are stored as they are.)"""
+    args = scheme_args(scheme)
+    return args["granularity"] if args["quant"] else None
 
 
 def shape_of_header(header) -> ChunkShape:

@@ -58,7 +58,9 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from .chunk_io import FP8_SOURCE_DTYPES, ChunkIO, run_windowed
+from kvkernels.quant import store_scheme
+
+from .chunk_io import ChunkIO, run_windowed
 from .config import KEYS, PREFIX, PluginConfigError, PluginSettings, parse_extra_config
 from .convert import ChunkShape
 
@@ -324,10 +326,9 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                 if HD % heads:
                     raise ValueError(f"hidden size {HD} is not a multiple of adapter_params.num_kv_heads={heads}")
                 cs = ChunkShape(kv, L, T, heads, HD // heads, dtypes[0])
-                # byte-plane shuffle is defined for 16-bit elements; others are stored raw (+ codec)
-                scheme = "shuffle" if s.byteshuffle and cs.element_size == 2 else "raw"
-                if s.quant == "fp8" and dtypes[0] in FP8_SOURCE_DTYPES:
-                    scheme = f"fp8-{s.quant_granularity}"  # 8-bit objects are stored as they are
+                # shuffle for 16-bit elements, FP8 for bf16/fp16/fp32; others stored as they are (+ codec)
+                scheme = store_scheme(quant=s.quant, shuffle=s.byteshuffle, granularity=s.quant_granularity,
+                                      dtype=dtypes[0])
                 meta = EntryMeta(layers=tuple(range(L)), num_blocks=1, block_size=T, num_heads=heads,
                                  head_dim=HD // heads, element_size=cs.element_size, num_kv=kv, num_layers=L,
                                  dtype=str(dtypes[0]).replace("torch.", ""), scheme=scheme, codec=s.compression)
