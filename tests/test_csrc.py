@@ -340,6 +340,19 @@ def test_emulated_fp8_kernels_match_reference(emulated_cuda, layout, dtype, head
 
 
 @needs_gxx
+@pytest.mark.parametrize("head_dim", [16, 48, 128, 576])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("layout", ["vllm-hnd", "mla"])
+def test_emulated_fp8_register_rows_cover_every_group_shape(emulated_cuda, layout, dtype, head_dim):
+    """The token path that holds rows in registers (quant_rows_token_vec): lanes per row 1-32,
+    1-3 vectors per lane, 1-4 row steps per warp, partial groups (48: 6 of 8 lanes), and the
+    fallback for rows of more than 128 vectors (576 fp32)."""
+    lay = _emu_cache(layout, dtype, head_dim)
+    dst_a, dst_b = _emu_cache(layout, dtype, head_dim, seed=1), _emu_cache(layout, dtype, head_dim, seed=1)
+    _emu_round_trip(lay, dst_a, dst_b, max_ctas=0, quant="fp8", granularity="token")
+
+
+@needs_gxx
 @pytest.mark.parametrize("head_dim", [64, 40], ids=["vec16", "scalar"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("layout", EMU_LAYOUTS)
