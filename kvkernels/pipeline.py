@@ -47,6 +47,7 @@ import ctypes
 import functools
 import logging
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping
@@ -129,6 +130,12 @@ def _copy_pieces(f, cfmt, layer: int, a: int, num_kv: int) -> tuple[tuple[int, i
 
 def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
+
+
+def _drain(streams) -> None:
+    """Wait for a dropped pipeline's streams (a host wait, at garbage collection only)."""
+    for s in streams:
+        s.synchronize()
 
 
 # ---------------------------------------------------------------------------- pinned host pool
@@ -293,6 +300,10 @@ class LayerPipeline:
         # layer's event by get_finished may then see a later restore's record (same pack stream,
         # so later work): an entry is released late, never early
         self._layer_loaded = [self._event() for _ in range(layout.num_layers)]
+        if self.cuda and self._rt is not None:
+            # torch's pinned-memory allocator does not see DMAs issued through the runtime: a
+            # pipeline dropped without close() waits for its streams before its pool can be reused
+            weakref.finalize(self, _drain, (self.pack_stream, self.d2h_stream, self.h2d_stream))
         if self.cuda:
             for ev in (*self._slot_free["save"], *self._slot_free["load"], *self._slot_filled["save"],
                        *self._slot_filled["load"], *self._ready.values(), self._gathered, *self._layer_loaded):
