@@ -89,6 +89,23 @@ def run(calls: int = 3000) -> dict:
                         pipe.get_finished()
 
                 res[f"LayerPipeline.save_layer minus gather and DMA, {name}"] = _median_us(save, calls)
+                if name.startswith("a tensor"):
+                    # the restore side: a step is start_load + one wait_for_layer_load per layer
+                    pipe.wait_for_save()
+                    pipe.get_finished()
+                    with mock.patch.object(pipeline_mod.ops, "_scatter_from", lambda *a: None):
+                        step = iter(range(10**9))
+
+                        def restore():
+                            l = next(step) % 32
+                            if l == 0:
+                                pipe.start_load({"req": block_ids})
+                            pipe.wait_for_layer_load(l)
+                            if l == 31:
+                                pipe.get_finished()
+
+                        res["LayerPipeline restore per layer (start_load / 32 + wait_for_layer_load) minus "
+                            "scatter and DMA"] = _median_us(restore, calls)
         finally:
             pipe.close()
     return res
