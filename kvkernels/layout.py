@@ -123,7 +123,7 @@ class PagedLayout:
     kind: str = "custom"
     # values derived once per layout (pointer tables, strides, alignment, formats, launch plans):
     # the layout is immutable, and these are on every copy's path
-    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # ------------------------------------------------------------------ generic constructors
     @classmethod

@@ -296,14 +296,15 @@ class LayerPipeline:
         self._ready = {d: self._event() for d in ("save", "load")}  # the compute stream's point of entry
         self._gathered = self._event()  # the last save_layer's gathers (the pack stream is in order)
         self._save_pending = False
-        # one "layer restored" event per layer, re-recorded by each restore: a query of the last
-        # layer's event by get_finished may then see a later restore's record (same pack stream,
-        # so later work): an entry is released late, never early
+        # one "layer restored" event per layer, re-recorded by each restore (only stream waits bind
+        # to them; the last layer's, which get_finished polls, is new per restore)
         self._layer_loaded = [self._event() for _ in range(layout.num_layers)]
-        if self.cuda and self._rt is not None:
-            # torch's pinned-memory allocator does not see DMAs issued through the runtime: a
-            # pipeline dropped without close() waits for its streams before its pool can be reused
+        if self.cuda:
+            # a pipeline dropped without close() waits for its streams before its slots and pool can
+            # be reused: the slots are used on side streams, and torch's pinned-memory allocator
+            # does not see DMAs issued through the runtime (stream_api="cudart")
             weakref.finalize(self, _drain, (self.pack_stream, self.d2h_stream, self.h2d_stream))
+            self._device_index = layout.device.index if layout.device.index is not None else torch.cuda.current_device()
         if self.cuda:
             for ev in (*self._slot_free["save"], *self._slot_free["load"], *self._slot_filled["save"],
                        *self._slot_filled["load"], *self._ready.values(), self._gathered, *self._layer_loaded):
@@ -315,7 +316,7 @@ class LayerPipeline:
         self._next_load_layer = 0
         self._saving: dict[Hashable, HostEntry] = {}
         self._pending_loads: list[tuple[object, list]] = []  # (last layer's event, [(entry, dst ids)])
-        self._load_errors: list = []  # destination ids (tensors or lists) of loads that failed
+        self._load_errors: list = []  # destination ids (device tensors or host tuples) of loads that failed
         self._failed_saves: set[Hashable] = set()
         self._orphans: list[HostEntry] = []  # replaced entries whose regions are still in use
         self._saves_failing: dict[Hashable, set] = {}  # saves without host memory: layers seen so far
@@ -342,6 +343,15 @@ class LayerPipeline:
         if stream_api == "cudart" and not self.cuda:
             fail("stream_api", "'torch' for a cache on the CPU ('cudart' drives CUDA streams)", "'cudart'")
         return stream_api
+
+    def _check_device(self) -> None:
+        """``stream_api="cudart"`` calls the runtime without torch's device guard: the cache's
+        device must be the current one (vLLM workers set it), or the runtime would work in (and
+        create) another device's context."""
+        if self._rt is not None and self.cuda and torch.cuda.current_device() != self._device_index:
+            raise RuntimeError(f"LayerPipeline(stream_api='cudart'): the current CUDA device is "
+                               f"cuda:{torch.cuda.current_device()}, the cache is on cuda:{self._device_index} "
+                               "(torch.cuda.set_device)")
 
     def _record(self, ev, stream) -> None:
         """``ev`` marks the work queued so far on ``stream`` (a torch stream; None on CPU)."""
@@ -434,8 +444,17 @@ class LayerPipeline:
     def _ids(self, block_ids, name: str) -> torch.Tensor:
         """Ids on the cache device for the pack stream (the only stream that reads them): host ids
         are copied on that stream through pinned memory (no host sync, no race with the kernels)."""
-        if isinstance(block_ids, torch.Tensor) and block_ids.device.type != "cpu":
+        if isinstance(block_ids, torch.Tensor) and block_ids.device.type != "cpu" and (
+                block_ids.is_contiguous() or not self.cuda):
             ids = ops.as_block_ids(block_ids, self.layout)  # no copy (a tensor on another GPU is refused)
+        elif isinstance(block_ids, torch.Tensor) and block_ids.device.type != "cpu":
+            # a strided device tensor: made contiguous on the pack stream, after the caller's
+            # stream has produced it (rare: one fresh event)
+            made = torch.cuda.Event()
+            made.record(self._compute_stream())
+            self.pack_stream.wait_event(made)
+            with self._stream(self.pack_stream):
+                ids = ops.as_block_ids(block_ids, self.layout)
         else:
             with self._stream(self.pack_stream):
                 ids = ops.as_block_ids(block_ids, self.layout)
@@ -446,12 +465,13 @@ class LayerPipeline:
 
     @staticmethod
     def _host_ids_key(block_ids):
-        """What identifies host ids across layers: the values of a list or tuple, a CPU tensor's
-        identity and version counter; None for device tensors (used as they are, no copy)."""
+        """What identifies host ids across layers: their values (a list, a tuple or a CPU tensor:
+        a version counter would miss writes through ``.numpy()`` and does not exist for inference
+        tensors, which is what vLLM's forward holds); None for device tensors (used as they are)."""
         if isinstance(block_ids, torch.Tensor):
-            return ("tensor", id(block_ids), block_ids._version) if block_ids.device.type == "cpu" else None
+            return tuple(block_ids.tolist()) if block_ids.device.type == "cpu" else None
         if isinstance(block_ids, (list, tuple)):
-            return ("seq", tuple(block_ids))
+            return tuple(block_ids)
         return None
 
     def _save_ids(self, key, block_ids) -> tuple[torch.Tensor, object]:
@@ -512,6 +532,7 @@ class LayerPipeline:
         check_int(layer, "layer", lo=0, hi=self.layout.num_layers - 1)
         if not saves:
             return
+        self._check_device()
         ready = self._ready["save"]
         self._record(ready, self._compute_stream())  # layer's KV is final here
         self._wait(self.pack_stream, ready)
@@ -521,7 +542,7 @@ class LayerPipeline:
             if ent is None:
                 continue
             if host_key is not None and (ent.save_ids is None or ent.save_ids[0] != host_key):
-                ent.save_ids = (host_key, ids, block_ids)  # block_ids kept: the key may hold its id()
+                ent.save_ids = (host_key, ids)
             f = ent.fmt
             for a, b in self._chunks(f.num_blocks):
                 s = self._take_slot("save")
@@ -564,6 +585,7 @@ class LayerPipeline:
         """Make the compute stream wait until every issued gather has *read* the cache (so the
         blocks may be reused by later kernels); a stream wait, not a host wait (vLLM:
         ``wait_for_save``). DMA and SSD completion are reported by :meth:`get_finished`."""
+        self._check_device()
         if self._save_pending:  # the pack stream runs in order: its last gather's event covers all
             self._wait(self._compute_stream(), self._gathered)
             self._save_pending = False
@@ -691,7 +713,8 @@ class LayerPipeline:
         raise before anything is issued or changed.
         """
         self._ensure_open()
-        checked = [(key, self._ids(block_ids, f"loads[{key!r}]")) for key, block_ids in loads.items()]
+        self._check_device()
+        checked = [(key, self._ids(block_ids, f"loads[{key!r}]"), block_ids) for key, block_ids in loads.items()]
         while self._loads and self._next_load_layer < self.layout.num_layers:
             self._issue_load_layer()  # a previous load not waited to the end: finish issuing it
         self._loads = []
@@ -701,14 +724,17 @@ class LayerPipeline:
         self._record(start, self._compute_stream())  # earlier users of the destination blocks are done
         self._wait(self.h2d_stream, start)
         self._wait(self.pack_stream, start)
-        for key, ids in checked:
+        for key, ids, given in checked:
             ent = self.entries.get(key)
             ok = (ent is not None and ent.state in ("saved", "ready", "saving", "loading")
                   and ent.fmt.num_blocks == ids.numel())
             if ok and ent.state == "saving":
                 ok = len(ent.layers_done) == self.layout.num_layers
             if not ok:
-                self._load_errors.append(ids)  # converted off the step path, in the getter
+                # host ids as given (their device copy is still queued on the pack stream);
+                # device ids are read back off the step path, in the getter
+                hk = self._host_ids_key(given)
+                self._load_errors.append(hk if hk is not None else given)
                 continue
             ent.users += 1
             if ent.done_event is not None and self.cuda:
@@ -739,8 +765,15 @@ class LayerPipeline:
                     ops._scatter_from(slot, self.layout, ids if b - a == f.num_blocks else ids[a:b], cfmt,
                                       self._kernels, self.max_ctas)
                 self._record(self._slot_free["load"][s], self.pack_stream)
-        ev = self._layer_loaded[layer]
-        self._record(ev, self.pack_stream)
+        if layer == self.layout.num_layers - 1 and self._loads:
+            # a fresh event (torch's API: it has no handle yet): get_finished polls it, and a
+            # reused one would report only the latest restore's record — a restore started
+            # every step could then never be seen finished
+            ev = self._event()
+            ev.record(self.pack_stream if self.cuda else None)
+        else:
+            ev = self._layer_loaded[layer]
+            self._record(ev, self.pack_stream)
         self._load_events[layer] = ev
         if layer == self.layout.num_layers - 1 and self._loads:
             # the entries stay in use (not evictable, their pool regions and gates untouched) until
@@ -751,6 +784,7 @@ class LayerPipeline:
         """Make the compute stream wait for ``layer``'s restore (a stream wait, not a host wait)
         and issue layer ``layer + prefetch_depth`` (vLLM: ``wait_for_layer_load``)."""
         check_int(layer, "layer", lo=0, hi=self.layout.num_layers - 1)
+        self._check_device()
         while self._next_load_layer <= layer:  # waited out of order: issue up to it
             self._issue_load_layer()
         ev = self._load_events.get(layer)
@@ -815,7 +849,10 @@ class LayerPipeline:
         (call it after the step, as vLLM does)."""
         out: set[int] = set()
         for ids in self._load_errors:
-            out.update(int(x) for x in ids.cpu().tolist() if x >= 0)
+            # host values, or device ids: the caller's own tensor, or one whose copy preceded a
+            # restore that get_finished saw complete
+            vals = ids.cpu().tolist() if isinstance(ids, torch.Tensor) else ids
+            out.update(int(x) for x in vals if x >= 0)
         self._load_errors = []
         return out
 

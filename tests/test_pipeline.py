@@ -791,3 +791,58 @@ def test_cudart_is_the_runtime_already_mapped(tmp_path):
     maps.write_text("7f00-7f10 r-xp 00000000 00:00 0 \n")
     assert _loaded_cudart(str(maps)) is None
     assert _loaded_cudart(str(tmp_path / "absent")) is None
+
+
+def test_a_restore_every_step_is_reported_one_step_later(monkeypatch):
+    """Each restore's last layer is polled through its own event. (With one re-recorded event, a
+    restore started every step before get_finished saw the previous one done was never reported:
+    ``users`` grew and the entries could not be evicted.) The GPU is simulated: events complete
+    when the clock passes their record, and the clock catches up once per step, after
+    get_finished (vLLM: the end-of-step sync)."""
+    clock = {"issued": 0, "gpu": 0}
+
+    class _ClockEvent:
+        t = 0
+
+        def record(self, stream=None):
+            clock["issued"] += 1
+            self.t = clock["issued"]
+
+        def query(self):
+            return clock["gpu"] >= self.t
+
+        def synchronize(self):
+            pass
+
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        monkeypatch.setattr(pipe, "_event", _ClockEvent)
+        for layer in range(L):
+            pipe.save_layer(layer, {"a": [1, 2], "b": [3, 4]})
+        clock["gpu"] = clock["issued"]
+        assert pipe.get_finished()[0] == {"a", "b"}
+        reported = []
+        for step in range(6):
+            pipe.start_load({"ab"[step % 2]: [10 + step, 20 + step]})
+            for layer in range(L):
+                pipe.wait_for_layer_load(layer)
+            reported.append(pipe.get_finished()[1])
+            assert pipe.entries["a"].users + pipe.entries["b"].users <= 1
+            clock["gpu"] = clock["issued"]
+        assert reported == [set(), {"a"}, {"b"}, {"a"}, {"b"}, {"a"}]
+
+
+def test_host_ids_under_inference_mode_and_load_errors_as_given():
+    """vLLM's forward runs under ``torch.inference_mode``: CPU id tensors made there have no
+    version counter (the save's id cache keys host ids by value). Missing keys report the ids
+    as the caller gave them."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        with torch.inference_mode():
+            t = torch.tensor([1, 2, 3])
+            for layer in range(L):
+                pipe.save_layer(layer, {"k": t})
+            pipe.wait_for_save()
+        assert drain(pipe)[0] == {"k"}
+        pipe.start_load({"missing": [7, -1, 9], "gone": torch.tensor([11])})
+        assert pipe.get_block_ids_with_load_errors() == {7, 9, 11}

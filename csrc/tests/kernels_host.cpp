@@ -29,6 +29,7 @@ namespace {
 constexpr int kWarps = kvk::kThreads / 32;
 unsigned g_lane_val[kWarps][32];
 std::unique_ptr<std::barrier<>> g_bar[kWarps];
+std::unique_ptr<std::barrier<>> g_block_bar;
 std::mutex g_atomic;
 
 // Run `kernel` for every block of a grid of `grid` blocks: kThreads threads, each walking the blocks
@@ -36,6 +37,7 @@ std::mutex g_atomic;
 void launch(const std::function<void()>& kernel, int grid) {
   gridDim.x = static_cast<unsigned>(grid);
   for (auto& b : g_bar) b = std::make_unique<std::barrier<>>(32);
+  g_block_bar = std::make_unique<std::barrier<>>(kvk::kThreads);
   std::vector<std::thread> ts;
   for (int t = 0; t < kvk::kThreads; ++t) {
     ts.emplace_back([t, grid, &kernel] {
@@ -58,6 +60,8 @@ unsigned __shfl_xor_sync(unsigned, unsigned v, int lane_mask) {
   g_bar[warp]->arrive_and_wait();
   return u;
 }
+
+void __syncthreads() { g_block_bar->arrive_and_wait(); }
 
 int atomicAdd(int* p, int v) {
   std::lock_guard<std::mutex> lock(g_atomic);
