@@ -353,6 +353,19 @@ def test_emulated_fp8_register_rows_cover_every_group_shape(emulated_cuda, layou
 
 
 @needs_gxx
+@pytest.mark.parametrize("heads", [1, 3, 5, 8])
+@pytest.mark.parametrize("head_dim", [64, 40], ids=["vec16", "scalar"])
+def test_emulated_fp8_per_block_shares_heads_across_warps(emulated_cuda, heads, head_dim):
+    """Per-block scales with fewer heads than warps: kWarps // H warps per head, partial maxima
+    through shared memory (3 and 5 heads leave warps idle; 8 heads: one warp per head)."""
+    def mk(seed):
+        return make_cache("vllm-hnd", num_layers=2, num_blocks=8, block_size=5, num_heads=heads, head_dim=head_dim,
+                          dtype=torch.bfloat16, seed=seed)
+
+    _emu_round_trip(mk(0), mk(1), mk(1), max_ctas=2, quant="fp8", granularity="block")
+
+
+@needs_gxx
 @pytest.mark.parametrize("head_dim", [64, 40], ids=["vec16", "scalar"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("layout", EMU_LAYOUTS)

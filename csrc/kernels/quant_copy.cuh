@@ -236,8 +236,8 @@ __device__ __forceinline__ void quant_rows_token_vec(const QuantCopyParams& p, c
 // FP8 gather. kPerBlock = false: token granularity; with 16-byte vectors and rows of at most 32 *
 // kRegVecs vectors, quant_rows_token_vec; otherwise one warp per (token, head) row (warp-shuffle
 // amax, scale, codes; the row re-read for the codes hits L1). kPerBlock = true: one warp per head
-// of the block: amax over the block's tokens, then a second pass quantizes (the re-read hits
-// L1/L2).
+// of the block (kWarps / H warps per head when H < kWarps, through shared memory): amax over the
+// block's tokens, then a second pass quantizes (the re-read hits L1/L2).
 template <int kKind, bool kPerBlock, bool kVec>
 __global__ void __launch_bounds__(kThreads) quant_gather_kernel(QuantCopyParams p) {
   // grid: (min(num_items, max_ctas),); block: kThreads threads = kWarps warps over the rows
@@ -251,7 +251,37 @@ __global__ void __launch_bounds__(kThreads) quant_gather_kernel(QuantCopyParams 
     uint8_t* region = p.staging + it.j * p.region_bytes;
     uint8_t* q_out = region + it.c * p.q_entry_bytes + it.i * rows * D;
     float* s_out = reinterpret_cast<float*>(region + p.scale_base_bytes + it.c * p.scale_entry_bytes);
-    if (kPerBlock) {
+    if (kPerBlock && p.H < kWarps) {
+      // fewer heads than warps (MLA: one): kWarps / H warps share a head, each taking every
+      // (kWarps / H)-th token, and their partial maxima meet in shared memory (one warp per head
+      // left 7 of 8 warps idle for MLA). Warps past H * (kWarps / H) only pass the barriers.
+      __shared__ uint32_t part[kWarps];
+      const int wph = kWarps / static_cast<int>(p.H);
+      const int64_t h = warp / wph;
+      const int sub = warp - static_cast<int>(h) * wph;
+      const bool mine = h < p.H;
+      uint32_t amax = 0;
+      if (mine && it.valid) {
+        for (int64_t t = sub; t < p.block_size; t += wph) {
+          const uint32_t a = row_amax<kKind, kVec>(cache + t * p.stride_n + h * p.stride_h, D, lane);
+          amax = a > amax ? a : amax;
+        }
+      }
+      if (lane == 0) part[warp] = amax;
+      __syncthreads();
+      uint32_t m = 0;
+      if (mine)
+        for (int k = 0; k < wph; ++k) m = part[h * wph + k] > m ? part[h * wph + k] : m;
+      __syncthreads();  // part[] is rewritten by the next work item
+      if (mine) {
+        const float s = scale_from_amax_bits(m);
+        if (sub == 0 && lane == 0) s_out[it.i * p.H + h] = it.valid ? s : 0.0f;
+        const Recip rs = recip_of_scale(s);
+        for (int64_t t = sub; t < p.block_size; t += wph)
+          quantize_row<kKind, kVec>(cache + t * p.stride_n + h * p.stride_h, q_out + (t * p.H + h) * D, D, rs,
+                                    it.valid, lane);
+      }
+    } else if (kPerBlock) {
       s_out += it.i * p.H;
       for (int64_t h = warp; h < p.H; h += kWarps) {
         uint32_t amax = 0;
