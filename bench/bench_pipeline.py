@@ -14,6 +14,8 @@ For each prompt length and block size, in one run:
   ``[cudart]`` / ``[cuda+cudart]``: the pipeline with ``stream_api="cudart"`` (its event records,
   stream waits and DMAs as direct CUDA runtime calls), with the Triton and the CUDA backend's
   launcher — the host time per layer against the default (torch's Python API);
+  ``[4 requests]`` / ``[4 requests+cudart]`` (first case only): the same blocks as four requests
+  with list ids, as vLLM's connector passes them (one gather per layer for all four);
 * ``sm-zero-copy[ctas]``: compute + an SM gather writing pinned host directly on a side stream
   (LMCache / SGLang style), full grid and 2 CTAs;
 * ``memcpy-per-chunk``: compute + one ``cudaMemcpyAsync`` per chunk on a side stream (vLLM
@@ -231,12 +233,19 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         common.progress(rows[-1])
         return wall
 
-    def pipeline_rows(pipe: LayerPipeline, tag: str = "") -> float:
+    def pipeline_rows(pipe: LayerPipeline, tag: str = "", parts: int = 1) -> float:
         """Transfer alone and beside the compute, offload and restore, for one pipeline; returns the
-        offload transfer-alone wall time."""
+        offload transfer-alone wall time. ``parts`` > 1: the blocks as that many requests whose
+        ids are lists of ints (what vLLM's connector passes), saved and restored together."""
+        if parts == 1:
+            saves, loads = {"req": src}, {"req": dst}
+        else:
+            saves = {f"req{i}": src[i::parts].tolist() for i in range(parts)}
+            loads = {f"req{i}": dst[i::parts].tolist() for i in range(parts)}
+
         def offload_only():
             for l in range(L):
-                timed_call("offload_alone", pipe.save_layer, l, {"req": src})
+                timed_call("offload_alone", pipe.save_layer, l, saves)
             pipe.wait_for_save()
 
         # step-path host time: wall (perf_counter) and this thread's CPU time (thread_time): a wall
@@ -255,17 +264,17 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
             end = None
             for l in range(L):
                 end = compute_layer(l) or end
-                timed_call("offload", pipe.save_layer, l, {"req": src})
+                timed_call("offload", pipe.save_layer, l, saves)
             pipe.wait_for_save()
             return end
 
         def restore_only():
-            pipe.start_load({"req": dst})
+            pipe.start_load(loads)
             for l in range(L):
                 pipe.wait_for_layer_load(l)
 
         def restore_with_compute():
-            timed_call("start_load", pipe.start_load, {"req": dst})
+            timed_call("start_load", pipe.start_load, loads)
             for l in range(L):
                 timed_call("restore", pipe.wait_for_layer_load, l)
                 proxy.layer(l)
@@ -383,6 +392,20 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                     p3.close()
         else:
             print(f"[bench] stream_api='cudart' rows skipped: {_cudart.reason()}", file=sys.stderr)
+    if profile_path is not None:
+        # first case only: the same blocks as 4 requests with list ids (vLLM's connector): one
+        # gather per layer for all of them, and the ids copied once per save
+        from kvkernels import _cudart
+
+        for api, tag in (("torch", "[4 requests]"), ("cudart", "[4 requests+cudart]")):
+            if api == "cudart" and (device.type != "cuda" or _cudart.load() is None):
+                continue
+            p4 = LayerPipeline(lay, host_bytes=fmt.nbytes + (2 << 20), max_ctas=16, prefetch_depth=2,
+                               stream_api=api)
+            try:
+                pipeline_rows(p4, tag, parts=4)
+            finally:
+                p4.close()
     if device.type == "cuda" and profile_path is not None:
         # first case only: the SM cap of the pipeline's gather/scatter. 16 CTAs cost the compute
         # 4-15 % on the H100 (2026-11-23) while a batched DMA of 32 KB pieces cost ~0 %: does a

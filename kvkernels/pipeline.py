@@ -128,6 +128,22 @@ def _copy_pieces(f, cfmt, layer: int, a: int, num_kv: int) -> tuple[tuple[int, i
     return tuple(tuple(x) for x in out)
 
 
+@functools.lru_cache(maxsize=4096)
+def _together_pieces(f, cfmt, layer: int, off: int, num_kv: int) -> tuple[tuple[int, int, int], ...]:
+    """``(host offset, slot offset, nbytes)`` of one request's entries in a slot gathered for
+    several requests (format ``cfmt``; the request's blocks start at block ``off``): one run
+    per K/V entry, merged when both sides are contiguous (a single request)."""
+    n = f.num_blocks * f.chunk_nbytes
+    out: list[list[int]] = []
+    for c in range(num_kv):
+        h, d = f.entry_offset(layer, c), c * cfmt.entry_nbytes + off * cfmt.chunk_nbytes
+        if out and out[-1][0] + out[-1][2] == h and out[-1][1] + out[-1][2] == d:
+            out[-1][2] += n
+        else:
+            out.append([h, d, n])
+    return tuple(tuple(x) for x in out)
+
+
 def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
@@ -315,7 +331,9 @@ class LayerPipeline:
         self._load_events: dict[int, object] = {}
         self._next_load_layer = 0
         self._saving: dict[Hashable, HostEntry] = {}
+        self._batch_ids = None  # (the requests' host-id values, their concatenation): _save_together
         self._pending_loads: list[tuple[object, list]] = []  # (last layer's event, [(entry, dst ids)])
+        self._load_cat = None  # the restores' destination ids concatenated when they share a slot
         self._load_errors: list = []  # destination ids (device tensors or host tuples) of loads that failed
         self._failed_saves: set[Hashable] = set()
         self._orphans: list[HostEntry] = []  # replaced entries whose regions are still in use
@@ -536,28 +554,39 @@ class LayerPipeline:
         ready = self._ready["save"]
         self._record(ready, self._compute_stream())  # layer's KV is final here
         self._wait(self.pack_stream, ready)
-        for key, block_ids in saves.items():
-            ids, host_key = self._save_ids(key, block_ids)
-            ent = self._entry_for_save(key, ids.numel(), layer)
-            if ent is None:
-                continue
-            if host_key is not None and (ent.save_ids is None or ent.save_ids[0] != host_key):
-                ent.save_ids = (host_key, ids)
-            f = ent.fmt
-            for a, b in self._chunks(f.num_blocks):
-                s = self._take_slot("save")
-                slot = self._slots["save"][s]
-                cfmt = StagingFormat.for_layout(self.layout, b - a, (layer,))
-                self._wait(self.pack_stream, self._slot_free["save"][s])  # its last DMA is done
-                with self._stream(self.pack_stream):
-                    # checked once in __init__ (slots, backend, cap) and in _ids: the launch alone
-                    ops._gather_into(self.layout, ids if b - a == f.num_blocks else ids[a:b], cfmt, slot,
-                                     self._kernels, self.max_ctas)
-                packed = self._slot_filled["save"][s]
-                self._record(packed, self.pack_stream)
-                self._wait(self.d2h_stream, packed)
-                self._dma(ent.buf, slot, self._pieces(f, cfmt, layer, a), to_host=True)
-                self._record(self._slot_free["save"][s], self.d2h_stream)
+        todo: list[tuple[Hashable, HostEntry, torch.Tensor]] = []
+        try:
+            for key, block_ids in saves.items():
+                ids, host_key = self._save_ids(key, block_ids)
+                ent = self._entry_for_save(key, ids.numel(), layer)
+                if ent is None:
+                    continue
+                if host_key is not None and (ent.save_ids is None or ent.save_ids[0] != host_key):
+                    ent.save_ids = (host_key, ids)
+                todo.append((key, ent, ids))
+        finally:  # a bad key raises after the keys before it are issued (as one by one)
+            self._issue_saves(layer, todo)
+        self._record(self._gathered, self.pack_stream)
+        self._save_pending = True
+
+    def _issue_saves(self, layer: int, todo) -> None:
+        """Gather + D2H of ``layer`` for ``[(key, entry, ids)]``: all in one gather when they fit
+        one slot together (one launch per layer however many requests), else request by request
+        in slot-sized chunks. Then the entries that have all their layers get their done event."""
+        if not todo:
+            return
+        total = sum(ent.fmt.num_blocks for _, ent, _ in todo)
+        if len(todo) > 1 and total <= self.chunk_blocks:
+            self._save_together(layer, todo, total)
+        else:
+            for _, ent, ids in todo:
+                f = ent.fmt
+                for a, b in self._chunks(f.num_blocks):
+                    cfmt = StagingFormat.for_layout(self.layout, b - a, (layer,))
+                    slot = self._gather_to_slot(ids if b - a == f.num_blocks else ids[a:b], cfmt)
+                    self._dma(ent.buf, self._slots["save"][slot], self._pieces(f, cfmt, layer, a), to_host=True)
+                    self._record(self._slot_free["save"][slot], self.d2h_stream)
+        for key, ent, _ in todo:
             ent.layers_done.add(layer)
             if len(ent.layers_done) == self.layout.num_layers:
                 ev = self._event()
@@ -567,8 +596,42 @@ class LayerPipeline:
                 ent.save_ids = None
                 if self.store is not None:
                     ent.ssd_future = self._io_writes.submit(self._write_to_store, ent)
-        self._record(self._gathered, self.pack_stream)
-        self._save_pending = True
+
+    def _gather_to_slot(self, ids: torch.Tensor, cfmt: StagingFormat) -> int:
+        """Gather ``ids`` (format ``cfmt``) into the next save slot on the pack stream and make
+        the D2H stream wait for it; returns the slot (the caller issues its DMAs, then records
+        the slot free on the D2H stream)."""
+        s = self._take_slot("save")
+        self._wait(self.pack_stream, self._slot_free["save"][s])  # its last DMA is done
+        with self._stream(self.pack_stream):
+            # checked once in __init__ (slots, backend, cap) and in _ids: the launch alone
+            ops._gather_into(self.layout, ids, cfmt, self._slots["save"][s], self._kernels, self.max_ctas)
+        packed = self._slot_filled["save"][s]
+        self._record(packed, self.pack_stream)
+        self._wait(self.d2h_stream, packed)
+        return s
+
+    def _save_together(self, layer: int, todo, total: int) -> None:
+        """One gather of every request's blocks of ``layer`` (ids concatenated; the concatenation
+        is reused while the same id tensors come back, i.e. for every layer of a step), then each
+        request's K and V runs of the slot to its entry."""
+        # reused while every request passes host ids equal to the last layer's (their values are
+        # the signature); a caller's device tensors are concatenated again each layer
+        own = all(ent.save_ids is not None and ent.save_ids[1] is ids for _, ent, ids in todo)
+        sig = tuple(ent.save_ids[0] for _, ent, _ in todo) if own else None
+        memo = self._batch_ids
+        if sig is None or memo is None or memo[0] != sig:
+            with self._stream(self.pack_stream):  # the ids are ready on the pack stream
+                cat = torch.cat([ids.to(torch.int64) for _, _, ids in todo])
+            memo = self._batch_ids = (sig, cat)
+        cfmt = StagingFormat.for_layout(self.layout, total, (layer,))
+        s = self._gather_to_slot(memo[1], cfmt)
+        slot = self._slots["save"][s]
+        off = 0
+        for _, ent, _ in todo:
+            self._dma(ent.buf, slot, _together_pieces(ent.fmt, cfmt, layer, off, self.layout.num_kv), to_host=True)
+            off += ent.fmt.num_blocks
+        self._record(self._slot_free["save"][s], self.d2h_stream)
 
     def _write_to_store(self, ent: HostEntry):
         """Background thread: wait for the entry's DMA (off the step path), then put it."""
@@ -740,6 +803,11 @@ class LayerPipeline:
             if ent.done_event is not None and self.cuda:
                 self._wait(self.h2d_stream, ent.done_event)  # a save of it still in flight
             self._loads.append((ent, ids, ent.state == "loading"))  # streamed: gate each layer
+        # several restores that fit one slot together: one scatter per layer for all of them
+        self._load_cat = None
+        if len(self._loads) > 1 and sum(e.fmt.num_blocks for e, _, _ in self._loads) <= self.chunk_blocks:
+            with self._stream(self.pack_stream):  # the ids are ready on the pack stream
+                self._load_cat = torch.cat([ids.to(torch.int64) for _, ids, _ in self._loads])
         for _ in range(min(self.prefetch_depth, self.layout.num_layers)):
             self._issue_load_layer()
 
@@ -748,23 +816,26 @@ class LayerPipeline:
         if layer >= self.layout.num_layers:
             return
         self._next_load_layer += 1
-        for ent, ids, streamed in self._loads:
-            f = ent.fmt
-            if streamed:
-                self._gate(ent, layer)  # the layer's bytes are in the host pool (or zeroed on failure)
-            for a, b in self._chunks(f.num_blocks):
-                s = self._take_slot("load")
-                slot = self._slots["load"][s]
-                cfmt = StagingFormat.for_layout(self.layout, b - a, (layer,))
-                self._wait(self.h2d_stream, self._slot_free["load"][s])  # its last scatter is done
-                self._dma(ent.buf, slot, self._pieces(f, cfmt, layer, a), to_host=False)
-                copied = self._slot_filled["load"][s]
-                self._record(copied, self.h2d_stream)
-                self._wait(self.pack_stream, copied)
-                with self._stream(self.pack_stream):
-                    ops._scatter_from(slot, self.layout, ids if b - a == f.num_blocks else ids[a:b], cfmt,
-                                      self._kernels, self.max_ctas)
-                self._record(self._slot_free["load"][s], self.pack_stream)
+        if self._load_cat is not None:
+            self._load_together(layer)
+        else:
+            for ent, ids, streamed in self._loads:
+                f = ent.fmt
+                if streamed:
+                    self._gate(ent, layer)  # the layer's bytes are in the host pool (or zeroed on failure)
+                for a, b in self._chunks(f.num_blocks):
+                    s = self._take_slot("load")
+                    slot = self._slots["load"][s]
+                    cfmt = StagingFormat.for_layout(self.layout, b - a, (layer,))
+                    self._wait(self.h2d_stream, self._slot_free["load"][s])  # its last scatter is done
+                    self._dma(ent.buf, slot, self._pieces(f, cfmt, layer, a), to_host=False)
+                    copied = self._slot_filled["load"][s]
+                    self._record(copied, self.h2d_stream)
+                    self._wait(self.pack_stream, copied)
+                    with self._stream(self.pack_stream):
+                        ops._scatter_from(slot, self.layout, ids if b - a == f.num_blocks else ids[a:b], cfmt,
+                                          self._kernels, self.max_ctas)
+                    self._record(self._slot_free["load"][s], self.pack_stream)
         if layer == self.layout.num_layers - 1 and self._loads:
             # a fresh event (torch's API: it has no handle yet): get_finished polls it, and a
             # reused one would report only the latest restore's record — a restore started
@@ -779,6 +850,28 @@ class LayerPipeline:
             # the entries stay in use (not evictable, their pool regions and gates untouched) until
             # get_finished sees this event: the H2D copies may not have run yet
             self._pending_loads.append((ev, [(ent, ids) for ent, ids, _ in self._loads]))
+
+    def _load_together(self, layer: int) -> None:
+        """Every restore's ``layer`` into one slot (one H2D per K/V run of each entry), then one
+        scatter with the concatenated destination ids (``start_load``; destinations must be
+        distinct across the restores, as within one)."""
+        cfmt = StagingFormat.for_layout(self.layout, self._load_cat.numel(), (layer,))
+        s = self._take_slot("load")
+        slot = self._slots["load"][s]
+        for ent, _, streamed in self._loads:
+            if streamed:
+                self._gate(ent, layer)  # the layer's bytes are in the host pool (or zeroed on failure)
+        self._wait(self.h2d_stream, self._slot_free["load"][s])  # its last scatter is done
+        off = 0
+        for ent, _, _ in self._loads:
+            self._dma(ent.buf, slot, _together_pieces(ent.fmt, cfmt, layer, off, self.layout.num_kv), to_host=False)
+            off += ent.fmt.num_blocks
+        copied = self._slot_filled["load"][s]
+        self._record(copied, self.h2d_stream)
+        self._wait(self.pack_stream, copied)
+        with self._stream(self.pack_stream):
+            ops._scatter_from(slot, self.layout, self._load_cat, cfmt, self._kernels, self.max_ctas)
+        self._record(self._slot_free["load"][s], self.pack_stream)
 
     def wait_for_layer_load(self, layer: int) -> None:
         """Make the compute stream wait for ``layer``'s restore (a stream wait, not a host wait)

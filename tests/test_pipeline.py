@@ -143,19 +143,21 @@ def test_direct_runtime_path_moves_the_same_bytes(layout, slot_blocks, monkeypat
     src, dst = [3, 9, 1, 30, 17], [20, 21, 22, 0, 2]
     expect = snapshot(lay, src)
     per_block = lay.num_kv * lay.chunk_nbytes
+    b_src, b_dst = [4, 5], [31, 8]  # a second request: one gather for both when they fit a slot
+    expect_b = snapshot(lay, b_src)
     with LayerPipeline(lay, host_bytes=1 << 20, slot_bytes=slot_blocks * per_block, max_ctas=4) as pipe:
         pipe._rt = rt = _HostRuntime()
-        run_step_saves(pipe, {"a": ids(src)})
-        assert drain(pipe)[0] == {"a"}
-        copies = rt.calls.count("memcpy")
-        run_step_loads(pipe, {"a": ids(dst)})
-        assert drain(pipe)[1] == {"a"}
-        assert rt.calls.count("memcpy") == 2 * copies  # the restore moves what the save moved
+        run_step_saves(pipe, {"a": ids(src), "b": b_src})
+        assert drain(pipe)[0] == {"a", "b"}
+        assert rt.calls.count("memcpy") >= 2 * L
+        run_step_loads(pipe, {"a": ids(dst), "b": b_dst})
+        assert drain(pipe)[1] == {"a", "b"}
         assert rt.calls.count("wait") > 0 and rt.calls.count("record") > 0
-    got = snapshot(lay, dst)
-    for l in range(L):
-        for c in range(lay.num_kv):
-            assert bytes_equal(got[l][c], expect[l][c]), (layout, l, c)
+    for blocks, want in ((dst, expect), (b_dst, expect_b)):
+        got = snapshot(lay, blocks)
+        for l in range(L):
+            for c in range(lay.num_kv):
+                assert bytes_equal(got[l][c], want[l][c]), (layout, l, c)
 
 
 def test_missing_key_reports_load_errors_and_writes_nothing():
@@ -793,6 +795,7 @@ def test_cudart_is_the_runtime_already_mapped(tmp_path):
     assert _loaded_cudart(str(tmp_path / "absent")) is None
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="simulates a GPU's progress with stand-in events on CPU")
 def test_a_restore_every_step_is_reported_one_step_later(monkeypatch):
     """Each restore's last layer is polled through its own event. (With one re-recorded event, a
     restore started every step before get_finished saw the previous one done was never reported:
@@ -843,6 +846,50 @@ def test_host_ids_under_inference_mode_and_load_errors_as_given():
             for layer in range(L):
                 pipe.save_layer(layer, {"k": t})
             pipe.wait_for_save()
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
         assert drain(pipe)[0] == {"k"}
         pipe.start_load({"missing": [7, -1, 9], "gone": torch.tensor([11])})
         assert pipe.get_block_ids_with_load_errors() == {7, 9, 11}
+
+
+
+@pytest.mark.parametrize("slot_blocks", [64, 6])  # 6: the three requests (2 + 3 + 4 blocks) do not fit together
+def test_requests_of_a_layer_share_one_launch_when_they_fit_a_slot(slot_blocks, monkeypatch):
+    from kvkernels import pipeline as pmod
+
+    lay = cache()
+    reqs = {"x": [1, 2], "y": [3, 9, 12], "z": [30, 31, 0, 7]}
+    expect = {k: snapshot(lay, v) for k, v in reqs.items()}
+    per_block = lay.num_kv * lay.chunk_nbytes
+    launches = []
+    real = pmod.ops._gather_into
+    monkeypatch.setattr(pmod.ops, "_gather_into", lambda *a: (launches.append(a[1].numel()), real(*a))[1])
+    with LayerPipeline(lay, host_bytes=1 << 20, slot_bytes=slot_blocks * per_block) as pipe:
+        cats = []
+        for layer in range(L):
+            pipe.save_layer(layer, {k: list(v) for k, v in reqs.items()})  # new, equal lists each layer
+            cats.append(pipe._batch_ids[1] if pipe._batch_ids else None)
+        pipe.wait_for_save()
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert drain(pipe)[0] == set(reqs)
+        if slot_blocks == 64:
+            assert launches == [9] * L  # one launch per layer for the three requests
+            assert all(c is cats[0] for c in cats)  # their concatenated ids made once
+        else:
+            assert launches == [2, 3, 4] * L
+        dst = {"x": [20, 21], "y": [22, 23, 24], "z": [25, 26, 27, 28]}
+        scatters = []
+        real_s = pmod.ops._scatter_from
+        monkeypatch.setattr(pmod.ops, "_scatter_from", lambda *a: (scatters.append(a[2].numel()), real_s(*a))[1])
+        run_step_loads(pipe, {k: ids(v) for k, v in dst.items()})
+        assert scatters == ([9] * L if slot_blocks == 64 else [2, 3, 4] * L)  # restores share a scatter too
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        drain(pipe)
+    for k, blocks in dst.items():
+        got = snapshot(lay, blocks)
+        for l in range(L):
+            for c in range(lay.num_kv):
+                assert bytes_equal(got[l][c], expect[k][l][c]), (k, l, c)
