@@ -564,10 +564,11 @@ class LayerPipeline:
                 if host_key is not None and (ent.save_ids is None or ent.save_ids[0] != host_key):
                     ent.save_ids = (host_key, ids)
                 todo.append((key, ent, ids))
-        finally:  # a bad key raises after the keys before it are issued (as one by one)
-            self._issue_saves(layer, todo)
-        self._record(self._gathered, self.pack_stream)
-        self._save_pending = True
+        finally:  # a bad key raises after the keys before it are issued (as one by one), and
+            if todo:  # wait_for_save covers what was issued either way
+                self._issue_saves(layer, todo)
+                self._record(self._gathered, self.pack_stream)
+                self._save_pending = True
 
     def _issue_saves(self, layer: int, todo) -> None:
         """Gather + D2H of ``layer`` for ``[(key, entry, ids)]``: all in one gather when they fit

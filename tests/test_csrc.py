@@ -353,7 +353,7 @@ def test_emulated_fp8_register_rows_cover_every_group_shape(emulated_cuda, layou
 
 
 @needs_gxx
-@pytest.mark.parametrize("heads", [1, 3, 5, 8])
+@pytest.mark.parametrize("heads", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("head_dim", [64, 40], ids=["vec16", "scalar"])
 def test_emulated_fp8_per_block_shares_heads_across_warps(emulated_cuda, heads, head_dim):
     """Per-block scales with fewer heads than warps: kWarps // H warps per head, partial maxima

@@ -893,3 +893,17 @@ def test_requests_of_a_layer_share_one_launch_when_they_fit_a_slot(slot_blocks, 
         for l in range(L):
             for c in range(lay.num_kv):
                 assert bytes_equal(got[l][c], expect[k][l][c]), (k, l, c)
+
+
+
+def test_a_bad_key_mid_save_leaves_the_issued_gathers_covered_by_wait_for_save():
+    """Keys before the bad one are issued; wait_for_save must still make the compute stream wait
+    for their gathers (their source blocks may be reused right after)."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        pipe.save_layer(0, {"x": [1, 2], "w": [5]})
+        pipe.wait_for_save()
+        assert not pipe._save_pending
+        with pytest.raises(ValueError, match="blocks"):
+            pipe.save_layer(1, {"x": [1, 2], "w": [5, 6]})  # w changes its block count
+        assert pipe._save_pending and 1 in pipe.entries["x"].layers_done
