@@ -115,32 +115,21 @@ class _NullStream:
 
 
 @functools.lru_cache(maxsize=4096)
-def _copy_pieces(f, cfmt, layer: int, a: int, num_kv: int) -> tuple[tuple[int, int, int], ...]:
-    """:meth:`LayerPipeline._pieces` (pure function of immutable formats)."""
+def _copy_pieces(f, cfmt, layer: int, host_block: int, slot_block: int, n: int,
+                 num_kv: int) -> tuple[tuple[int, int, int], ...]:
+    """``(host offset, slot offset, nbytes)`` of the copies that move ``n`` blocks of ``layer``
+    between a host entry (format ``f``, from its block ``host_block``) and a slot (format ``cfmt``,
+    from its block ``slot_block``): one run per K/V entry, merged where both sides are contiguous.
+    Pure function of immutable formats, cached (on every layer's path)."""
+    nb = n * f.chunk_nbytes
     out: list[list[int]] = []
     for c in range(num_kv):
-        h = f.entry_offset(layer, c) + a * f.chunk_nbytes
-        d = c * cfmt.entry_nbytes
+        h = f.entry_offset(layer, c) + host_block * f.chunk_nbytes
+        d = c * cfmt.entry_nbytes + slot_block * cfmt.chunk_nbytes
         if out and out[-1][0] + out[-1][2] == h and out[-1][1] + out[-1][2] == d:
-            out[-1][2] += cfmt.entry_nbytes
+            out[-1][2] += nb
         else:
-            out.append([h, d, cfmt.entry_nbytes])
-    return tuple(tuple(x) for x in out)
-
-
-@functools.lru_cache(maxsize=4096)
-def _together_pieces(f, cfmt, layer: int, off: int, num_kv: int) -> tuple[tuple[int, int, int], ...]:
-    """``(host offset, slot offset, nbytes)`` of one request's entries in a slot gathered for
-    several requests (format ``cfmt``; the request's blocks start at block ``off``): one run
-    per K/V entry, merged when both sides are contiguous (a single request)."""
-    n = f.num_blocks * f.chunk_nbytes
-    out: list[list[int]] = []
-    for c in range(num_kv):
-        h, d = f.entry_offset(layer, c), c * cfmt.entry_nbytes + off * cfmt.chunk_nbytes
-        if out and out[-1][0] + out[-1][2] == h and out[-1][1] + out[-1][2] == d:
-            out[-1][2] += n
-        else:
-            out.append([h, d, n])
+            out.append([h, d, nb])
     return tuple(tuple(x) for x in out)
 
 
@@ -451,8 +440,8 @@ class LayerPipeline:
         between the host entry (format ``f``) and a slot (format ``cfmt``): one per K/V entry,
         merged where both sides are contiguous (a whole layer in one slot: one copy). Each DMA
         costs a fixed setup; on the H100 32 per-layer pairs of 8.4 MB copies reached 75 % of one
-        large copy. Cached (formats are immutable; on every layer's path)."""
-        return _copy_pieces(f, cfmt, layer, a, self.layout.num_kv)
+        large copy."""
+        return _copy_pieces(f, cfmt, layer, a, 0, cfmt.num_blocks, self.layout.num_kv)
 
     def _take_slot(self, direction: str) -> int:
         s = self._slot_next[direction]
@@ -630,7 +619,9 @@ class LayerPipeline:
         slot = self._slots["save"][s]
         off = 0
         for _, ent, _ in todo:
-            self._dma(ent.buf, slot, _together_pieces(ent.fmt, cfmt, layer, off, self.layout.num_kv), to_host=True)
+            # the request's runs: its blocks at ``off`` in the slot shared by all of them
+            self._dma(ent.buf, slot, _copy_pieces(ent.fmt, cfmt, layer, 0, off, ent.fmt.num_blocks, self.layout.num_kv),
+                      to_host=True)
             off += ent.fmt.num_blocks
         self._record(self._slot_free["save"][s], self.d2h_stream)
 
@@ -865,7 +856,9 @@ class LayerPipeline:
         self._wait(self.h2d_stream, self._slot_free["load"][s])  # its last scatter is done
         off = 0
         for ent, _, _ in self._loads:
-            self._dma(ent.buf, slot, _together_pieces(ent.fmt, cfmt, layer, off, self.layout.num_kv), to_host=False)
+            # the request's runs: its blocks at ``off`` in the slot shared by all of them
+            self._dma(ent.buf, slot, _copy_pieces(ent.fmt, cfmt, layer, 0, off, ent.fmt.num_blocks, self.layout.num_kv),
+                      to_host=False)
             off += ent.fmt.num_blocks
         copied = self._slot_filled["load"][s]
         self._record(copied, self.h2d_stream)
