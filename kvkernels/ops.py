@@ -71,6 +71,11 @@ def as_block_ids(block_ids, layout: PagedLayout) -> torch.Tensor:
     issued on that stream (or after it). A caller's CPU tensor may be changed right after the
     call unless it was already pinned (then it is the copy's source, as with
     ``tensor.to(device, non_blocking=True)``)."""
+    return _to_cache_device(_ids_tensor(block_ids), layout)
+
+
+def _ids_tensor(block_ids) -> torch.Tensor:
+    """``block_ids`` as a 1-D int32/int64 tensor where it is (a sequence becomes a CPU tensor)."""
     if isinstance(block_ids, torch.Tensor):
         ids = block_ids
     elif isinstance(block_ids, Sequence) and not isinstance(block_ids, (str, bytes)):
@@ -82,6 +87,11 @@ def as_block_ids(block_ids, layout: PagedLayout) -> torch.Tensor:
         fail("block_ids", "a 1-D int tensor or a sequence of ints", type(block_ids).__name__, TypeError)
     check(ids.dtype in (torch.int32, torch.int64), "block_ids", "dtype int32 or int64", ids.dtype, TypeError)
     check(ids.dim() == 1, "block_ids", "a 1-D tensor", describe(ids))
+    return ids
+
+
+def _to_cache_device(ids: torch.Tensor, layout: PagedLayout) -> torch.Tensor:
+    """The second half of :func:`as_block_ids`: ``ids`` contiguous on the cache device."""
     if not same_device(ids.device, layout.device):
         if ids.device.type == "cpu":
             # pageable -> device would be a host sync (torch waits for the copy, i.e. for all
@@ -167,15 +177,17 @@ def _check_layout(layout) -> PagedLayout:
 
 def _prepare(layout, block_ids, layers, validate, backend, unique):
     layout = _check_layout(layout)
-    ids = as_block_ids(block_ids, layout)
+    ids = _ids_tensor(block_ids)
+    if ids.device.type != "cpu":
+        ids = _to_cache_device(ids, layout)  # a tensor on another GPU is refused first
     fmt = StagingFormat.for_layout(layout, ids.numel(), layers)
     if validate is None:
         validate = config.validate_default()
     check(isinstance(validate, bool), "validate", "a bool", type(validate).__name__, TypeError)
     b = backends.resolve(backend, layout.device)
-    if validate:
+    if validate:  # host ids are checked where they are, before their copy: no read-back sync
         _validate_ids(ids, layout, unique=unique)
-    return layout, ids, fmt, b
+    return layout, _to_cache_device(ids, layout), fmt, b
 
 
 def _caps(max_ctas) -> int:

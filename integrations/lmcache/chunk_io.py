@@ -176,7 +176,7 @@ class ChunkIO:
             if gran is not None:
                 import kvkernels
 
-                kvkernels.gather(chunk_layout(t, shape), [0], validate=False, out=buf, quant="fp8", granularity=gran)
+                kvkernels.gather(chunk_layout(t, shape), [0], out=buf, quant="fp8", granularity=gran)
             else:
                 chunk_to_staging(t, shape, buf, fmt)
             if meta.codec != "none":
@@ -277,7 +277,7 @@ class ChunkIO:
                 import kvkernels
 
                 layers_arg = fmt.layers if len(fmt.layers) < shape.num_layers else None
-                kvkernels.scatter(staging, chunk_layout(out, shape), [0], validate=False, layers=layers_arg, quant="fp8",
+                kvkernels.scatter(staging, chunk_layout(out, shape), [0], layers=layers_arg, quant="fp8",
                                   granularity=gran)
             else:
                 staging_to_chunk(staging, shape, out, fmt, layers=fmt.layers)

@@ -101,9 +101,7 @@ class ChunkShape:
 
 
 def chunk_layout(t: torch.Tensor, shape: ChunkShape):
-    """The chunk as a :class:`kvkernels.PagedLayout` of one block of ``T`` tokens (callers copy
-    block 0 with ``validate=False``: nothing to check, and the check reads the ids back, a host
-    sync on a GPU)."""
+    """The chunk as a :class:`kvkernels.PagedLayout` of one block of ``T`` tokens."""
     from kvkernels import PagedLayout
 
     s = shape
@@ -128,7 +126,7 @@ def chunk_to_staging(t: torch.Tensor, shape: ChunkShape, out: torch.Tensor, fmt)
     if t.device.type == "cuda":
         import kvkernels
 
-        return kvkernels.gather(chunk_layout(t, shape), [0], validate=False, out=out)
+        return kvkernels.gather(chunk_layout(t, shape), [0], out=out)
     _region_view(out, shape, shape.num_layers, fmt.region_nbytes).copy_(shape.kv_view(t))
     pad = fmt.region_nbytes - shape.payload_elems * shape.element_size
     if pad:
@@ -147,7 +145,7 @@ def staging_to_chunk(staging: torch.Tensor, shape: ChunkShape, out: torch.Tensor
     if out.device.type == "cuda":
         import kvkernels
 
-        kvkernels.scatter(staging, chunk_layout(out, shape), [0], validate=False, layers=layers if len(layers) < shape.num_layers else None)
+        kvkernels.scatter(staging, chunk_layout(out, shape), [0], layers=layers if len(layers) < shape.num_layers else None)
         return out
     src = _region_view(staging, shape, len(layers), fmt.region_nbytes)  # [n, kv, T, HD]
     dst = shape.kv_view(out)  # [L, kv, T, HD]
