@@ -316,6 +316,7 @@ def test_hot_path_has_no_host_sync():
     lay = cache("vllm-nhd", blocks=64)
     ids = torch.randint(0, 64, (32,), device=DEVICE)
     dst_ids = torch.arange(32, device=DEVICE)
+    ids_list = ids.tolist()
     out = torch.empty(kvkernels.staging_nbytes(lay, 32), dtype=torch.uint8, device=DEVICE)
     for l in range(L):  # warm: JIT and the per-layer pointer tables
         kvkernels.gather(lay, ids, out=out, layers=l, backend="triton", validate=False)
@@ -326,6 +327,10 @@ def test_hot_path_has_no_host_sync():
         for l in range(L):
             kvkernels.gather(lay, ids, out=out, layers=l, backend="triton", validate=False)
             kvkernels.scatter(out, lay, dst_ids, layers=l, backend="triton", validate=False)
+        # host ids are range-checked on the host before their (non-blocking) copy: validate=True
+        # costs no sync for them
+        kvkernels.gather(lay, ids_list, out=out, layers=0, backend="triton", validate=True)
+        kvkernels.scatter(out, lay, list(range(32)), layers=0, backend="triton", validate=True)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     kvkernels.check_errors()
