@@ -320,7 +320,7 @@ class LayerPipeline:
         self._load_events: dict[int, object] = {}
         self._next_load_layer = 0
         self._saving: dict[Hashable, HostEntry] = {}
-        self._batch_ids = None  # (the requests' host-id values, their concatenation): _save_together
+        self._batch_ids = None  # (the requests' id copies, their concatenation): _save_together
         self._pending_loads: list[tuple[object, list]] = []  # (last layer's event, [(entry, dst ids)])
         self._load_cat = None  # the restores' destination ids concatenated when they share a slot
         self._load_errors: list = []  # destination ids (device tensors or host tuples) of loads that failed
@@ -483,11 +483,12 @@ class LayerPipeline:
 
     def _save_ids(self, key, block_ids) -> tuple[torch.Tensor, object]:
         """``(device ids, host key)`` of one layer's save: host ids equal to the previous layer's
-        (``HostEntry.save_ids``) are not converted and copied again."""
+        (``HostEntry.save_ids``) are not converted and copied again (host key None then: nothing
+        to store); new host ids come with the key to store beside their copy."""
         hk = self._host_ids_key(block_ids)
         ent = self._saving.get(key)
         if hk is not None and ent is not None and ent.save_ids is not None and ent.save_ids[0] == hk:
-            return ent.save_ids[1], hk
+            return ent.save_ids[1], None
         return self._ids(block_ids, f"saves[{key!r}]"), hk
 
     def _ensure_open(self):
@@ -550,8 +551,9 @@ class LayerPipeline:
                 ent = self._entry_for_save(key, ids.numel(), layer)
                 if ent is None:
                     continue
-                if host_key is not None and (ent.save_ids is None or ent.save_ids[0] != host_key):
+                if host_key is not None:  # new host ids (even in the same tensor, on a CPU cache)
                     ent.save_ids = (host_key, ids)
+                    self._batch_ids = None
                 todo.append((key, ent, ids))
         finally:  # a bad key raises after the keys before it are issued (as one by one), and
             if todo:  # wait_for_save covers what was issued either way
@@ -605,12 +607,15 @@ class LayerPipeline:
         """One gather of every request's blocks of ``layer`` (ids concatenated; the concatenation
         is reused while the same id tensors come back, i.e. for every layer of a step), then each
         request's K and V runs of the slot to its entry."""
-        # reused while every request passes host ids equal to the last layer's (their values are
-        # the signature); a caller's device tensors are concatenated again each layer
+        # reused while the same requests come back with the same host-id copies as at the last
+        # layer (save_layer drops the memo whenever a request's host ids change; it holds the
+        # copies, so their identity is theirs alone); a caller's device tensors are
+        # concatenated each layer
         own = all(ent.save_ids is not None and ent.save_ids[1] is ids for _, ent, ids in todo)
-        sig = tuple(ent.save_ids[0] for _, ent, _ in todo) if own else None
+        sig = tuple(ids for _, _, ids in todo) if own else None
         memo = self._batch_ids
-        if sig is None or memo is None or memo[0] != sig:
+        if sig is None or memo is None or memo[0] is None or len(memo[0]) != len(sig) or \
+                any(a is not b for a, b in zip(memo[0], sig)):
             with self._stream(self.pack_stream):  # the ids are ready on the pack stream
                 cat = torch.cat([ids.to(torch.int64) for _, _, ids in todo])
             memo = self._batch_ids = (sig, cat)

@@ -907,3 +907,27 @@ def test_a_bad_key_mid_save_leaves_the_issued_gathers_covered_by_wait_for_save()
         with pytest.raises(ValueError, match="blocks"):
             pipe.save_layer(1, {"x": [1, 2], "w": [5, 6]})  # w changes its block count
         assert pipe._save_pending and 1 in pipe.entries["x"].layers_done
+
+
+def test_shared_gather_follows_host_ids_changed_in_place():
+    """On a CPU cache a CPU id tensor is used as it is (no copy): changed in place between
+    layers, the shared gather must concatenate the new values."""
+    lay = cache()
+    t = torch.tensor([1, 2])
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        for layer in range(L):
+            if layer == 2:
+                t[:] = torch.tensor([7, 8])
+            pipe.save_layer(layer, {"t": t, "u": [3, 4]})
+        pipe.wait_for_save()
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        drain(pipe)
+        run_step_loads(pipe, {"t": ids([20, 21]), "u": ids([22, 23])})
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        drain(pipe)
+    for l in range(L):
+        want = [1, 2] if l < 2 else [7, 8]
+        for c in range(lay.num_kv):
+            assert bytes_equal(lay.views[l][c][[20, 21]].cpu(), lay.views[l][c][want].cpu()), (l, c)
