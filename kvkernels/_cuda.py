@@ -126,8 +126,7 @@ def _paged_plan(to_staging: bool, layout, fmt, staging: torch.Tensor, max_ctas: 
     ptr = staging.data_ptr()
     bulk_env = config.cuda_bulk()
     key = ("paged", to_staging, fmt, ptr, staging.is_cuda, max_ctas, bulk_env)
-    plans = layout._memo.setdefault("cuda_launch", {})
-    plan = plans.get(key)
+    plan = layout.memo_get("cuda_launch", key)
     if plan is None:
         tab = layout.pointer_table_for(fmt.layers)
         sb, sn, sh = layout.byte_strides
@@ -135,11 +134,9 @@ def _paged_plan(to_staging: bool, layout, fmt, staging: torch.Tensor, max_ctas: 
         shape = (fmt.num_blocks, layout.num_blocks, fmt.num_kv, fmt.num_regions, layout.num_heads,
                  layout.block_size * layout.num_heads, layout.row_nbytes, sb, sn, sh, fmt.region_nbytes,
                  fmt.entry_nbytes)
-        bulk = bulk_env and _use_bulk(layout, staging)
+        bulk = _use_bulk(layout, staging)  # reads the switch itself (bulk_env keys the plan)
         tail = (max_ctas, dev) if bulk else (layout.access_width(ptr), max_ctas, dev)
-        if len(plans) >= 4096:  # bounded: request sizes and buffers vary
-            plans.clear()
-        plan = plans[key] = (bulk, tab.data_ptr(), ptr, shape, tail)
+        plan = layout.memo_put("cuda_launch", key, (bulk, tab.data_ptr(), ptr, shape, tail))
     return plan
 
 

@@ -445,6 +445,19 @@ class PagedLayout:
     def base_addresses_flat(self) -> list[int]:
         return [a for row in self.base_addresses() for a in row]
 
+    def memo_get(self, table: str, key):
+        """A value derived from this (immutable) layout, kept in ``_memo[table]``, or None."""
+        return self._memo.setdefault(table, {}).get(key)
+
+    def memo_put(self, table: str, key, value, bound: int = 4096):
+        """Keep ``value`` under ``key`` in ``_memo[table]``, a table cleared when it reaches
+        ``bound`` entries (keys such as request sizes and buffer addresses vary); returns it."""
+        t = self._memo.setdefault(table, {})
+        if len(t) >= bound:
+            t.clear()
+        t[key] = value
+        return value
+
     def pointer_table_for(self, layers: tuple[int, ...]) -> torch.Tensor:
         """``int64 [len(layers), num_kv]`` device table of base addresses of ``layers`` (cached per
         layer tuple, so steady-state calls do no host-to-device copy)."""

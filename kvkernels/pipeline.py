@@ -308,9 +308,9 @@ class LayerPipeline:
             # a pipeline dropped without close() waits for its streams before its slots and pool can
             # be reused: the slots are used on side streams, and torch's pinned-memory allocator
             # does not see DMAs issued through the runtime (stream_api="cudart")
-            weakref.finalize(self, _drain, (self.pack_stream, self.d2h_stream, self.h2d_stream))
+            # (close() runs the same drain once, then it is detached)
+            self._drain_streams = weakref.finalize(self, _drain, (self.pack_stream, self.d2h_stream, self.h2d_stream))
             self._device_index = layout.device.index if layout.device.index is not None else torch.cuda.current_device()
-        if self.cuda:
             for ev in (*self._slot_free["save"], *self._slot_free["load"], *self._slot_filled["save"],
                        *self._slot_filled["load"], *self._ready.values(), self._gathered, *self._layer_loaded):
                 ev.record(self.pack_stream)  # creates the CUDA event (torch creates it at the first record)
@@ -443,6 +443,10 @@ class LayerPipeline:
         large copy."""
         return _copy_pieces(f, cfmt, layer, a, 0, cfmt.num_blocks, self.layout.num_kv)
 
+    def _share_a_slot(self, entries) -> bool:
+        """Several requests whose blocks fit one slot together: one gather / scatter for all."""
+        return len(entries) > 1 and sum(ent.fmt.num_blocks for ent in entries) <= self.chunk_blocks
+
     def _take_slot(self, direction: str) -> int:
         s = self._slot_next[direction]
         self._slot_next[direction] = (s + 1) % self.num_slots
@@ -565,11 +569,9 @@ class LayerPipeline:
         """Gather + D2H of ``layer`` for ``[(key, entry, ids)]``: all in one gather when they fit
         one slot together (one launch per layer however many requests), else request by request
         in slot-sized chunks. Then the entries that have all their layers get their done event."""
-        if not todo:
-            return
-        total = sum(ent.fmt.num_blocks for _, ent, _ in todo)
-        if len(todo) > 1 and total <= self.chunk_blocks:
-            self._save_together(layer, todo, total)
+        entries = [ent for _, ent, _ in todo]
+        if self._share_a_slot(entries):
+            self._save_together(layer, todo, sum(ent.fmt.num_blocks for ent in entries))
         else:
             for _, ent, ids in todo:
                 f = ent.fmt
@@ -802,7 +804,7 @@ class LayerPipeline:
             self._loads.append((ent, ids, ent.state == "loading"))  # streamed: gate each layer
         # several restores that fit one slot together: one scatter per layer for all of them
         self._load_cat = None
-        if len(self._loads) > 1 and sum(e.fmt.num_blocks for e, _, _ in self._loads) <= self.chunk_blocks:
+        if self._share_a_slot([ent for ent, _, _ in self._loads]):
             with self._stream(self.pack_stream):  # the ids are ready on the pack stream
                 self._load_cat = torch.cat([ids.to(torch.int64) for _, ids, _ in self._loads])
         for _ in range(min(self.prefetch_depth, self.layout.num_layers)):
@@ -821,56 +823,55 @@ class LayerPipeline:
                 if streamed:
                     self._gate(ent, layer)  # the layer's bytes are in the host pool (or zeroed on failure)
                 for a, b in self._chunks(f.num_blocks):
-                    s = self._take_slot("load")
-                    slot = self._slots["load"][s]
                     cfmt = StagingFormat.for_layout(self.layout, b - a, (layer,))
-                    self._wait(self.h2d_stream, self._slot_free["load"][s])  # its last scatter is done
+                    s, slot = self._load_slot()
                     self._dma(ent.buf, slot, self._pieces(f, cfmt, layer, a), to_host=False)
-                    copied = self._slot_filled["load"][s]
-                    self._record(copied, self.h2d_stream)
-                    self._wait(self.pack_stream, copied)
-                    with self._stream(self.pack_stream):
-                        ops._scatter_from(slot, self.layout, ids if b - a == f.num_blocks else ids[a:b], cfmt,
-                                          self._kernels, self.max_ctas)
-                    self._record(self._slot_free["load"][s], self.pack_stream)
+                    self._scatter_slot(s, ids if b - a == f.num_blocks else ids[a:b], cfmt)
         if layer == self.layout.num_layers - 1 and self._loads:
             # a fresh event (torch's API: it has no handle yet): get_finished polls it, and a
             # reused one would report only the latest restore's record — a restore started
-            # every step could then never be seen finished
+            # every step could then never be seen finished. The entries stay in use (not
+            # evictable, their pool regions and gates untouched) until get_finished sees it
             ev = self._event()
             ev.record(self.pack_stream if self.cuda else None)
+            self._pending_loads.append((ev, [(ent, ids) for ent, ids, _ in self._loads]))
         else:
             ev = self._layer_loaded[layer]
             self._record(ev, self.pack_stream)
         self._load_events[layer] = ev
-        if layer == self.layout.num_layers - 1 and self._loads:
-            # the entries stay in use (not evictable, their pool regions and gates untouched) until
-            # get_finished sees this event: the H2D copies may not have run yet
-            self._pending_loads.append((ev, [(ent, ids) for ent, ids, _ in self._loads]))
+
+    def _load_slot(self) -> tuple[int, torch.Tensor]:
+        """The next load slot, once its last scatter is done (the H2D stream waits for it)."""
+        s = self._take_slot("load")
+        self._wait(self.h2d_stream, self._slot_free["load"][s])
+        return s, self._slots["load"][s]
+
+    def _scatter_slot(self, s: int, ids: torch.Tensor, cfmt: StagingFormat) -> None:
+        """After the H2D copies into load slot ``s``: the pack stream waits for them, scatters
+        ``ids`` (format ``cfmt``), and the slot is free once that is done."""
+        copied = self._slot_filled["load"][s]
+        self._record(copied, self.h2d_stream)
+        self._wait(self.pack_stream, copied)
+        with self._stream(self.pack_stream):
+            ops._scatter_from(self._slots["load"][s], self.layout, ids, cfmt, self._kernels, self.max_ctas)
+        self._record(self._slot_free["load"][s], self.pack_stream)
 
     def _load_together(self, layer: int) -> None:
         """Every restore's ``layer`` into one slot (one H2D per K/V run of each entry), then one
         scatter with the concatenated destination ids (``start_load``; destinations must be
         distinct across the restores, as within one)."""
-        cfmt = StagingFormat.for_layout(self.layout, self._load_cat.numel(), (layer,))
-        s = self._take_slot("load")
-        slot = self._slots["load"][s]
         for ent, _, streamed in self._loads:
             if streamed:
                 self._gate(ent, layer)  # the layer's bytes are in the host pool (or zeroed on failure)
-        self._wait(self.h2d_stream, self._slot_free["load"][s])  # its last scatter is done
+        cfmt = StagingFormat.for_layout(self.layout, self._load_cat.numel(), (layer,))
+        s, slot = self._load_slot()
         off = 0
         for ent, _, _ in self._loads:
             # the request's runs: its blocks at ``off`` in the slot shared by all of them
             self._dma(ent.buf, slot, _copy_pieces(ent.fmt, cfmt, layer, 0, off, ent.fmt.num_blocks, self.layout.num_kv),
                       to_host=False)
             off += ent.fmt.num_blocks
-        copied = self._slot_filled["load"][s]
-        self._record(copied, self.h2d_stream)
-        self._wait(self.pack_stream, copied)
-        with self._stream(self.pack_stream):
-            ops._scatter_from(slot, self.layout, self._load_cat, cfmt, self._kernels, self.max_ctas)
-        self._record(self._slot_free["load"][s], self.pack_stream)
+        self._scatter_slot(s, self._load_cat, cfmt)
 
     def wait_for_layer_load(self, layer: int) -> None:
         """Make the compute stream wait for ``layer``'s restore (a stream wait, not a host wait)
@@ -1017,8 +1018,7 @@ class LayerPipeline:
             self._io_cv.notify_all()
         self._io_writes.shutdown(wait=True)
         if self.cuda:
-            for s in (self.pack_stream, self.d2h_stream, self.h2d_stream):
-                s.synchronize()
+            self._drain_streams()
 
     def __enter__(self):
         return self

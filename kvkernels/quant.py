@@ -83,7 +83,7 @@ def store_scheme(*, quant=None, shuffle: bool = False, granularity: str = "token
     if quant == "fp8" and (dtype is None or dtype in FP8_SOURCE_DTYPES):
         _check_granularity(granularity)
         return f"fp8-{granularity}"
-    if shuffle and (dtype is None or torch.empty((), dtype=dtype).element_size() == 2):
+    if shuffle and (dtype is None or dtype.itemsize == 2):
         return "shuffle"
     return "raw"
 GRANULARITIES = ("token", "block")

@@ -122,13 +122,11 @@ class StagingFormat(RegionArithmetic):
         """The format :func:`kvkernels.gather` writes for ``num_blocks`` blocks of ``layout``."""
         # on every copy's path: formats are immutable, so the common argument types are looked up
         # in a small per-layout cache (exact ints only: True must still be refused as a count)
-        memo = getattr(layout, "_memo", None)
         key = None
-        if memo is not None and type(num_blocks) is int and num_blocks >= 0 and (
+        if hasattr(layout, "memo_get") and type(num_blocks) is int and num_blocks >= 0 and (
                 layers is None or type(layers) is int or (type(layers) is tuple and all(type(x) is int for x in layers))):
             key = (cls, num_blocks, layers)
-            fmts = memo.setdefault("formats", {})
-            got = fmts.get(key)
+            got = layout.memo_get("formats", key)
             if got is not None:
                 return got
         check_int(num_blocks, "num_blocks", lo=0)
@@ -142,9 +140,7 @@ class StagingFormat(RegionArithmetic):
             num_kv=layout.num_kv,
         )
         if key is not None:
-            if len(fmts) >= 1024:  # bounded: request sizes vary
-                fmts.clear()
-            fmts[key] = fmt
+            layout.memo_put("formats", key, fmt, bound=1024)
         return fmt
 
     @functools.cached_property

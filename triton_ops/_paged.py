@@ -9,8 +9,6 @@ stride over the items (persistent grid), which is how the SM cap works.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -127,7 +125,6 @@ def _paged_copy(
                 tl.store(cache + c_off, tl.load(stage + s_off, mask=mv), mask=mv)
 
 
-@functools.lru_cache(maxsize=4096)
 def tile_shape(rows: int, row_words: int) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_W): a power-of-two tile covering a row, ~TILE_WORDS words."""
     block_w = triton.next_power_of_2(row_words)
@@ -155,8 +152,7 @@ def _launch_plan(kernel, layout, fmt, ptr: int, storage_offset: int, max_ctas: i
     a pure function of the layout, the format, the staging address and the cap, so it is kept per
     layout (on every layer's path of the pipeline; keyed by values, never by a tensor)."""
     key = (kernel, fmt, ptr, storage_offset, max_ctas)
-    plans = layout._memo.setdefault("triton_launch", {})
-    plan = plans.get(key)
+    plan = layout.memo_get("triton_launch", key)
     if plan is None:
         # the kernels' word: 8, 4, 2 or 1 bytes; the staging's storage offset too (viewing it as words needs it)
         wb = layout.access_width(ptr, storage_offset, cap=8)
@@ -168,9 +164,7 @@ def _launch_plan(kernel, layout, fmt, ptr: int, storage_offset: int, max_ctas: i
                    fmt.region_nbytes // wb, fmt.entry_nbytes // wb)
         consts = dict(C=fmt.num_kv, H=layout.num_heads, ROWS=rows, ROW_WORDS=row_words, WORD=wb, BLOCK_R=block_r,
                       BLOCK_W=block_w, ALIGN16=aligned16(wb, layout, ptr), num_warps=NUM_WARPS)
-        if len(plans) >= 4096:  # bounded: request sizes and buffers vary
-            plans.clear()
-        plan = plans[key] = (_WORD_DTYPE[wb], tab, grid, scalars, consts)
+        plan = layout.memo_put("triton_launch", key, (_WORD_DTYPE[wb], tab, grid, scalars, consts))
     return plan
 
 
