@@ -7,8 +7,9 @@ the H100 host (2026-11-23), where issue 4 asks for <= 50 us; each of these is on
 (``KVKERNELS_PIPELINE_STREAM_API``); torch's API stays the default until the GPU benchmark shows
 the difference (``docs/pipeline.md``).
 
-The library is the CUDA runtime torch itself loaded (found in ``/proc/self/maps``), so streams and
-events are torch's own handles (``Stream.cuda_stream``, ``Event.cuda_event``) in the same runtime
+The library is the CUDA runtime torch itself loaded (opened by its soname ``libcudart.so.<torch's
+CUDA major>`` with ``RTLD_NOLOAD``, else the one of that major found in ``/proc/self/maps``), so
+streams and events are torch's own handles (``Stream.cuda_stream``, ``Event.cuda_event``) in the same runtime
 instance. Every call's status is checked; a failure raises ``RuntimeError`` with the runtime's
 message.
 """
@@ -39,10 +40,15 @@ class Runtime:
         lib.cudaMemcpyAsync.restype = ctypes.c_int
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
+        lib.cudaGetLastError.argtypes = []
+        lib.cudaGetLastError.restype = ctypes.c_int
         self._record, self._wait, self._memcpy = lib.cudaEventRecord, lib.cudaStreamWaitEvent, lib.cudaMemcpyAsync
 
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:
+            # a failed runtime call also sets the thread's last error: cleared here, or the next
+            # unrelated torch kernel launch (which reads it) would report this failure as its own
+            self.lib.cudaGetLastError()
             msg = self.lib.cudaGetErrorString(rc)
             raise RuntimeError(f"kvkernels pipeline: {what} failed: {msg.decode(errors='replace') if msg else rc}")
 
@@ -64,17 +70,36 @@ class Runtime:
         self._check(self._memcpy(dst, src, nbytes, _MEMCPY_DEFAULT, stream), "cudaMemcpyAsync")
 
 
-def _loaded_cudart(maps: str = "/proc/self/maps") -> str | None:
-    """Path of the CUDA runtime library mapped into this process (torch's), or None."""
+def _loaded_cudart(maps: str = "/proc/self/maps", major: str | None = None) -> str | None:
+    """Path of a CUDA runtime library mapped into this process, or None; with ``major``, one of
+    that major version (``libcudart.so.<major>``) is preferred: the CUDA backend's library may
+    have mapped another toolkit's runtime beside torch's."""
+    found: list[str] = []
     try:
         with open(maps) as f:
             for line in f:
                 path = line.rsplit(None, 1)[-1] if "/" in line else ""
-                if os.path.basename(path).startswith("libcudart.so"):
-                    return path
+                if os.path.basename(path).startswith("libcudart.so") and path not in found:
+                    found.append(path)
     except OSError:
         return None
-    return None
+    if major:
+        for path in found:
+            if os.path.basename(path).startswith(f"libcudart.so.{major}"):
+                return path
+    return found[0] if found else None
+
+
+def _open_torch_cudart(major: str | None):
+    """``(CDLL, path)`` of the runtime torch loaded, by its soname with ``RTLD_NOLOAD`` (returns
+    only a library already in the process), or None."""
+    if not major:
+        return None
+    name = f"libcudart.so.{major}"
+    try:
+        return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_NOW), name
+    except OSError:
+        return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,13 +109,20 @@ def _load() -> tuple[Runtime | None, str]:
     if not torch.cuda.is_available():
         return None, "no CUDA device"
     torch.cuda.init()  # torch loads its runtime here at the latest
-    path = _loaded_cudart()
-    if path is None:
-        return None, "torch's CUDA runtime library (libcudart.so) is not mapped in this process"
+    major = (torch.version.cuda or "").split(".")[0] or None
+    opened = _open_torch_cudart(major)
+    if opened is None:
+        path = _loaded_cudart(major=major)
+        if path is None:
+            return None, "torch's CUDA runtime library (libcudart.so) is not mapped in this process"
+        try:
+            opened = ctypes.CDLL(path), path
+        except OSError as exc:
+            return None, f"cannot use {path}: {exc}"
     try:
-        return Runtime(ctypes.CDLL(path), path), path
-    except (OSError, AttributeError) as exc:
-        return None, f"cannot use {path}: {exc}"
+        return Runtime(*opened), opened[1]
+    except AttributeError as exc:
+        return None, f"cannot use {opened[1]}: {exc}"
 
 
 def load() -> Runtime | None:

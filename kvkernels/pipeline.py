@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import itertools
 import logging
 import threading
 import weakref
@@ -144,21 +145,65 @@ def _drain(streams) -> None:
 
 
 # ---------------------------------------------------------------------------- pinned host pool
+_CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+
+def _host_register(ptr: int, nbytes: int) -> None:
+    rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+    if rc != 0:
+        raise RuntimeError(f"kvkernels: cudaHostRegister of the {nbytes}-byte host pool failed (cudaError {rc}: "
+                           "not enough free host memory?)")
+
+
+def _host_unregister(ptr: int, buf: torch.Tensor, device) -> None:
+    """Unpin the pool (``buf`` keeps its pages mapped until then). At garbage collection the
+    pool's last DMAs may still be queued (a pipeline dropped without ``close()``): with
+    ``device`` given, that device is waited for first (a host wait, at collection only)."""
+    try:
+        if device is not None:
+            torch.cuda.synchronize(device)
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # a context already torn down: the process is going away, nothing to unpin
+        pass
+
+
 class PinnedPool:
     """One pinned host allocation carved into 4 KiB-aligned regions (first fit, coalescing).
 
-    Registered once (``pin_memory``) at construction: no per-transfer pinning or allocation.
-    ``alloc`` returns ``None`` when no region fits (the caller decides: evict or fail).
+    Registered once at construction (``cudaHostRegister`` of exactly the pool's bytes, portable)
+    and unregistered by :meth:`release` (or at garbage collection): no per-transfer pinning or
+    allocation. Not torch's pinned allocator: it rounds a request up to a power of two and keeps
+    the block cached after it is freed, so a 40 GiB pool would pin 64 GiB for the life of the
+    process. ``pin=False``: pageable memory (CPU caches). ``device``: the GPU whose queued DMAs
+    an unregistration at garbage collection waits for. ``alloc`` returns ``None`` when no region
+    fits (the caller decides: evict or fail).
     """
 
-    def __init__(self, nbytes: int, *, pin: bool = True):
+    def __init__(self, nbytes: int, *, pin: bool = True, device=None):
         check_int(nbytes, "host_bytes", lo=REGION_ALIGN)
         self.nbytes = _round_up(nbytes, REGION_ALIGN)
-        buf = torch.empty(self.nbytes + REGION_ALIGN, dtype=torch.uint8, pin_memory=pin)
+        buf = torch.empty(self.nbytes + REGION_ALIGN, dtype=torch.uint8)
         skew = (-buf.data_ptr()) % REGION_ALIGN
         self.buffer = buf[skew : skew + self.nbytes]
         self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # sorted (offset, size)
         self._lock = threading.Lock()
+        self._unpin = None
+        if pin:
+            ptr = self.buffer.data_ptr()
+            _host_register(ptr, self.nbytes)
+            self._unpin = weakref.finalize(self, _host_unregister, ptr, buf, device)
+            self._unpin.atexit = False  # at exit the process unpins (and DMAs may be in flight)
+
+    @property
+    def pinned(self) -> bool:
+        return self._unpin is not None and self._unpin.alive
+
+    def release(self) -> None:
+        """Unpin now (the memory stays readable, pageable). Every DMA on the pool must be done:
+        :meth:`LayerPipeline.close` calls it after draining its streams."""
+        if self._unpin is not None and self._unpin.alive:
+            _, _, (ptr, buf, _dev), _ = self._unpin.detach()
+            _host_unregister(ptr, buf, None)
 
     def alloc(self, nbytes: int) -> int | None:
         size = _round_up(max(nbytes, 1), REGION_ALIGN)
@@ -246,6 +291,14 @@ class LayerPipeline:
         Kernel backend for gather/scatter (``"auto"``).
     read_priority : bool
         SSD writes of saved entries wait while prefetch reads are in flight (default True).
+    pack_priority : int
+        CUDA priority of the pack stream (the gather / scatter kernels): 0 (default) is the
+        compute stream's own; lower is higher (torch clamps to the device's range, -5..0 on the
+        H100). On the H100 (2026-11-23) a 16-CTA gather beside the attention proxy took 530 us
+        per layer against 71 us alone: its CTAs wait for SMs the compute holds. A higher
+        priority lets them in first, so the gather's SM time is short and bunched; whether
+        that costs the compute less is measured (``kvkernels bench pipeline``,
+        ``[priority=-1]`` rows) before it becomes a default.
     stream_api : {"torch", "cudart"}, optional
         How the per-layer calls record events, make streams wait and start DMAs: through torch's
         Python API (default) or by calling the CUDA runtime directly (``kvkernels._cudart``: ~1 us
@@ -255,12 +308,13 @@ class LayerPipeline:
 
     def __init__(self, layout: PagedLayout, *, host_bytes: int, slot_bytes: int = 64 << 20, num_slots: int = 3,
                  max_ctas: int = 16, prefetch_depth: int = 2, store=None, backend: str = "auto",
-                 read_priority: bool = True, stream_api: str | None = None):
+                 read_priority: bool = True, stream_api: str | None = None, pack_priority: int = 0):
         if not isinstance(layout, PagedLayout):
             fail("layout", "a kvkernels.PagedLayout", type(layout).__name__, TypeError)
         check_int(num_slots, "num_slots", lo=2)
         check_int(prefetch_depth, "prefetch_depth", lo=1)
         check_int(max_ctas, "max_ctas", lo=0)
+        check_int(pack_priority, "pack_priority", hi=0)
         self.layout = layout
         self.cuda = layout.device.type == "cuda"
         self.stream_api = self._resolve_stream_api(stream_api)
@@ -278,17 +332,18 @@ class LayerPipeline:
         self.slot_bytes = _round_up(self.chunk_blocks * per_block, REGION_ALIGN)
         self.num_slots = num_slots
         self.max_ctas = max_ctas
+        self.pack_priority = pack_priority
         self.prefetch_depth = prefetch_depth
         self.backend = backend
         self._kernels = backends.resolve(backend, layout.device)  # once: the per-layer calls skip ops' checks
         self.store = store
-        self.pool = PinnedPool(host_bytes, pin=self.cuda)
+        self.pool = PinnedPool(host_bytes, pin=self.cuda, device=layout.device if self.cuda else None)
         dev = layout.device
         self._slots = {d: [torch.empty(self.slot_bytes, dtype=torch.uint8, device=dev) for _ in range(num_slots)]
                        for d in ("save", "load")}
         self._slot_next = {"save": 0, "load": 0}
         if self.cuda:
-            self.pack_stream = torch.cuda.Stream(device=dev)
+            self.pack_stream = torch.cuda.Stream(device=dev, priority=pack_priority)
             self.d2h_stream = torch.cuda.Stream(device=dev)
             self.h2d_stream = torch.cuda.Stream(device=dev)
         else:
@@ -316,12 +371,14 @@ class LayerPipeline:
                 ev.record(self.pack_stream)  # creates the CUDA event (torch creates it at the first record)
         self.entries: dict[Hashable, HostEntry] = {}
         self._lock = threading.RLock()
-        self._loads: list[tuple[HostEntry, torch.Tensor, bool]] = []  # (entry, dst ids, streamed)
+        # (entry, dst ids, streamed, what a failure reports: host ids as given, or the caller's tensor)
+        self._loads: list[tuple[HostEntry, torch.Tensor, bool, object]] = []
         self._load_events: dict[int, object] = {}
         self._next_load_layer = 0
         self._saving: dict[Hashable, HostEntry] = {}
         self._batch_ids = None  # (the requests' id copies, their concatenation): _save_together
-        self._pending_loads: list[tuple[object, list]] = []  # (last layer's event, [(entry, dst ids)])
+        # (last layer's event, [(entry, what a failure reports; None: already reported)])
+        self._pending_loads: list[tuple[object, list]] = []
         self._load_cat = None  # the restores' destination ids concatenated when they share a slot
         self._load_errors: list = []  # destination ids (device tensors or host tuples) of loads that failed
         self._failed_saves: set[Hashable] = set()
@@ -452,9 +509,12 @@ class LayerPipeline:
         self._slot_next[direction] = (s + 1) % self.num_slots
         return s
 
-    def _ids(self, block_ids, name: str) -> torch.Tensor:
+    def _ids(self, block_ids, name: str, *, unique: bool = False) -> torch.Tensor:
         """Ids on the cache device for the pack stream (the only stream that reads them): host ids
-        are copied on that stream through pinned memory (no host sync, no race with the kernels)."""
+        are range-checked (and, with ``unique``, checked for duplicates) where they are, then
+        copied on that stream through pinned memory (no host sync, no race with the kernels).
+        Device ids are not read back (a sync): the kernels skip ids outside the cache and count
+        them (``kvkernels.check_errors``)."""
         if isinstance(block_ids, torch.Tensor) and block_ids.device.type != "cpu" and (
                 block_ids.is_contiguous() or not self.cuda):
             ids = ops.as_block_ids(block_ids, self.layout)  # no copy (a tensor on another GPU is refused)
@@ -466,9 +526,18 @@ class LayerPipeline:
             self.pack_stream.wait_event(made)
             with self._stream(self.pack_stream):
                 ids = ops.as_block_ids(block_ids, self.layout)
+            # the caller's tensor is read on the pack stream, maybe after the caller dropped it:
+            # its memory must not go back to the compute stream's allocations before that
+            block_ids.record_stream(self.pack_stream)
         else:
+            host = ops._ids_tensor(block_ids)
+            check(host.numel() > 0, name, "at least one block id", "an empty list")
+            try:
+                ops._validate_ids(host, self.layout, unique=unique)
+            except ValueError as exc:
+                raise ValueError(f"`{name}`: {exc}") from None
             with self._stream(self.pack_stream):
-                ids = ops.as_block_ids(block_ids, self.layout)
+                ids = ops._to_cache_device(host, self.layout)
         check(ids.numel() > 0, name, "at least one block id", "an empty list")
         if self.cuda:
             ids.record_stream(self.pack_stream)
@@ -506,7 +575,9 @@ class LayerPipeline:
             check(ent.fmt.num_blocks == n, "saves", f"{ent.fmt.num_blocks} blocks for key {key!r} (as at its first layer)", n)
             return ent
         failed = self._saves_failing.get(key)
-        if failed is not None:  # no host memory at its first layer: the whole save stays failed
+        if failed is not None and layer in failed:
+            del self._saves_failing[key]  # a layer seen twice: a new save of the key (the last one stopped)
+        elif failed is not None:  # no host memory at its first layer: the whole save stays failed
             failed.add(layer)
             if len(failed) == self.layout.num_layers:
                 del self._saves_failing[key]
@@ -561,9 +632,29 @@ class LayerPipeline:
                 todo.append((key, ent, ids))
         finally:  # a bad key raises after the keys before it are issued (as one by one), and
             if todo:  # wait_for_save covers what was issued either way
-                self._issue_saves(layer, todo)
-                self._record(self._gathered, self.pack_stream)
-                self._save_pending = True
+                try:
+                    self._issue_saves(layer, todo)
+                except BaseException:  # a launch or DMA that could not be issued (JIT, runtime)
+                    self._fail_saves(layer, todo)
+                    raise
+                finally:
+                    self._record(self._gathered, self.pack_stream)
+                    self._save_pending = True
+
+    def _fail_saves(self, layer: int, todo) -> None:
+        """The saves of ``todo`` could not be issued at ``layer``: reported in ``failed_saves``,
+        their entries dropped (never completed from a mix of two saves), and the key's later
+        layers of this save ignored, as for a save that found no host memory."""
+        for key, ent, _ in todo:
+            if self._saving.get(key) is ent:
+                del self._saving[key]
+            with self._lock:
+                if self.entries.get(key) is ent:
+                    del self.entries[key]
+                    self._drop(ent)  # a DMA already issued into it is ordered before any reuse (d2h stream)
+            self._failed_saves.add(key)
+            if layer + 1 < self.layout.num_layers:
+                self._saves_failing[key] = set(range(layer + 1))
 
     def _issue_saves(self, layer: int, todo) -> None:
         """Gather + D2H of ``layer`` for ``[(key, entry, ids)]``: all in one gather when they fit
@@ -776,7 +867,9 @@ class LayerPipeline:
         """
         self._ensure_open()
         self._check_device()
-        checked = [(key, self._ids(block_ids, f"loads[{key!r}]"), block_ids) for key, block_ids in loads.items()]
+        checked = [(key, self._ids(block_ids, f"loads[{key!r}]", unique=True), block_ids)
+                   for key, block_ids in loads.items()]
+        self._check_distinct_destinations(checked)
         while self._loads and self._next_load_layer < self.layout.num_layers:
             self._issue_load_layer()  # a previous load not waited to the end: finish issuing it
         self._loads = []
@@ -792,33 +885,82 @@ class LayerPipeline:
                   and ent.fmt.num_blocks == ids.numel())
             if ok and ent.state == "saving":
                 ok = len(ent.layers_done) == self.layout.num_layers
+            # what a failure reports: host ids as given (their device copy is still queued on the
+            # pack stream); device ids are read back off the step path, in the getter
+            hk = self._host_ids_key(given)
+            err = hk if hk is not None else given
             if not ok:
-                # host ids as given (their device copy is still queued on the pack stream);
-                # device ids are read back off the step path, in the getter
-                hk = self._host_ids_key(given)
-                self._load_errors.append(hk if hk is not None else given)
+                self._load_errors.append(err)
                 continue
             ent.users += 1
             if ent.done_event is not None and self.cuda:
                 self._wait(self.h2d_stream, ent.done_event)  # a save of it still in flight
-            self._loads.append((ent, ids, ent.state == "loading"))  # streamed: gate each layer
+            self._loads.append((ent, ids, ent.state == "loading", err))  # streamed: gate each layer
         # several restores that fit one slot together: one scatter per layer for all of them
         self._load_cat = None
-        if self._share_a_slot([ent for ent, _, _ in self._loads]):
+        if self._share_a_slot([ent for ent, *_ in self._loads]):
             with self._stream(self.pack_stream):  # the ids are ready on the pack stream
-                self._load_cat = torch.cat([ids.to(torch.int64) for _, ids, _ in self._loads])
+                self._load_cat = torch.cat([ids.to(torch.int64) for _, ids, *_ in self._loads])
         for _ in range(min(self.prefetch_depth, self.layout.num_layers)):
             self._issue_load_layer()
+
+    def _check_distinct_destinations(self, checked) -> None:
+        """Restores of one step must not share a destination block (restored together, they
+        would race in one scatter). Checked across the requests that pass host ids (within one
+        request ``_ids`` checks); device ids are not read back."""
+        hks = [(key, hk) for key, _, given in checked if (hk := self._host_ids_key(given)) is not None]
+        if len(hks) < 2:
+            return
+        seen: dict[int, Hashable] = {}
+        total = sum(len(hk) - hk.count(-1) for _, hk in hks)
+        if len(set(itertools.chain.from_iterable(hk for _, hk in hks)) - {-1}) == total:
+            return
+        for key, hk in hks:
+            for x in hk:
+                if x >= 0 and seen.setdefault(x, key) != key:
+                    fail("loads", "distinct destination block ids across the requests",
+                         f"block {x} in loads[{seen[x]!r}] and loads[{key!r}]")
 
     def _issue_load_layer(self) -> None:
         layer = self._next_load_layer
         if layer >= self.layout.num_layers:
             return
         self._next_load_layer += 1
+        try:
+            self._issue_load_layer_work(layer)
+        except BaseException:  # a launch or DMA that could not be issued (JIT, runtime)
+            self._fail_loads()
+            raise
+
+    def _fail_loads(self) -> None:
+        """Issuing a restore's layer failed: every current restore is reported failed (its
+        destination blocks through :meth:`get_block_ids_with_load_errors`, never as loaded) and
+        no further layer is issued. Their entries stay in use (not evictable, gates kept) until
+        the copies already issued are done: a fresh event behind both side streams, polled by
+        :meth:`get_finished` like a finished restore's."""
+        loads, self._loads, self._load_cat = self._loads, [], None
+        self._next_load_layer = self.layout.num_layers
+        if not loads:
+            return
+        for *_, err in loads:
+            self._load_errors.append(err)
+        try:
+            ev = self._event()
+            if self.cuda:
+                copied = torch.cuda.Event()
+                copied.record(self.h2d_stream)
+                self.pack_stream.wait_event(copied)
+                ev.record(self.pack_stream)
+        except Exception:  # the runtime itself is failing: the entries stay in use (never reused)
+            log.exception("kvkernels: restore failed and its completion cannot be tracked")
+            return
+        self._pending_loads.append((ev, [(ent, None) for ent, *_ in loads]))
+
+    def _issue_load_layer_work(self, layer: int) -> None:
         if self._load_cat is not None:
             self._load_together(layer)
         else:
-            for ent, ids, streamed in self._loads:
+            for ent, ids, streamed, _ in self._loads:
                 f = ent.fmt
                 if streamed:
                     self._gate(ent, layer)  # the layer's bytes are in the host pool (or zeroed on failure)
@@ -834,7 +976,7 @@ class LayerPipeline:
             # evictable, their pool regions and gates untouched) until get_finished sees it
             ev = self._event()
             ev.record(self.pack_stream if self.cuda else None)
-            self._pending_loads.append((ev, [(ent, ids) for ent, ids, _ in self._loads]))
+            self._pending_loads.append((ev, [(ent, err) for ent, _, _, err in self._loads]))
         else:
             ev = self._layer_loaded[layer]
             self._record(ev, self.pack_stream)
@@ -860,13 +1002,13 @@ class LayerPipeline:
         """Every restore's ``layer`` into one slot (one H2D per K/V run of each entry), then one
         scatter with the concatenated destination ids (``start_load``; destinations must be
         distinct across the restores, as within one)."""
-        for ent, _, streamed in self._loads:
+        for ent, _, streamed, _ in self._loads:
             if streamed:
                 self._gate(ent, layer)  # the layer's bytes are in the host pool (or zeroed on failure)
         cfmt = StagingFormat.for_layout(self.layout, self._load_cat.numel(), (layer,))
         s, slot = self._load_slot()
         off = 0
-        for ent, _, _ in self._loads:
+        for ent, *_ in self._loads:
             # the request's runs: its blocks at ``off`` in the slot shared by all of them
             self._dma(ent.buf, slot, _copy_pieces(ent.fmt, cfmt, layer, 0, off, ent.fmt.num_blocks, self.layout.num_kv),
                       to_host=False)
@@ -877,6 +1019,7 @@ class LayerPipeline:
         """Make the compute stream wait for ``layer``'s restore (a stream wait, not a host wait)
         and issue layer ``layer + prefetch_depth`` (vLLM: ``wait_for_layer_load``)."""
         check_int(layer, "layer", lo=0, hi=self.layout.num_layers - 1)
+        self._ensure_open()  # close() unpinned the pool: no DMA may start from it any more
         self._check_device()
         while self._next_load_layer <= layer:  # waited out of order: issue up to it
             self._issue_load_layer()
@@ -912,10 +1055,12 @@ class LayerPipeline:
             if not ev.query():
                 still.append((ev, loads))
                 continue
-            for ent, ids in loads:
+            for ent, err in loads:
                 ent.users -= 1  # its H2D copies have run: the entry may be evicted now
+                if err is None:  # a restore that failed while being issued: reported already
+                    continue
                 if self._read_failed(ent):  # a streamed read failed part way: its blocks are not valid
-                    self._load_errors.append(ids)
+                    self._load_errors.append(err)
                 else:
                     loaded.add(ent.key)
         self._pending_loads = still
@@ -937,8 +1082,10 @@ class LayerPipeline:
         return set(self._failed_saves)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Destination block ids of loads that could not restore (missing / failed entries);
-        nothing was written to them. Cleared by this call. Reads device ids back to the host
+        """Destination block ids of loads that could not restore (missing / failed entries):
+        nothing was written to them, except for a restore that failed part way (a streamed
+        read that failed, written as zeros; a layer that could not be issued), whose blocks may
+        hold some restored layers — never valid KV either way. Cleared by this call. Reads device ids back to the host
         (call it after the step, as vLLM does)."""
         out: set[int] = set()
         for ids in self._load_errors:
@@ -1019,6 +1166,7 @@ class LayerPipeline:
         self._io_writes.shutdown(wait=True)
         if self.cuda:
             self._drain_streams()
+        self.pool.release()  # after the drain: no DMA reads or writes it any more
 
     def __enter__(self):
         return self

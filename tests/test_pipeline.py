@@ -91,6 +91,28 @@ def test_offload_then_restore_into_other_blocks(layout, slot_blocks, stream_api)
                 assert bytes_equal(got[l][c], exp[l][c]), (layout, l, c)
 
 
+def test_round_trip_with_a_high_priority_full_grid_pack_stream():
+    # the bench's [ctas=all,priority=-1] configuration: same bytes as the default one
+    lay = cache("vllm-nhd")
+    src, dst = [3, 9, 1, 30, 17], [20, 21, 22, 0, 2]
+    expect = snapshot(lay, src)
+    with LayerPipeline(lay, host_bytes=1 << 20, max_ctas=0, pack_priority=-1) as pipe:
+        if DEVICE.type == "cuda":  # torch clamps to the device's range: -1 is in every range with priorities
+            lo, hi = torch.cuda.Stream.priority_range()
+            assert pipe.pack_stream.priority == max(-1, hi)
+            assert pipe.d2h_stream.priority == 0
+        run_step_saves(pipe, {"a": ids(src)})
+        run_step_loads(pipe, {"a": ids(dst)})
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        _, loaded = drain(pipe)
+        assert loaded == {"a"}
+    got = snapshot(lay, dst)
+    for l in range(L):
+        for c in range(lay.num_kv):
+            assert bytes_equal(got[l][c], expect[l][c]), (l, c)
+
+
 @pytest.mark.parametrize("layout", ["vllm-nhd", "mla"])
 def test_whole_layer_in_one_slot_moves_in_one_copy(layout):
     # one DMA per layer when the slot holds the whole layer (K and V contiguous on both sides), one
@@ -232,12 +254,15 @@ def test_failed_ssd_read_marks_blocks_failed():
         (dict(host_bytes=1 << 20, prefetch_depth=0), "prefetch_depth"),
         (dict(host_bytes=1 << 20, slot_bytes=16), "slot_bytes"),
         (dict(host_bytes=1 << 20, max_ctas=-1), "max_ctas"),
+        (dict(host_bytes=1 << 20, pack_priority=1), "pack_priority"),
         (dict(host_bytes=1 << 20, stream_api="cuda"), "stream_api"),
     ] + ([(dict(host_bytes=1 << 20, stream_api="cudart"), "stream_api")] if DEVICE.type == "cpu" else []),
 )
 def test_bad_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LayerPipeline(cache(), **kwargs)
+    with pytest.raises(TypeError, match="pack_priority"):
+        LayerPipeline(cache(), host_bytes=1 << 20, pack_priority=-1.0)
 
 
 def test_bad_calls():
@@ -278,7 +303,7 @@ def test_host_ids_are_copied_once_per_save_and_again_only_when_they_change(monke
     with LayerPipeline(lay, host_bytes=1 << 20, max_ctas=4) as pipe:
         converted = []
         real = pipe._ids
-        monkeypatch.setattr(pipe, "_ids", lambda b, name: (converted.append(name), real(b, name))[1])
+        monkeypatch.setattr(pipe, "_ids", lambda b, name, **kw: (converted.append(name), real(b, name, **kw))[1])
         same = per_layer[0]
         for layer in range(L):
             ids_l = same if layer < 2 else list(per_layer[layer])  # layer 3: an equal but new list
@@ -757,13 +782,15 @@ def test_cudart_wrapper_passes_handles_and_raises_on_a_status():
     lib.cudaStreamWaitEvent = _Fn(log, "wait")
     lib.cudaMemcpyAsync = _Fn(log, "memcpy", rc=1)
     lib.cudaGetErrorString = lambda rc: b"invalid value"
+    lib.cudaGetLastError = _Fn(log, "last_error")
     rt = Runtime(lib)
     rt.record(11, 22)
     rt.wait(22, 11)
     assert log == [("record", (11, 22)), ("wait", (22, 11, 0))]
     with pytest.raises(RuntimeError, match="cudaMemcpyAsync failed: invalid value"):
         rt.memcpy(1, 2, 3, 4)
-    assert log[-1] == ("memcpy", (1, 2, 3, 4, 4))  # cudaMemcpyDefault
+    assert log[-2:] == [("memcpy", (1, 2, 3, 4, 4)),  # cudaMemcpyDefault
+                        ("last_error", ())]  # the thread's error state cleared for torch's next launch
     with pytest.raises(RuntimeError, match="handle"):
         rt.record(0, 22)
 
@@ -790,6 +817,13 @@ def test_cudart_is_the_runtime_already_mapped(tmp_path):
                     "7f20-7f30 r-xp 00000000 08:01 43   /venv/nvidia/cu13/lib/libcudart.so.13\n"
                     "7f30-7f40 rw-p 00000000 00:00 0    [heap]\n")
     assert _loaded_cudart(str(maps)) == "/venv/nvidia/cu13/lib/libcudart.so.13"
+    # a second toolkit's runtime mapped first (the CUDA backend built against CUDA 12): torch's
+    # major is the one taken
+    maps.write_text("7e00-7e10 r-xp 00000000 08:01 40   /usr/local/cuda-12/lib64/libcudart.so.12.8\n"
+                    "7f20-7f30 r-xp 00000000 08:01 43   /venv/nvidia/cu13/lib/libcudart.so.13\n")
+    assert _loaded_cudart(str(maps), major="13") == "/venv/nvidia/cu13/lib/libcudart.so.13"
+    assert _loaded_cudart(str(maps)) == "/usr/local/cuda-12/lib64/libcudart.so.12.8"
+    assert _loaded_cudart(str(maps), major="11") == "/usr/local/cuda-12/lib64/libcudart.so.12.8"
     maps.write_text("7f00-7f10 r-xp 00000000 00:00 0 \n")
     assert _loaded_cudart(str(maps)) is None
     assert _loaded_cudart(str(tmp_path / "absent")) is None
@@ -931,3 +965,177 @@ def test_shared_gather_follows_host_ids_changed_in_place():
         want = [1, 2] if l < 2 else [7, 8]
         for c in range(lay.num_kv):
             assert bytes_equal(lay.views[l][c][[20, 21]].cpu(), lay.views[l][c][want].cpu()), (l, c)
+
+
+# ------------------------------------------------------------------ bad ids, failures while issuing
+def test_host_ids_are_checked_before_anything_is_issued():
+    """Host ids (lists, CPU tensors) are range-checked where they are (no read-back): an id
+    outside the cache raises instead of being skipped by the kernels, and a restore's
+    destinations must be distinct within a request and across the requests of a step."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        with pytest.raises(ValueError, match=r"saves\['a'\].*\[99\]"):
+            pipe.save_layer(0, {"a": [1, 99]})
+        assert "a" not in pipe.entries
+        run_step_saves(pipe, {"a": [1, 2], "b": [3, 4]})
+        drain(pipe)
+        before = snapshot(lay, [5, 6, 7])
+        with pytest.raises(ValueError, match=r"loads\['a'\].*\[-2\]"):
+            pipe.start_load({"a": [5, -2]})
+        with pytest.raises(ValueError, match=r"loads\['a'\].*duplicates \[5\]"):
+            pipe.start_load({"a": [5, 5]})
+        with pytest.raises(ValueError, match=r"block 6 in loads\['a'\] and loads\['b'\]"):
+            pipe.start_load({"a": [5, 6], "b": torch.tensor([6, 7])})
+        assert pipe._loads == [] and all(e.users == 0 for e in pipe.entries.values())
+        after = snapshot(lay, [5, 6, 7])
+        assert all(bytes_equal(x, y) for a, b in zip(before, after) for x, y in zip(a, b))
+        run_step_loads(pipe, {"a": [5, 6], "b": [7, -1]})  # -1: padding, skipped
+        drain(pipe)
+        assert pipe.get_block_ids_with_load_errors() == set()
+
+
+def _raise_on_call(real, n):
+    calls = {"n": 0}
+
+    def fn(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise RuntimeError("injected launch failure")
+        return real(*a, **kw)
+    return fn
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_a_save_that_cannot_be_issued_fails_cleanly(monkeypatch, together):
+    """A gather that cannot be launched at layer 1 (JIT or runtime error): save_layer raises, the
+    keys are reported in failed_saves, their entries are dropped (the later layers of that save
+    start nothing), and the next save of the same key, in a later step, works."""
+    from kvkernels import ops
+
+    lay = cache()
+    src = {"a": [3, 9], "b": [4, 5]}
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        saves = src if together else {"a": src["a"]}
+        monkeypatch.setattr(ops, "_gather_into", _raise_on_call(ops._gather_into, 2))
+        pipe.save_layer(0, saves)
+        with pytest.raises(RuntimeError, match="injected"):
+            pipe.save_layer(1, saves)
+        assert "a" in pipe.failed_saves and "a" not in pipe.entries and "a" not in pipe._saving
+        for layer in range(2, L):  # the engine goes on with the step: nothing starts for "a"
+            pipe.save_layer(layer, saves)
+        assert "a" not in pipe.entries and pipe.pool.free_bytes == pipe.pool.nbytes
+        drain(pipe)
+        monkeypatch.undo()
+        expect = snapshot(lay, src["a"])
+        run_step_saves(pipe, {"a": src["a"]})  # the next step
+        saved, _ = drain(pipe)
+        assert saved == {"a"}
+        run_step_loads(pipe, {"a": [20, 21]})
+        drain(pipe)
+        got = snapshot(lay, [20, 21])
+        assert all(bytes_equal(x, y) for a, b in zip(expect, got) for x, y in zip(a, b))
+
+
+def test_a_save_stopped_mid_way_does_not_fail_the_next_one(monkeypatch):
+    # the step raised at layer 1 and the engine stopped there: the key's next save starts afresh
+    from kvkernels import ops
+
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        monkeypatch.setattr(ops, "_gather_into", _raise_on_call(ops._gather_into, 2))
+        pipe.save_layer(0, {"a": [3, 9]})
+        with pytest.raises(RuntimeError, match="injected"):
+            pipe.save_layer(1, {"a": [3, 9]})
+        monkeypatch.undo()
+        run_step_saves(pipe, {"a": [3, 9]})
+        saved, _ = drain(pipe)
+        assert saved == {"a"}
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_a_restore_layer_that_cannot_be_issued_reports_its_blocks(monkeypatch, together):
+    """A scatter that cannot be launched at layer 1: the call raises, no key is reported loaded,
+    every destination block of the step's restores is reported by get_block_ids_with_load_errors
+    (host ids as given), the entries become evictable once the copies already issued are done,
+    and a later restore works."""
+    from kvkernels import ops
+
+    lay = cache()
+    per_block = lay.num_kv * lay.chunk_nbytes
+    with LayerPipeline(lay, host_bytes=1 << 20, slot_bytes=(64 if together else 2) * per_block,
+                       prefetch_depth=1) as pipe:
+        run_step_saves(pipe, {"a": [3, 9], "b": [4, 5]})
+        drain(pipe)
+        monkeypatch.setattr(ops, "_scatter_from", _raise_on_call(ops._scatter_from, 2 if together else 3))
+        pipe.start_load({"a": [20, 21], "b": [22, 23]})
+        assert (pipe._load_cat is not None) == together  # one scatter for both, or one per chunk
+        with pytest.raises(RuntimeError, match="injected"):
+            pipe.wait_for_layer_load(0)  # issues layer 1
+        assert pipe._loads == [] and pipe._load_cat is None
+        for layer in range(1, L):  # the engine's later waits issue nothing more
+            pipe.wait_for_layer_load(layer)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        _, loaded = drain(pipe)
+        assert loaded == set()
+        assert pipe.get_block_ids_with_load_errors() == {20, 21, 22, 23}
+        assert all(e.users == 0 for e in pipe.entries.values())
+        monkeypatch.undo()
+        expect = snapshot(lay, [3, 9])
+        run_step_loads(pipe, {"a": [24, 25]})
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        _, loaded = drain(pipe)
+        assert loaded == {"a"}
+        got = snapshot(lay, [24, 25])
+        assert all(bytes_equal(x, y) for a, b in zip(expect, got) for x, y in zip(a, b))
+
+
+def test_no_restore_is_issued_after_close():
+    lay = cache()
+    pipe = LayerPipeline(lay, host_bytes=1 << 20)
+    run_step_saves(pipe, {"a": [3, 9]})
+    drain(pipe)
+    pipe.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe.wait_for_layer_load(0)
+
+
+def test_pinned_pool_registers_exactly_its_bytes_once(monkeypatch):
+    """The pool is pinned with one cudaHostRegister of exactly its (4 KiB-rounded) bytes at a
+    4 KiB-aligned address — torch's pinned allocator would round 40 GiB up to 64 GiB — and
+    unregistered once, by release() (or at garbage collection); a failed registration raises."""
+    import kvkernels.pipeline as P
+
+    calls = []
+
+    class FakeRT:
+        rc = 0
+
+        def cudaHostRegister(self, ptr, n, flags):
+            calls.append(("register", ptr, n, flags))
+            return self.rc
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    rt = FakeRT()
+    monkeypatch.setattr(P.torch.cuda, "cudart", lambda: rt)
+    pool = PinnedPool(3 * 4096 + 5, pin=True)
+    assert pool.pinned and pool.nbytes == 4 * 4096
+    ptr = pool.buffer.data_ptr()
+    assert ptr % 4096 == 0 and calls == [("register", ptr, 4 * 4096, 1)]
+    pool.release()
+    pool.release()
+    assert not pool.pinned and calls[1:] == [("unregister", ptr)]
+    pool2 = PinnedPool(4096, pin=True)
+    ptr2 = pool2.buffer.data_ptr()
+    del pool2  # garbage collection unpins too
+    import gc
+
+    gc.collect()
+    assert calls[-1] == ("unregister", ptr2)
+    rt.rc = 2
+    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+        PinnedPool(4096, pin=True)
