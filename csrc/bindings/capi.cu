@@ -79,6 +79,9 @@ int check_common(const int64_t* ptr_tab, const void* block_ids, const uint8_t* s
                  int64_t stride_b, int64_t stride_n, int64_t stride_h, int vec16, int64_t max_ctas) {
   if (int rc = check_items(ptr_tab, block_ids, staging, err, n, C, num_regions)) return rc;
   if (H <= 0 || block_size <= 0 || head_dim <= 0) return fail("H, block_size, head_dim: expected > 0");
+  constexpr int64_t kMax32 = (int64_t{1} << 31) - 1;  // the kernels index inside a block in 32 bits
+  if (H > kMax32 || block_size > kMax32 || block_size * H > kMax32 || block_size * H * head_dim > kMax32)
+    return fail("block_size * H * head_dim: expected < 2^31 elements in one block");
   if (stride_b % elem || stride_n % elem || stride_h % elem)
     return fail("stride_b, stride_n, stride_h: expected multiples of the element size");
   if (vec16 && (head_dim % 16 || stride_b % 16 || stride_n % 16 || stride_h % 16 ||
@@ -115,6 +118,8 @@ cudaError_t launch_fp8(bool gather, bool per_block, bool vec, const kvk::QuantCo
       } else {
         kvk::quant_gather_kernel<kKind, true, false><<<grid, kvk::kThreads, 0, s>>>(p);
       }
+    } else if (vec && kvk::token_reg_vecs(p.head_dim / kvk::Elem<kKind>::kPerVec) == kvk::kRegVecsLong) {
+      kvk::quant_gather_kernel<kKind, false, true, kvk::kRegVecsLong><<<grid, kvk::kThreads, 0, s>>>(p);
     } else if (vec) {
       kvk::quant_gather_kernel<kKind, false, true><<<grid, kvk::kThreads, 0, s>>>(p);
     } else {

@@ -71,6 +71,18 @@ __device__ __forceinline__ Item item_coords(const QuantCopyParams& p, int64_t w)
   return it;
 }
 
+// Quotient and remainder inside one work item (indices below block_size * H * head_dim < 2^31,
+// checked by the bindings): 32-bit unsigned division. A 64-bit division is a long instruction
+// sequence on the GPU, and these run per 16-byte vector in the FP8 and shuffle kernels.
+struct QR {
+  uint32_t q, r;
+};
+__device__ __forceinline__ QR divmod32(int64_t a, int64_t b) {
+  const uint32_t au = static_cast<uint32_t>(a), bu = static_cast<uint32_t>(b);
+  const uint32_t q = au / bu;
+  return QR{q, au - q * bu};
+}
+
 __device__ __forceinline__ const uint8_t* cache_block(const QuantCopyParams& p, const Item& it) {
   const uint8_t* base = reinterpret_cast<const uint8_t*>(p.ptr_tab[it.j * p.C + it.c]);
   return base + (it.valid ? it.bid : 0) * p.stride_b;
@@ -145,6 +157,13 @@ __device__ __forceinline__ void quantize_row(const uint8_t* row, uint8_t* q, int
 // (one read of the cache). The first version (one warp per row, rows read twice) left half the lanes
 // idle for D = 128 and one row in flight per warp: 6-19 % of the copy peak on the H100 (2026-11-23).
 constexpr int kRegVecs = 2;
+// Rows of 65-96 vectors (MLA's 576 bf16: 72) get their own kernel instance with 3 vectors per lane
+// (one row step, one read): 72 registers, where the same code in the kRegVecs = 2 kernel would
+// have cost every shape a quarter of its occupancy (60 -> 72 registers).
+constexpr int kRegVecsLong = 3;
+
+// Vectors per lane of the token path's kernel instance for rows of nv 16-byte vectors.
+__host__ __device__ constexpr int token_reg_vecs(int64_t nv) { return nv > 32 * kRegVecs ? kRegVecsLong : kRegVecs; }
 
 __device__ __forceinline__ int group_lanes(int64_t nv) {
   int g = 1;
@@ -162,7 +181,7 @@ __device__ __forceinline__ uint32_t vec_elem(const uint4& v, int y) {
   return (y % kPerWord) ? (w >> 16) : (w & 0xFFFFu);
 }
 
-template <int kKind>
+template <int kKind, int kRegVecs>
 __device__ __forceinline__ void quant_rows_token_vec(const QuantCopyParams& p, const Item& it, const uint8_t* cache,
                                                      uint8_t* q_out, float* s_out, int warp, int lane) {
   using E = Elem<kKind>;
@@ -186,9 +205,9 @@ __device__ __forceinline__ void quant_rows_token_vec(const QuantCopyParams& p, c
       m[x] = 0;
       v[x] = typename E::Vec{};
       if (u < steps && r < rows && k < nv && it.valid) {
-        const int64_t t = r / p.H;
-        const int64_t h = r - t * p.H;
-        v[x] = reinterpret_cast<const typename E::Vec*>(cache + t * p.stride_n + h * p.stride_h)[k];
+        const QR th = divmod32(r, p.H);  // (token, head) of the row
+        v[x] = reinterpret_cast<const typename E::Vec*>(cache + static_cast<int64_t>(th.q) * p.stride_n +
+                                                        static_cast<int64_t>(th.r) * p.stride_h)[k];
       }
     }
 #pragma unroll
@@ -238,7 +257,7 @@ __device__ __forceinline__ void quant_rows_token_vec(const QuantCopyParams& p, c
 // amax, scale, codes; the row re-read for the codes hits L1). kPerBlock = true: one warp per head
 // of the block (kWarps / H warps per head when H < kWarps, through shared memory): amax over the
 // block's tokens, then a second pass quantizes (the re-read hits L1/L2).
-template <int kKind, bool kPerBlock, bool kVec>
+template <int kKind, bool kPerBlock, bool kVec, int kRV = kRegVecs>
 __global__ void __launch_bounds__(kThreads) quant_gather_kernel(QuantCopyParams p) {
   // grid: (min(num_items, max_ctas),); block: kThreads threads = kWarps warps over the rows
   const int lane = threadIdx.x & 31;
@@ -298,8 +317,8 @@ __global__ void __launch_bounds__(kThreads) quant_gather_kernel(QuantCopyParams 
           quantize_row<kKind, kVec>(cache + t * p.stride_n + h * p.stride_h, q_out + (t * p.H + h) * D, D, rs,
                                     it.valid, lane);
       }
-    } else if (kVec && D / Elem<kKind>::kPerVec <= 32 * kRegVecs) {
-      quant_rows_token_vec<kKind>(p, it, cache, q_out, s_out + it.i * rows, warp, lane);
+    } else if (kVec && D / Elem<kKind>::kPerVec <= 32 * kRV) {
+      quant_rows_token_vec<kKind, kRV>(p, it, cache, q_out, s_out + it.i * rows, warp, lane);
     } else {
       s_out += it.i * rows;
       for (int64_t r = warp; r < rows; r += kWarps) {
@@ -347,29 +366,30 @@ __global__ void __launch_bounds__(kThreads) dequant_scatter_kernel(QuantCopyPara
       typename E::Codes codes[kU];
       uint32_t one[kU];
       float sc[kU];
+      int64_t dst_off[kU];  // the pair's byte offset in the cache block (index math once per pair)
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         const int64_t k = k0 + u * stride;
         codes[u] = typename E::Codes{};
         one[u] = 0;
         sc[u] = 0.0f;
+        dst_off[u] = 0;
         if (k < total) {
-          const int64_t r = k / per_row;
-          const uint8_t* src = q_in + r * D + (k - r * per_row) * kPer;
+          const QR rx = divmod32(k, per_row);   // (row, vector in the row)
+          const QR th = divmod32(rx.q, p.H);    // (token, head) of the row
+          const uint8_t* src = q_in + static_cast<int64_t>(rx.q) * D + static_cast<int64_t>(rx.r) * kPer;
           if (kVec) codes[u] = *reinterpret_cast<const typename E::Codes*>(src);
           else one[u] = *src;
-          sc[u] = s_in[p.per_block ? r - (r / p.H) * p.H : r];
+          sc[u] = s_in[p.per_block ? th.r : rx.q];
+          dst_off[u] = static_cast<int64_t>(th.q) * p.stride_n + static_cast<int64_t>(th.r) * p.stride_h +
+                       static_cast<int64_t>(rx.r) * kPer * static_cast<int64_t>(sizeof(typename E::T));
         }
       }
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         const int64_t k = k0 + u * stride;
         if (k >= total) continue;
-        const int64_t r = k / per_row;
-        const int64_t x = k - r * per_row;
-        const int64_t t = r / p.H;
-        const int64_t h = r - t * p.H;
-        typename E::T* dst = reinterpret_cast<typename E::T*>(cache + t * p.stride_n + h * p.stride_h) + x * kPer;
+        typename E::T* dst = reinterpret_cast<typename E::T*>(cache + dst_off[u]);
         if (kVec) {
           uint32_t wv[4];
 #pragma unroll
@@ -407,11 +427,11 @@ __global__ void __launch_bounds__(kThreads) shuffle_copy_kernel(QuantCopyParams 
     uint8_t* cache = const_cast<uint8_t*>(cache_block(p, it));
     uint8_t* hi = p.staging + it.j * p.region_bytes + it.c * p.q_entry_bytes + it.i * rows * D;
     for (int64_t k = threadIdx.x; k < total; k += blockDim.x) {
-      const int64_t r = k / per_row;
-      const int64_t x = k - r * per_row;
-      const int64_t t = r / p.H;
-      const int64_t h = r - t * p.H;
-      uint16_t* ce = reinterpret_cast<uint16_t*>(cache + t * p.stride_n + h * p.stride_h) + x * kPer;
+      const QR rx = divmod32(k, per_row);  // (row, vector in the row)
+      const QR th = divmod32(rx.q, p.H);   // (token, head) of the row
+      const int64_t r = rx.q, x = rx.r;
+      uint16_t* ce = reinterpret_cast<uint16_t*>(cache + static_cast<int64_t>(th.q) * p.stride_n +
+                                                 static_cast<int64_t>(th.r) * p.stride_h) + x * kPer;
       uint8_t* hp = hi + r * D + x * kPer;
       uint8_t* lp = hp + plane;
       if (kVec) {

@@ -80,6 +80,9 @@ int run(int mode, const kvk::QuantCopyParams& p, int kind, bool per_block, bool 
     if (mode == 0 && per_block && vec16) k = [&] { kvk::quant_gather_kernel<K, true, true>(p); };     \
     if (mode == 0 && per_block && !vec16) k = [&] { kvk::quant_gather_kernel<K, true, false>(p); };   \
     if (mode == 0 && !per_block && vec16) k = [&] { kvk::quant_gather_kernel<K, false, true>(p); };   \
+    if (mode == 0 && !per_block && vec16 &&                                                           \
+        kvk::token_reg_vecs(p.head_dim / kvk::Elem<K>::kPerVec) == kvk::kRegVecsLong)                 \
+      k = [&] { kvk::quant_gather_kernel<K, false, true, kvk::kRegVecsLong>(p); };                    \
     if (mode == 0 && !per_block && !vec16) k = [&] { kvk::quant_gather_kernel<K, false, false>(p); }; \
     if (mode == 1 && vec16) k = [&] { kvk::dequant_scatter_kernel<K, true>(p); };                     \
     if (mode == 1 && !vec16) k = [&] { kvk::dequant_scatter_kernel<K, false>(p); };                   \
