@@ -10,7 +10,11 @@ For each prompt length and block size, in one run:
   copy-engine D2H, layer by layer; restore: H2D -> scatter, ``wait_for_layer_load`` per layer);
   ``transfer-alone`` / ``kvk-pipeline`` ``[cuda-bulk]`` (or ``[cuda]``): the same with the CUDA
   backend's kernels (its SM90 bulk-copy path where it applies: ``KVKERNELS_CUDA_BULK=1``);
-  ``[ctas=4]`` / ``[ctas=64]`` (first case only): the Triton pipeline with another SM cap than 16;
+  ``[ctas=4]`` / ``[ctas=64]`` / ``[ctas=all]`` (first case only): the Triton pipeline with
+  another SM cap than 16; ``[ctas=16,priority=-1]`` / ``[ctas=all,priority=-1]``: with the pack
+  stream at a higher CUDA priority than the compute (``pack_priority``; their offload
+  timelines go to ``pipeline_timeline.json`` under ``variants`` and to
+  ``pipeline_timeline_<tag>.png``);
   ``[cudart]`` / ``[cuda+cudart]``: the pipeline with ``stream_api="cudart"`` (its event records,
   stream waits and DMAs as direct CUDA runtime calls), with the Triton and the CUDA backend's
   launcher — the host time per layer against the default (torch's Python API);
@@ -40,8 +44,11 @@ added after the H100 run of 2026-11-23 measured 190-640 us of wall; the first ca
 
 Method (from a review of the bench, 2026-11-23): every method's compute time ends at an event
 right after its last layer's compute (not after its own transfer tail or final stream waits);
-compute alone is measured again right before each with-compute method and the slowdown is taken
-against that (``compute_ref_ms``); throughput and % of peak appear only on transfer-alone rows
+each with-compute run is paired with a compute-alone run right before it, ``2 * reps - 1``
+pairs, and the slowdown is the median of the pairs' ratios (``slowdown_min_pct`` /
+``slowdown_max_pct``: their spread; ``compute_ref_ms``: the median compute alone; since
+2026-11-23 ninth session, before that: min of 3 against one min-of-3 reference, which drifted
+4 % between measurements); throughput and % of peak appear only on transfer-alone rows
 (elsewhere the wall is mostly compute); the baselines beside compute get no wall-over-max (their
 own transfer-alone time is not measured); the disk ceiling of the SSD rows is the median of 3
 ``dd_ceiling`` runs (each the better of 1 and the store's number of streams), and the SSD rows
@@ -202,6 +209,21 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         res = [_timed(device, fn) for _ in range(reps)]
         return min(res)
 
+    def paired(fn):
+        """``fn`` (compute + a transfer) alternating with the compute alone, ``2 * reps - 1``
+        pairs: (best wall, median compute, median compute alone, the pairs' slowdowns in %).
+        The compute alone drifted by 4 % between measurements a second apart on the H100
+        (2026-11-23: 49.4 vs 51.5 ms), as much as the 5 % target: each run is compared with the
+        compute alone run just before it, and the median of those ratios is reported."""
+        walls, comps, refs = [], [], []
+        for _ in range(max(1, 2 * reps - 1)):
+            refs.append(_timed(device, compute_only)[1])
+            w, c = _timed(device, fn)
+            walls.append(w)
+            comps.append(c)
+        pcts = [100.0 * (c / r - 1.0) for c, r in zip(comps, refs)]
+        return min(walls), statistics.median(comps), statistics.median(refs), pcts
+
     def compute_only():
         for l in range(L):
             proxy.layer(l)
@@ -218,13 +240,15 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
 
     def add(method, direction, fn):
         alone = method.startswith("transfer-alone")
-        # compute alone again right before each with-compute method: the slowdown is paired with a
-        # baseline taken under the same conditions (between runs it drifts by about +-5 %)
-        ref = c_ms if alone else best(compute_only)[1]
-        wall, comp = best(fn)
-        row = {**base, "direction": direction, "method": method, "compute_ms": None if alone else comp,
-               "wall_ms": wall, "slowdown_pct": None if alone else 100.0 * (comp / ref - 1.0),
-               "compute_ref_ms": None if alone else ref}
+        if alone:
+            wall, comp = best(fn)
+            row = {**base, "direction": direction, "method": method, "compute_ms": None, "wall_ms": wall,
+                   "slowdown_pct": None, "compute_ref_ms": None}
+        else:
+            wall, comp, ref, pcts = paired(fn)
+            row = {**base, "direction": direction, "method": method, "compute_ms": comp, "wall_ms": wall,
+                   "slowdown_pct": statistics.median(pcts), "slowdown_min_pct": min(pcts),
+                   "slowdown_max_pct": max(pcts), "compute_ref_ms": ref}
         if alone:  # a throughput only where the wall is the transfer's
             peak = peak_d2h if direction == "offload" else peak_h2d
             bw = common.gbps(payload, wall)
@@ -410,10 +434,24 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         # first case only: the SM cap of the pipeline's gather/scatter. 16 CTAs cost the compute
         # 4-15 % on the H100 (2026-11-23) while a batched DMA of 32 KB pieces cost ~0 %: does a
         # smaller (or larger) cap change the slowdown, and does the transfer still keep up?
-        for ctas in (4, 64):
-            p2 = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=ctas, prefetch_depth=2)
+        # The timeline of that run: the 16-CTA gather took 530 us per layer beside the compute and
+        # 71 us alone (its CTAs wait for SMs the compute holds). With a higher stream priority
+        # its CTAs are dispatched first: a short, bunched gather (with the full grid ~ the 12 us
+        # a 33.6 MB device copy takes at 3 TB/s) instead of a long trickle.
+        for ctas, prio in ((4, 0), (64, 0), (0, 0), (16, -1), (0, -1)):
+            tag = f"[ctas={ctas or 'all'}" + (f",priority={prio}]" if prio else "]")
+            p2 = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=ctas, prefetch_depth=2,
+                               pack_priority=prio)
             try:
-                pipeline_rows(p2, f"[ctas={ctas}]")
+                pipeline_rows(p2, tag)
+                if timeline_out is not None and prio:
+                    p2.get_finished()
+                    try:
+                        if not p2.evict("req"):
+                            raise RuntimeError("the host pool's entry is still in use")
+                        timeline_out.setdefault("variants", {})[tag] = timeline(p2, proxy, src, device, L)
+                    except RuntimeError as exc:  # a figure, not a measurement: the rows stand
+                        print(f"[bench] {tag} timeline skipped: {exc}", file=sys.stderr)
             finally:
                 p2.close()
     return rows
@@ -604,6 +642,12 @@ def run(*, models=("llama3-8b",), seqs=(4096, 8192), block_sizes=(16, 2), out_di
                                 os.path.join(out_dir, "pipeline_timeline.png"))
             if png:
                 paths["timeline_png"] = png
+            for tag, layers in tl_box.get("variants", {}).items():
+                slug = "".join(c if c.isalnum() else "_" for c in tag.strip("[]"))
+                png = plot_timeline(layers, f"offload beside compute {tag}, {tl_box['case']} - {meta['device']}",
+                                    os.path.join(out_dir, f"pipeline_timeline_{slug}.png"))
+                if png:
+                    paths[f"timeline_png_{slug}"] = png
     print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['date']}")
     print(common.format_table(rows, ["model", "seq", "chunk_kb", "direction", "method", "compute_ms", "wall_ms",
                                      "slowdown_pct", "gbps", "pct_copy_peak", "wall_over_max", "issue_us_per_layer",
