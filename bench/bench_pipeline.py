@@ -430,8 +430,9 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                 pipeline_rows(p4, tag, parts=4)
             finally:
                 p4.close()
-    if device.type == "cuda" and profile_path is not None:
-        # first case only: the SM cap of the pipeline's gather/scatter. 16 CTAs cost the compute
+    if profile_path is not None:
+        # first case only (and the CPU dry run, where caps and priorities change nothing): the SM
+        # cap of the pipeline's gather/scatter. 16 CTAs cost the compute
         # 4-15 % on the H100 (2026-11-23) while a batched DMA of 32 KB pieces cost ~0 %: does a
         # smaller (or larger) cap change the slowdown, and does the transfer still keep up?
         # The timeline of that run: the 16-CTA gather took 530 us per layer beside the compute and
@@ -445,6 +446,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
             try:
                 pipeline_rows(p2, tag)
                 if timeline_out is not None and prio:
+                    _sync(device)  # the restore rows' last scatter: the entry is evictable once seen done
                     p2.get_finished()
                     try:
                         if not p2.evict("req"):

@@ -79,7 +79,13 @@ def test_bench_pipeline_tiny(tmp_path):
     assert all(r.get("gbps") is None for r in res["rows"] if r.get("compute_ms") and r["method"] != "compute-alone")
     import json
 
-    tl = json.loads((tmp_path / "pipeline_timeline.json").read_text())["layers"]
+    paired = [r for r in res["rows"] if r.get("slowdown_pct") is not None and r["direction"] != "restore-ssd"]
+    assert paired and all(r["slowdown_min_pct"] <= r["slowdown_pct"] <= r["slowdown_max_pct"] for r in paired)
+    assert {"kvk-pipeline[ctas=all]", "kvk-pipeline[ctas=16,priority=-1]", "kvk-pipeline[ctas=all,priority=-1]"} <= {
+        r["method"] for r in res["rows"]}
+    doc = json.loads((tmp_path / "pipeline_timeline.json").read_text())
+    assert set(doc["variants"]) == {"[ctas=16,priority=-1]", "[ctas=all,priority=-1]"}
+    tl = doc["layers"]
     assert [r["layer"] for r in tl] == [0, 1]
     for r in tl:  # each stage after its input, spans well formed, layers in order
         assert r["compute"][0] <= r["compute"][1] <= r["gather"][0] <= r["gather"][1] <= r["d2h"][0] <= r["d2h"][1]
