@@ -211,14 +211,19 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
 
     def paired(fn):
         """``fn`` (compute + a transfer) alternating with the compute alone, ``2 * reps - 1``
-        pairs: (best wall, median compute, median compute alone, the pairs' slowdowns in %).
+        pairs (which of the two runs first alternates): (best wall, median compute, median compute alone, the pairs' slowdowns in %).
         The compute alone drifted by 4 % between measurements a second apart on the H100
         (2026-11-23: 49.4 vs 51.5 ms), as much as the 5 % target: each run is compared with the
         compute alone run just before it, and the median of those ratios is reported."""
         walls, comps, refs = [], [], []
-        for _ in range(max(1, 2 * reps - 1)):
-            refs.append(_timed(device, compute_only)[1])
-            w, c = _timed(device, fn)
+        for i in range(max(1, 2 * reps - 1)):
+            # the order alternates within the pairs: a warm-up or clock drift favours neither side
+            if i % 2:
+                w, c = _timed(device, fn)
+                refs.append(_timed(device, compute_only)[1])
+            else:
+                refs.append(_timed(device, compute_only)[1])
+                w, c = _timed(device, fn)
             walls.append(w)
             comps.append(c)
         pcts = [100.0 * (c / r - 1.0) for c, r in zip(comps, refs)]

@@ -47,6 +47,7 @@ import ctypes
 import functools
 import itertools
 import logging
+import mmap
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -148,9 +149,23 @@ def _drain(streams) -> None:
 _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 
 
+def _clear_cuda_error() -> None:
+    """A failed runtime call leaves the thread's last error set, which torch's next kernel launch
+    would report as its own: cleared (through the runtime torch loaded)."""
+    try:
+        from . import _cudart
+
+        rt = _cudart.load()
+        if rt is not None:
+            rt.lib.cudaGetLastError()
+    except Exception:
+        pass
+
+
 def _host_register(ptr: int, nbytes: int) -> None:
     rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
     if rc != 0:
+        _clear_cuda_error()
         raise RuntimeError(f"kvkernels: cudaHostRegister of the {nbytes}-byte host pool failed (cudaError {rc}: "
                            "not enough free host memory?)")
 
@@ -162,7 +177,11 @@ def _host_unregister(ptr: int, buf: torch.Tensor, device) -> None:
     try:
         if device is not None:
             torch.cuda.synchronize(device)
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # a sticky error or a capture in progress: unpin anyway (the memory must not
+        _clear_cuda_error()  # be freed while registered)
+    try:
+        if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+            _clear_cuda_error()
     except Exception:  # a context already torn down: the process is going away, nothing to unpin
         pass
 
@@ -182,15 +201,18 @@ class PinnedPool:
     def __init__(self, nbytes: int, *, pin: bool = True, device=None):
         check_int(nbytes, "host_bytes", lo=REGION_ALIGN)
         self.nbytes = _round_up(nbytes, REGION_ALIGN)
-        buf = torch.empty(self.nbytes + REGION_ALIGN, dtype=torch.uint8)
-        skew = (-buf.data_ptr()) % REGION_ALIGN
+        # pinned: whole pages (64 KiB on some ARM hosts), so no page is shared with other heap data
+        page = max(REGION_ALIGN, mmap.PAGESIZE) if pin else REGION_ALIGN
+        reg = _round_up(self.nbytes, page)
+        buf = torch.empty(reg + page, dtype=torch.uint8)
+        skew = (-buf.data_ptr()) % page
         self.buffer = buf[skew : skew + self.nbytes]
         self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # sorted (offset, size)
         self._lock = threading.Lock()
         self._unpin = None
         if pin:
             ptr = self.buffer.data_ptr()
-            _host_register(ptr, self.nbytes)
+            _host_register(ptr, reg)
             self._unpin = weakref.finalize(self, _host_unregister, ptr, buf, device)
             self._unpin.atexit = False  # at exit the process unpins (and DMAs may be in flight)
 
@@ -571,6 +593,11 @@ class LayerPipeline:
     # ------------------------------------------------------------------ save (offload)
     def _entry_for_save(self, key, n: int, layer: int) -> HostEntry | None:
         ent = self._saving.get(key)
+        if ent is not None and layer in ent.layers_done:
+            # a layer seen twice: the key's last save stopped part way (its step raised) and this
+            # is a new one; the old entry can never complete
+            self._abandon_save(key, ent, "stopped part way: a new save of the key began")
+            ent = None
         if ent is not None:
             check(ent.fmt.num_blocks == n, "saves", f"{ent.fmt.num_blocks} blocks for key {key!r} (as at its first layer)", n)
             return ent
@@ -622,8 +649,14 @@ class LayerPipeline:
         todo: list[tuple[Hashable, HostEntry, torch.Tensor]] = []
         try:
             for key, block_ids in saves.items():
-                ids, host_key = self._save_ids(key, block_ids)
-                ent = self._entry_for_save(key, ids.numel(), layer)
+                try:
+                    ids, host_key = self._save_ids(key, block_ids)
+                    ent = self._entry_for_save(key, ids.numel(), layer)
+                except BaseException:  # bad ids or block count: a save under way misses this layer
+                    cur = self._saving.get(key)
+                    if cur is not None:
+                        self._fail_saves(layer, [(key, cur, None)])
+                    raise
                 if ent is None:
                     continue
                 if host_key is not None:  # new host ids (even in the same tensor, on a CPU cache)
@@ -646,15 +679,32 @@ class LayerPipeline:
         their entries dropped (never completed from a mix of two saves), and the key's later
         layers of this save ignored, as for a save that found no host memory."""
         for key, ent, _ in todo:
-            if self._saving.get(key) is ent:
-                del self._saving[key]
-            with self._lock:
-                if self.entries.get(key) is ent:
-                    del self.entries[key]
-                    self._drop(ent)  # a DMA already issued into it is ordered before any reuse (d2h stream)
-            self._failed_saves.add(key)
+            self._abandon_save(key, ent, f"could not be issued at layer {layer}")
             if layer + 1 < self.layout.num_layers:
                 self._saves_failing[key] = set(range(layer + 1))
+
+    def _abandon_save(self, key, ent: HostEntry, why: str) -> None:
+        """Drop a save under way (reported in ``failed_saves``). Its region goes back to the pool
+        only once the D2H copies already queued into it are done (a fresh event on the D2H
+        stream, see ``_in_use``): a prefetch writes a region from a host thread at once. If the
+        event cannot be recorded (a failing runtime), the region is never reused."""
+        if self._saving.get(key) is ent:
+            del self._saving[key]
+        ent.state, ent.error, ent.save_ids = "failed", f"save {why}", None
+        try:
+            ev = self._event()
+            ev.record(self.d2h_stream if self.cuda else None)
+            ent.done_event = ev
+            reusable = True
+        except Exception:
+            log.exception("kvkernels: a failed save's copies cannot be tracked; its host region is not reused")
+            reusable = False
+        with self._lock:
+            if self.entries.get(key) is ent:
+                del self.entries[key]
+                if reusable:
+                    self._drop(ent)
+        self._failed_saves.add(key)
 
     def _issue_saves(self, layer: int, todo) -> None:
         """Gather + D2H of ``layer`` for ``[(key, entry, ids)]``: all in one gather when they fit
@@ -951,6 +1001,9 @@ class LayerPipeline:
                 copied.record(self.h2d_stream)
                 self.pack_stream.wait_event(copied)
                 ev.record(self.pack_stream)
+                # the layer's scatters already queued (earlier requests) are ordered before the
+                # compute's next use of those blocks: a stream wait, as wait_for_layer_load's
+                self._compute_stream().wait_event(ev)
         except Exception:  # the runtime itself is failing: the entries stay in use (never reused)
             log.exception("kvkernels: restore failed and its completion cannot be tracked")
             return
@@ -1103,8 +1156,10 @@ class LayerPipeline:
     @staticmethod
     def _in_use(ent: HostEntry) -> bool:
         """Something may still read or write the entry's pool region: a restore not yet reported
-        by get_finished, the prefetch filling it, or the SSD put reading it."""
-        return bool(ent.users) or ent.state == "loading" or (ent.ssd_future is not None and not ent.ssd_future.done())
+        by get_finished, the prefetch filling it, the SSD put reading it, or its save's D2H
+        copies (``done_event``: polled, never waited on)."""
+        return (bool(ent.users) or ent.state == "loading" or (ent.ssd_future is not None and not ent.ssd_future.done())
+                or (ent.done_event is not None and not ent.done_event.query()))
 
     def _drop(self, ent: HostEntry) -> None:
         """Free an entry already removed from ``entries`` (caller holds the lock), or park it

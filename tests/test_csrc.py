@@ -804,6 +804,7 @@ _FP8_IDX = {k: i for i, k in enumerate(["ptr_tab", "block_ids", "ids_64", "stagi
     ({"head_dim": 0}, (0, 0, 1, 0), "H, block_size, head_dim"),
     ({"block_size": 1 << 20, "head_dim": 1 << 10}, (0, 0, 1, 0), "< 2^31 elements in one block"),
     ({"H": 1 << 31}, (0, 0, 1, 0), "< 2^31 elements in one block"),
+    ({"head_dim": 1 << 62}, (0, 0, 1, 0), "< 2^31 elements in one block"),  # the product would wrap
     ({"stride_n": 513}, (0, 0, 0, 0), "multiples of the element size"),
     ({"stride_n": 520}, (0, 0, 1, 0), "vec16"),
     ({"staging": (1 << 20) + 8}, (0, 0, 0, 0), "16-byte aligned"),

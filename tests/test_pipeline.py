@@ -1023,8 +1023,12 @@ def test_a_save_that_cannot_be_issued_fails_cleanly(monkeypatch, together):
         assert "a" in pipe.failed_saves and "a" not in pipe.entries and "a" not in pipe._saving
         for layer in range(2, L):  # the engine goes on with the step: nothing starts for "a"
             pipe.save_layer(layer, saves)
-        assert "a" not in pipe.entries and pipe.pool.free_bytes == pipe.pool.nbytes
-        drain(pipe)
+        assert "a" not in pipe.entries
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        drain(pipe)  # the dropped region is reused only once its queued D2H copies are done
+        assert pipe.entries == {} and pipe.pool.free_bytes == pipe.pool.nbytes
+        assert pipe.failed_saves == ({"a", "b"} if together else {"a"})
         monkeypatch.undo()
         expect = snapshot(lay, src["a"])
         run_step_saves(pipe, {"a": src["a"]})  # the next step
@@ -1066,7 +1070,8 @@ def test_a_restore_layer_that_cannot_be_issued_reports_its_blocks(monkeypatch, t
                        prefetch_depth=1) as pipe:
         run_step_saves(pipe, {"a": [3, 9], "b": [4, 5]})
         drain(pipe)
-        monkeypatch.setattr(ops, "_scatter_from", _raise_on_call(ops._scatter_from, 2 if together else 3))
+        # per request: layer 1's scatter of "b" (the 4th call) fails after "a"'s was queued
+        monkeypatch.setattr(ops, "_scatter_from", _raise_on_call(ops._scatter_from, 2 if together else 4))
         pipe.start_load({"a": [20, 21], "b": [22, 23]})
         assert (pipe._load_cat is not None) == together  # one scatter for both, or one per chunk
         with pytest.raises(RuntimeError, match="injected"):
@@ -1139,3 +1144,58 @@ def test_pinned_pool_registers_exactly_its_bytes_once(monkeypatch):
     rt.rc = 2
     with pytest.raises(RuntimeError, match="cudaHostRegister"):
         PinnedPool(4096, pin=True)
+
+
+def test_a_bad_id_part_way_through_a_save_fails_that_save_only_until_the_next_step():
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        pipe.save_layer(0, {"a": [1, 2], "b": [3, 4]})
+        with pytest.raises(ValueError, match=r"saves\['a'\]"):
+            pipe.save_layer(1, {"b": [3, 4], "a": [1, 99]})
+        for layer in range(2, L):
+            pipe.save_layer(layer, {"a": [1, 2], "b": [3, 4]})  # "a" stays failed for this step
+        saved, _ = drain(pipe)
+        assert saved == {"b"} and "a" in pipe.failed_saves and "a" not in pipe.entries
+        expect = snapshot(lay, [5, 6])
+        run_step_saves(pipe, {"a": [5, 6]})  # the next step: a new save of "a"
+        saved, _ = drain(pipe)
+        assert saved == {"a"}
+        run_step_loads(pipe, {"a": [20, 21]})
+        drain(pipe)
+        got = snapshot(lay, [20, 21])
+        assert all(bytes_equal(x, y) for a, b in zip(expect, got) for x, y in zip(a, b))
+
+
+def test_a_save_stopped_without_an_error_is_replaced_by_the_next_one():
+    # the engine stopped after layer 1 (no exception reached the pipeline): layer 0 again is a
+    # new save of the key, whose bytes are the ones restored (never a mix of the two saves)
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        pipe.save_layer(0, {"a": [1, 2]})
+        pipe.save_layer(1, {"a": [1, 2]})
+        expect = snapshot(lay, [7, 8])
+        run_step_saves(pipe, {"a": [7, 8]})
+        saved, _ = drain(pipe)
+        assert saved == {"a"}
+        run_step_loads(pipe, {"a": [20, 21]})
+        drain(pipe)
+        got = snapshot(lay, [20, 21])
+        assert all(bytes_equal(x, y) for a, b in zip(expect, got) for x, y in zip(a, b))
+
+
+def test_a_region_with_queued_copies_is_in_use():
+    from kvkernels import StagingFormat
+    from kvkernels.pipeline import HostEntry
+
+    class Pending:
+        done = False
+
+        def query(self):
+            return self.done
+
+    ev = Pending()
+    ent = HostEntry(key="k", fmt=StagingFormat.for_layout(cache(), 2), offset=0, buf=torch.empty(1), state="failed",
+                    done_event=ev)
+    assert LayerPipeline._in_use(ent)
+    ev.done = True
+    assert not LayerPipeline._in_use(ent)

@@ -80,7 +80,7 @@ int check_common(const int64_t* ptr_tab, const void* block_ids, const uint8_t* s
   if (int rc = check_items(ptr_tab, block_ids, staging, err, n, C, num_regions)) return rc;
   if (H <= 0 || block_size <= 0 || head_dim <= 0) return fail("H, block_size, head_dim: expected > 0");
   constexpr int64_t kMax32 = (int64_t{1} << 31) - 1;  // the kernels index inside a block in 32 bits
-  if (H > kMax32 || block_size > kMax32 || block_size * H > kMax32 || block_size * H * head_dim > kMax32)
+  if (H > kMax32 || block_size > kMax32 || block_size * H > kMax32 || head_dim > kMax32 / (block_size * H))
     return fail("block_size * H * head_dim: expected < 2^31 elements in one block");
   if (stride_b % elem || stride_n % elem || stride_h % elem)
     return fail("stride_b, stride_n, stride_h: expected multiples of the element size");

@@ -162,8 +162,11 @@ constexpr int kRegVecs = 2;
 // have cost every shape a quarter of its occupancy (60 -> 72 registers).
 constexpr int kRegVecsLong = 3;
 
-// Vectors per lane of the token path's kernel instance for rows of nv 16-byte vectors.
-__host__ __device__ constexpr int token_reg_vecs(int64_t nv) { return nv > 32 * kRegVecs ? kRegVecsLong : kRegVecs; }
+// Vectors per lane of the token path's kernel instance for rows of nv 16-byte vectors (longer rows
+// take the warp-per-row loop of the kRegVecs instance, at its occupancy).
+__host__ __device__ constexpr int token_reg_vecs(int64_t nv) {
+  return nv > 32 * kRegVecs && nv <= 32 * kRegVecsLong ? kRegVecsLong : kRegVecs;
+}
 
 __device__ __forceinline__ int group_lanes(int64_t nv) {
   int g = 1;
