@@ -568,3 +568,20 @@ def test_torch_backend_moves_a_head_dim_of_one_with_any_stride():
     fmt = kvkernels.StagingFormat.for_layout(lay, 2, [0])
     vals = got[: fmt.payload_nbytes].view(torch.int16).view(2, 2, -1)
     assert torch.equal(vals.reshape(4, -1), ref)
+
+
+def test_bench_tiles_the_sample_into_an_entry_of_a_realistic_size():
+    # the GPU rows (throughput and SSD restore) use the sample grown to >= min_nbytes: as many
+    # regions (one per layer), each region's payload the sample's repeated; on a CPU the sample
+    from bench import bench_compress
+
+    (buf, fmt, _), _ = bench_compress.load_input(None, True)
+    per = fmt.num_regions * fmt.payload_nbytes
+    same, f1, p1 = bench_compress._tiled(buf, fmt, torch.device("cpu"), min_nbytes=4 * per)
+    assert same is buf and f1 is fmt and p1 == per
+    big, tf, tp = bench_compress._tiled(buf, fmt, torch.device("cuda"), min_nbytes=3 * per + 1)
+    assert tf.num_regions == fmt.num_regions and tf.num_blocks == 4 * fmt.num_blocks and tp == 4 * per
+    n, tn = fmt.payload_nbytes, tf.payload_nbytes
+    for j in range(fmt.num_regions):
+        src = buf[j * fmt.region_nbytes: j * fmt.region_nbytes + n]
+        assert torch.equal(big[j * tf.region_nbytes: j * tf.region_nbytes + tn], src.repeat(4)[:tn])
