@@ -628,6 +628,7 @@ class LayerPipeline:
             ent = HostEntry(key=key, fmt=fmt, offset=off, buf=self.pool.view(off, fmt.nbytes))
             self.entries[key] = ent
         self._saving[key] = ent
+        self._failed_saves.discard(key)  # the set reports each key's latest save
         return ent
 
     def save_layer(self, layer: int, saves: Mapping[Hashable, object]) -> None:
@@ -1132,6 +1133,8 @@ class LayerPipeline:
 
     @property
     def failed_saves(self) -> set:
+        """Keys whose latest save failed (no host memory, not issued, a failed SSD put); a key
+        leaves the set when a new save of it starts."""
         return set(self._failed_saves)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
