@@ -329,6 +329,23 @@ def test_host_ids_are_copied_once_per_save_and_again_only_when_they_change(monke
 
 # ----------------------------------------------------------------------------------- GPU only
 @pytest.mark.gpu
+def test_host_pool_is_registered_at_its_size_and_unregistered_at_close():
+    """The pool is page-locked by cudaHostRegister (torch sees it as pinned, so copies to it are
+    asynchronous) and is pageable again after close(); the bytes of a DMA into it are right."""
+    lay = cache()
+    pipe = LayerPipeline(lay, host_bytes=(3 << 20) + 5)
+    pool = pipe.pool
+    assert pool.pinned and pool.buffer.is_pinned() and pool.nbytes == (3 << 20) + 4096
+    dev = torch.randint(0, 256, (pool.nbytes,), dtype=torch.uint8, device=DEVICE)
+    torch.cuda.synchronize()
+    pool.buffer.copy_(dev, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(pool.buffer, dev.cpu())
+    pipe.close()
+    assert not pool.pinned and not pool.buffer.is_pinned()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("stream_api", STREAM_APIS)
 def test_step_path_has_no_host_sync_and_issue_cost(stream_api):
     lay = make_cache("vllm-nhd", num_layers=8, num_blocks=1024, block_size=16, num_heads=8, head_dim=128, device=DEVICE)
