@@ -44,11 +44,14 @@ class Runtime:
         lib.cudaGetLastError.restype = ctypes.c_int
         self._record, self._wait, self._memcpy = lib.cudaEventRecord, lib.cudaStreamWaitEvent, lib.cudaMemcpyAsync
 
+    def clear_error(self) -> None:
+        """A failed runtime call also sets the thread's last error: cleared, or the next unrelated
+        torch kernel launch (which reads it) would report that failure as its own."""
+        self.lib.cudaGetLastError()
+
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:
-            # a failed runtime call also sets the thread's last error: cleared here, or the next
-            # unrelated torch kernel launch (which reads it) would report this failure as its own
-            self.lib.cudaGetLastError()
+            self.clear_error()
             msg = self.lib.cudaGetErrorString(rc)
             raise RuntimeError(f"kvkernels pipeline: {what} failed: {msg.decode(errors='replace') if msg else rc}")
 

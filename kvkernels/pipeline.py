@@ -150,14 +150,14 @@ _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every C
 
 
 def _clear_cuda_error() -> None:
-    """A failed runtime call leaves the thread's last error set, which torch's next kernel launch
-    would report as its own: cleared (through the runtime torch loaded)."""
+    """After a failed runtime call outside ``_cudart`` (torch's ``cudart()`` bindings): the
+    thread's last error cleared, through the runtime torch loaded (:meth:`_cudart.Runtime.clear_error`)."""
     try:
         from . import _cudart
 
         rt = _cudart.load()
         if rt is not None:
-            rt.lib.cudaGetLastError()
+            rt.clear_error()
     except Exception:
         pass
 
@@ -553,7 +553,6 @@ class LayerPipeline:
             block_ids.record_stream(self.pack_stream)
         else:
             host = ops._ids_tensor(block_ids)
-            check(host.numel() > 0, name, "at least one block id", "an empty list")
             try:
                 ops._validate_ids(host, self.layout, unique=unique)
             except ValueError as exc:
@@ -918,7 +917,9 @@ class LayerPipeline:
         """
         self._ensure_open()
         self._check_device()
-        checked = [(key, self._ids(block_ids, f"loads[{key!r}]", unique=True), block_ids)
+        # (key, device ids, host ids as a tuple or None): the host values once, for the cross-request
+        # check and for what a failure reports
+        checked = [(key, self._ids(block_ids, f"loads[{key!r}]", unique=True), self._host_ids_key(block_ids), block_ids)
                    for key, block_ids in loads.items()]
         self._check_distinct_destinations(checked)
         while self._loads and self._next_load_layer < self.layout.num_layers:
@@ -930,7 +931,7 @@ class LayerPipeline:
         self._record(start, self._compute_stream())  # earlier users of the destination blocks are done
         self._wait(self.h2d_stream, start)
         self._wait(self.pack_stream, start)
-        for key, ids, given in checked:
+        for key, ids, hk, given in checked:
             ent = self.entries.get(key)
             ok = (ent is not None and ent.state in ("saved", "ready", "saving", "loading")
                   and ent.fmt.num_blocks == ids.numel())
@@ -938,7 +939,6 @@ class LayerPipeline:
                 ok = len(ent.layers_done) == self.layout.num_layers
             # what a failure reports: host ids as given (their device copy is still queued on the
             # pack stream); device ids are read back off the step path, in the getter
-            hk = self._host_ids_key(given)
             err = hk if hk is not None else given
             if not ok:
                 self._load_errors.append(err)
@@ -959,7 +959,7 @@ class LayerPipeline:
         """Restores of one step must not share a destination block (restored together, they
         would race in one scatter). Checked across the requests that pass host ids (within one
         request ``_ids`` checks); device ids are not read back."""
-        hks = [(key, hk) for key, _, given in checked if (hk := self._host_ids_key(given)) is not None]
+        hks = [(key, hk) for key, _, hk, _ in checked if hk is not None]
         if len(hks) < 2:
             return
         seen: dict[int, Hashable] = {}

@@ -41,6 +41,25 @@ def run_step_saves(pipe, saves):
     pipe.wait_for_save()
 
 
+def assert_blocks_hold(lay, blocks, expect):
+    got = snapshot(lay, blocks)
+    assert all(bytes_equal(x, y) for a, b in zip(expect, got) for x, y in zip(a, b))
+
+
+def save_step_then_restore(pipe, lay, key, src, dst):
+    """A whole step's save of blocks ``src`` under ``key`` is reported saved, and its restore into
+    ``dst`` brings their bytes back."""
+    expect = snapshot(lay, src)
+    run_step_saves(pipe, {key: src})
+    saved, _ = drain(pipe)
+    assert saved == {key}
+    run_step_loads(pipe, {key: dst})
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    drain(pipe)
+    assert_blocks_hold(lay, dst, expect)
+
+
 def run_step_loads(pipe, loads):
     pipe.start_load(loads)
     for layer in range(L):
@@ -1047,14 +1066,7 @@ def test_a_save_that_cannot_be_issued_fails_cleanly(monkeypatch, together):
         assert pipe.entries == {} and pipe.pool.free_bytes == pipe.pool.nbytes
         assert pipe.failed_saves == ({"a", "b"} if together else {"a"})
         monkeypatch.undo()
-        expect = snapshot(lay, src["a"])
-        run_step_saves(pipe, {"a": src["a"]})  # the next step
-        saved, _ = drain(pipe)
-        assert saved == {"a"}
-        run_step_loads(pipe, {"a": [20, 21]})
-        drain(pipe)
-        got = snapshot(lay, [20, 21])
-        assert all(bytes_equal(x, y) for a, b in zip(expect, got) for x, y in zip(a, b))
+        save_step_then_restore(pipe, lay, "a", src["a"], [20, 21])  # the next step
 
 
 def test_a_save_stopped_mid_way_does_not_fail_the_next_one(monkeypatch):
@@ -1109,8 +1121,7 @@ def test_a_restore_layer_that_cannot_be_issued_reports_its_blocks(monkeypatch, t
             torch.cuda.synchronize()
         _, loaded = drain(pipe)
         assert loaded == {"a"}
-        got = snapshot(lay, [24, 25])
-        assert all(bytes_equal(x, y) for a, b in zip(expect, got) for x, y in zip(a, b))
+        assert_blocks_hold(lay, [24, 25], expect)
 
 
 def test_no_restore_is_issued_after_close():
@@ -1173,14 +1184,8 @@ def test_a_bad_id_part_way_through_a_save_fails_that_save_only_until_the_next_st
             pipe.save_layer(layer, {"a": [1, 2], "b": [3, 4]})  # "a" stays failed for this step
         saved, _ = drain(pipe)
         assert saved == {"b"} and "a" in pipe.failed_saves and "a" not in pipe.entries
-        expect = snapshot(lay, [5, 6])
-        run_step_saves(pipe, {"a": [5, 6]})  # the next step: a new save of "a"
-        saved, _ = drain(pipe)
-        assert saved == {"a"} and pipe.failed_saves == set()  # the latest save of each key
-        run_step_loads(pipe, {"a": [20, 21]})
-        drain(pipe)
-        got = snapshot(lay, [20, 21])
-        assert all(bytes_equal(x, y) for a, b in zip(expect, got) for x, y in zip(a, b))
+        save_step_then_restore(pipe, lay, "a", [5, 6], [20, 21])  # the next step: a new save of "a"
+        assert pipe.failed_saves == set()  # the latest save of each key
 
 
 def test_a_save_stopped_without_an_error_is_replaced_by_the_next_one():
@@ -1190,14 +1195,7 @@ def test_a_save_stopped_without_an_error_is_replaced_by_the_next_one():
     with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
         pipe.save_layer(0, {"a": [1, 2]})
         pipe.save_layer(1, {"a": [1, 2]})
-        expect = snapshot(lay, [7, 8])
-        run_step_saves(pipe, {"a": [7, 8]})
-        saved, _ = drain(pipe)
-        assert saved == {"a"}
-        run_step_loads(pipe, {"a": [20, 21]})
-        drain(pipe)
-        got = snapshot(lay, [20, 21])
-        assert all(bytes_equal(x, y) for a, b in zip(expect, got) for x, y in zip(a, b))
+        save_step_then_restore(pipe, lay, "a", [7, 8], [20, 21])
 
 
 def test_a_region_with_queued_copies_is_in_use():
