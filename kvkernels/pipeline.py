@@ -94,6 +94,24 @@ def _layer_groups(num_layers: int, groups: int = 8) -> list[list[int]]:
     return [list(range(a, min(num_layers, a + per))) for a in range(0, num_layers, per)]
 
 
+class _OnStream:
+    """Makes a stream of the current device the current stream, and restores the previous one
+    on exit (torch's ``StreamContext`` minus its device handling: the caller checked the device)."""
+
+    __slots__ = ("_to", "_prev")
+
+    def __init__(self, stream):
+        self._to = (stream.stream_id, stream.device_index, stream.device_type)
+
+    def __enter__(self):
+        self._prev = torch._C._cuda_getCurrentStream(self._to[1])
+        torch._C._cuda_setStream(*self._to)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch._C._cuda_setStream(*self._prev)
+
+
 # ---------------------------------------------------------------------------- CPU stand-ins
 class _NullEvent:
     """Event stand-in on CPU: work is synchronous, so everything is always complete."""
@@ -204,9 +222,12 @@ class PinnedPool:
         # pinned: whole pages (64 KiB on some ARM hosts), so no page is shared with other heap data
         page = max(REGION_ALIGN, mmap.PAGESIZE) if pin else REGION_ALIGN
         reg = _round_up(self.nbytes, page)
-        buf = torch.empty(reg + page, dtype=torch.uint8)
-        skew = (-buf.data_ptr()) % page
-        self.buffer = buf[skew : skew + self.nbytes]
+        # an anonymous mapping: page-aligned (4 KiB-aligned regions for O_DIRECT reads), exactly
+        # ``reg`` bytes, and the tensor's storage starts where the registration starts (torch's
+        # is_pinned() asks about the storage's base pointer: a view into a larger, unaligned
+        # allocation read as pageable on the H100 of 2026-11-23, though the DMAs were async)
+        buf = torch.frombuffer(mmap.mmap(-1, reg), dtype=torch.uint8)
+        self.buffer = buf[: self.nbytes]
         self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # sorted (offset, size)
         self._lock = threading.Lock()
         self._unpin = None
@@ -368,6 +389,7 @@ class LayerPipeline:
             self.pack_stream = torch.cuda.Stream(device=dev, priority=pack_priority)
             self.d2h_stream = torch.cuda.Stream(device=dev)
             self.h2d_stream = torch.cuda.Stream(device=dev)
+            self._device_index = self.pack_stream.device_index
         else:
             self.pack_stream = self.d2h_stream = self.h2d_stream = _NullStream()
         # events are reused (a stream wait binds to the record made before it): creating and
@@ -387,7 +409,6 @@ class LayerPipeline:
             # does not see DMAs issued through the runtime (stream_api="cudart")
             # (close() runs the same drain once, then it is detached)
             self._drain_streams = weakref.finalize(self, _drain, (self.pack_stream, self.d2h_stream, self.h2d_stream))
-            self._device_index = layout.device.index if layout.device.index is not None else torch.cuda.current_device()
             for ev in (*self._slot_free["save"], *self._slot_free["load"], *self._slot_filled["save"],
                        *self._slot_filled["load"], *self._ready.values(), self._gathered, *self._layer_loaded):
                 ev.record(self.pack_stream)  # creates the CUDA event (torch creates it at the first record)
@@ -505,10 +526,24 @@ class LayerPipeline:
         return torch.cuda.Event() if self.cuda else _NullEvent()
 
     def _compute_stream(self):
-        return torch.cuda.current_stream(self.layout.device) if self.cuda else _NullStream()
+        """The caller's current stream on the cache's device. Not ``torch.cuda.current_stream``:
+        its device-index resolution (lazy init, availability and environment checks) cost more
+        than the rest of a layer's bookkeeping on the H100 host of 2026-11-23 (profile:
+        pipeline_issue_profile.txt); the same two C calls it ends in, with the index known."""
+        if not self.cuda:
+            return _NullStream()
+        sid, dev, kind = torch._C._cuda_getCurrentStream(self._device_index)
+        return torch.cuda.Stream(stream_id=sid, device_index=dev, device_type=kind)
 
     def _stream(self, s):
-        return torch.cuda.stream(s) if self.cuda else contextlib.nullcontext()
+        """``with torch.cuda.stream(s)``, without its device guards where the stream's device is
+        the current one (always, for a pipeline driven from its cache's device; otherwise torch's
+        context, which also switches devices)."""
+        if not self.cuda:
+            return contextlib.nullcontext()
+        if torch._C._cuda_getDevice() != s.device_index:
+            return torch.cuda.stream(s)
+        return _OnStream(s)
 
     def _chunks(self, n: int):
         for a in range(0, n, self.chunk_blocks):
