@@ -136,14 +136,21 @@ __device__ __forceinline__ void quantize_row(const uint8_t* row, uint8_t* q, int
         const typename E::T* e = reinterpret_cast<const typename E::T*>(&v);
         uint8_t* o = reinterpret_cast<uint8_t*>(&out);
 #pragma unroll
-        for (int x = 0; x < E::kPerVec; ++x) o[x] = e4m3_encode(quotient(load_as_f32<kKind>(e[x]), rs));
+        for (int x = 0; x < E::kPerVec; x += 2) {  // kPerVec is 8 or 4: pairs for the conversion
+          const uint32_t c2 = e4m3x2_encode(quotient(load_as_f32<kKind>(e[x]), rs),
+                                            quotient(load_as_f32<kKind>(e[x + 1]), rs));
+          o[x] = static_cast<uint8_t>(c2);
+          o[x + 1] = static_cast<uint8_t>(c2 >> 8);
+        }
       }
       reinterpret_cast<typename E::Codes*>(q)[k] = out;
     }
   } else {
     for (int64_t d = lane; d < D; d += 32) {
       uint8_t code = 0;
-      if (valid) code = e4m3_encode(quotient(load_as_f32<kKind>(reinterpret_cast<const typename E::T*>(row)[d]), rs));
+      if (valid)
+        code = static_cast<uint8_t>(
+            e4m3x2_encode(quotient(load_as_f32<kKind>(reinterpret_cast<const typename E::T*>(row)[d]), rs), 0.0f));
       q[d] = code;
     }
   }
@@ -246,8 +253,12 @@ __device__ __forceinline__ void quant_rows_token_vec(const QuantCopyParams& p, c
         if (it.valid) {
           uint8_t* o8 = reinterpret_cast<uint8_t*>(&out);
 #pragma unroll
-          for (int y = 0; y < E::kPerVec; ++y)
-            o8[y] = e4m3_encode(quotient(load_as_f32<kKind>(vec_elem<kKind>(v[x], y)), rs));
+          for (int y = 0; y < E::kPerVec; y += 2) {
+            const uint32_t c2 = e4m3x2_encode(quotient(load_as_f32<kKind>(vec_elem<kKind>(v[x], y)), rs),
+                                              quotient(load_as_f32<kKind>(vec_elem<kKind>(v[x], y + 1)), rs));
+            o8[y] = static_cast<uint8_t>(c2);
+            o8[y + 1] = static_cast<uint8_t>(c2 >> 8);
+          }
         }
         reinterpret_cast<typename E::Codes*>(q_out + r * D)[k] = out;
       }
