@@ -9,12 +9,13 @@ instruction saved a further ~7 % over integer encoding (no byte differing), and 
 reciprocal per row and an FMA correction per element (Markstein; docs/quant.md) and, on the GPU,
 encode with the conversion instruction. This script times, on one cache and block list:
 
-* ``div_rn``: ``tl.div_rn`` per element (the default until KVKERNELS_FP8_FMA_DIV is verified);
-* ``fma_div``: the reciprocal + FMA quotient (``KVKERNELS_FP8_FMA_DIV=1``);
+* ``div_rn``: ``tl.div_rn`` per element (KVKERNELS_FP8_FMA_DIV=0);
+* ``fma_div``: the reciprocal + FMA quotient (the default since 2026-11-23);
 * ``fma_div,intcode``: with integer e4m3 encoding (the interpreter's) instead of the instruction;
 * ``fma_div,warps=8``, ``fma_div,tile=2048``: launch shapes;
-* ``fma_div,split_d``: a head dim that is not a power of two (MLA's 576) as a 512 tile plus a 64
-  tile instead of one tile padded to 1024 (44 % of its lanes idle);
+* ``fma_div,padded_d``: a head dim that is not a power of two (MLA's 576) as one tile padded to
+  1024 (44 % of its lanes idle) instead of the default 512 tile plus a 64 tile (``split_d``, the
+  default since the H100 run of 2026-11-23: 73-79 % of the bound against 48-54 % padded);
 
 with each variant's time, GB/s (bytes read + written, as ``bench_gather``), % of the measured
 device-copy peak, and how many code/scale bytes differ from the default kernel's (must be 0), and the CUDA
@@ -45,7 +46,7 @@ VARIANTS = {
     "fma_div,intcode": {"FMA_DIV": True, "HW_CVT": False},
     "fma_div,warps=8": {"FMA_DIV": True, "num_warps": 8},
     "fma_div,tile=2048": {"FMA_DIV": True, "tile_elems": 2048},
-    "fma_div,split_d": {"FMA_DIV": True, "split_d": True},
+    "fma_div,padded_d": {"FMA_DIV": True, "split_d": False},
 }
 
 

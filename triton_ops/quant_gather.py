@@ -253,8 +253,8 @@ def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor,
     ``block_ids`` int32/int64 ``[n]`` and ``err`` int32 ``[1]`` on the cache device; ``max_ctas``
     caps the grid (0 = one program per work item). Section gaps and region padding are zeroed.
     ``_probe``: kernel variants for bench/fp8_tuning.py only (``HW_CVT``, ``FMA_DIV``,
-    ``num_warps``, ``tile_elems``, ``split_d``: a head dim that is not a power of two as a
-    power-of-two tile plus a tail tile instead of one padded tile).
+    ``num_warps``, ``tile_elems``, ``split_d``: False pads a head dim that is not a power of two
+    to one tile instead of the default power-of-two tile plus a tail tile).
     """
     n = fmt.num_blocks
     if n == 0 or fmt.num_regions == 0:
@@ -274,7 +274,9 @@ def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor,
     block_r, block_d = tile_rows(rows, layout.head_dim, tile)
     d_tail = 0
     D = layout.head_dim
-    if probe.pop("split_d", False) and D & (D - 1):  # D not a power of two: main tile + tail tile
+    # D not a power of two: a power-of-two main tile plus a tail tile, not one padded tile (MLA's
+    # 576 on the H100, 2026-11-23: 73-79 % of the copy bound against 48-54 % padded to 1024)
+    if probe.pop("split_d", True) and D & (D - 1):
         block_r, block_d = tile_rows(rows, D, tile, block_d=1 << (D.bit_length() - 1))
         d_tail = triton.next_power_of_2(D - block_d)
     _quant_gather_kernel[grid](
