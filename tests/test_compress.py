@@ -585,3 +585,29 @@ def test_bench_tiles_the_sample_into_an_entry_of_a_realistic_size():
     for j in range(fmt.num_regions):
         src = buf[j * fmt.region_nbytes: j * fmt.region_nbytes + n]
         assert torch.equal(big[j * tf.region_nbytes: j * tf.region_nbytes + tn], src.repeat(4)[:tn])
+
+
+def test_bench_ssd_rows_count_each_variant_s_own_tokens(tmp_path, monkeypatch):
+    # each variant is tiled to >= min_nbytes of its own bytes: FP8 (about half the bytes) holds
+    # about twice the raw variant's tokens, and its tokens/s and speed-up must count them
+    # (the H100 run of 2026-11-23 counted the raw variant's tokens for every row)
+    from bench import bench_compress
+
+    monkeypatch.setenv("KVKERNELS_BENCH_DIR", str(tmp_path))
+    (buf, fmt, dtype), _ = bench_compress.load_input(None, True)
+    f8, fmt8 = bench_compress.fp8_variant(buf, fmt, dtype)
+    want = fmt.num_regions * fmt.payload_nbytes * 3
+    sample_tokens = fmt.num_blocks * fmt.block_size
+    variants = []
+    for name, b, f in (("raw", buf, fmt), ("fp8", f8, fmt8)):
+        tb, tf, _ = bench_compress._tiled(b, f, torch.device("cuda"), min_nbytes=want)  # tiles on any device
+        variants.append((name, tb, tf, False, sample_tokens * (tf.num_blocks // f.num_blocks)))
+    assert variants[1][4] > variants[0][4]  # FP8 needed more copies of the sample to reach the size
+    per_token = fmt.num_regions * fmt.payload_nbytes / sample_tokens
+    rows = bench_compress.ssd_restore_rows(variants, [], {}, per_token, dtype, torch.device("cpu"), reps=1)
+    by = {r["input"]: r for r in rows}
+    for name, _, _, _, tokens in variants:
+        r = by[name]
+        assert r["tokens_per_s"] * r["ms"] / 1e3 == pytest.approx(tokens)
+        assert r["effective_gbps"] == pytest.approx(tokens * per_token / (r["ms"] / 1e3) / 1e9)
+    assert by["fp8"]["speedup_vs_raw"] == pytest.approx(by["fp8"]["tokens_per_s"] / by["raw"]["tokens_per_s"])
