@@ -5,7 +5,8 @@
 * ``"cuda"`` — the compiled C++ kernels in ``csrc/`` (C ABI via ctypes; built at install with
   ``KVKERNELS_BUILD_CUDA=1`` or just in time on first use). ``auto`` does not pick it: on the
   H100 (2026-11-23, docs/PERF_NOTES.md) Triton was at or above it on every registered shape
-  (98.6 vs 96.2 % on 4 KB chunks, 97.0 vs 97.2 % on 32 KB, FP8 and shuffle well above) except
+  (98.6 vs 96.2 % on 4 KB chunks, 97.0 vs 97.2 % on 32 KB, the FP8 gather 73-91 % vs 24-57 %
+  in the third run, shuffle at parity) except
   the deepseek-v3 MLA plain copy (94.7 vs 97.5 %), where 3 points do not justify an nvcc build on
   first use; pass ``backend="cuda"`` there (docs/csrc.md).
 * ``"torch"`` — :mod:`kvkernels.reference`, any device; the CPU fallback.
