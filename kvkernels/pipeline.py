@@ -226,7 +226,8 @@ class PinnedPool:
         # ``reg`` bytes, and the tensor's storage starts where the registration starts (torch's
         # is_pinned() asks about the storage's base pointer: a view into a larger, unaligned
         # allocation read as pageable on the H100 of 2026-11-23, though the DMAs were async)
-        buf = torch.frombuffer(mmap.mmap(-1, reg), dtype=torch.uint8)
+        # (private, as malloc'd memory is: a shared mapping would be shared with forked children)
+        buf = torch.frombuffer(mmap.mmap(-1, reg, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
         self.buffer = buf[: self.nbytes]
         self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # sorted (offset, size)
         self._lock = threading.Lock()

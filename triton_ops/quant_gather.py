@@ -142,12 +142,12 @@ def _quant_gather_kernel(
     IN_KIND: tl.constexpr,  # 0 bf16, 1 fp16, 2 fp32
     PER_BLOCK: tl.constexpr,  # False: scale per (token, head); True: per (block, head)
     BLOCK_R: tl.constexpr,  # rows per tile ((token, head) rows; tokens when PER_BLOCK)
-    BLOCK_D: tl.constexpr,  # next_power_of_2(D)
+    BLOCK_D: tl.constexpr,  # next_power_of_2(D), or the largest power of two below D with D_TAIL
     ALIGN16: tl.constexpr,  # host checked (align16): cache and staging rows 16-byte aligned
     HW_CVT: tl.constexpr,  # e4m3 code by the fp8 conversion instruction (GPU) or integer ops (interpreter)
     FMA_DIV: tl.constexpr,  # x / s by reciprocal + FMA correction (GPU) or tl.div_rn per element (interpreter)
     D_TAIL: tl.constexpr = 0,  # > 0: BLOCK_D is a power of two < D and columns BLOCK_D.. come as a second
-    # tile of D_TAIL (a probe for 576-wide MLA rows, padded to 1024 otherwise; bench/fp8_tuning.py)
+    # tile of D_TAIL (the default for head dims that are not a power of two, e.g. MLA's 576 = 512 + 64)
 ):
     # grid: (min(num_items, max_ctas),); each program strides over the work items
     ROWS: tl.constexpr = BS * H
