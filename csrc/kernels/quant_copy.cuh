@@ -135,8 +135,8 @@ __device__ __forceinline__ void quantize_row(const uint8_t* row, uint8_t* q, int
         const typename E::Vec v = reinterpret_cast<const typename E::Vec*>(row)[k];
         const typename E::T* e = reinterpret_cast<const typename E::T*>(&v);
         uint8_t* o = reinterpret_cast<uint8_t*>(&out);
-#pragma unroll
         static_assert(E::kPerVec % 2 == 0, "codes are converted in pairs");
+#pragma unroll
         for (int x = 0; x < E::kPerVec; x += 2) {  // kPerVec is 8 or 4: pairs for the conversion
           const uint32_t c2 = e4m3x2_encode(quotient(load_as_f32<kKind>(e[x]), rs),
                                             quotient(load_as_f32<kKind>(e[x + 1]), rs));
