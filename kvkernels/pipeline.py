@@ -219,9 +219,8 @@ class PinnedPool:
     def __init__(self, nbytes: int, *, pin: bool = True, device=None):
         check_int(nbytes, "host_bytes", lo=REGION_ALIGN)
         self.nbytes = _round_up(nbytes, REGION_ALIGN)
-        # pinned: whole pages (64 KiB on some ARM hosts), so no page is shared with other heap data
-        page = max(REGION_ALIGN, mmap.PAGESIZE) if pin else REGION_ALIGN
-        reg = _round_up(self.nbytes, page)
+        # whole pages (64 KiB on some ARM hosts): what the mapping and a registration cover
+        reg = _round_up(self.nbytes, max(REGION_ALIGN, mmap.PAGESIZE))
         # an anonymous mapping: page-aligned (4 KiB-aligned regions for O_DIRECT reads), exactly
         # ``reg`` bytes, and the tensor's storage starts where the registration starts (torch's
         # is_pinned() asks about the storage's base pointer: a view into a larger, unaligned
