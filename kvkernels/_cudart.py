@@ -23,11 +23,24 @@ import os
 __all__ = ["Runtime", "load", "reason"]
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
+_SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: sources read in stream order
+
+
+class _MemLocation(ctypes.Structure):  # struct cudaMemLocation (driver_types.h)
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class MemcpyAttributes(ctypes.Structure):
+    """``struct cudaMemcpyAttributes`` (driver_types.h, CUDA >= 12.8): the one attribute every
+    copy of the pipeline's batches uses (sources read in stream order, no location hints)."""
+
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation), ("dstLocHint", _MemLocation),
+                ("flags", ctypes.c_uint)]
 
 
 class Runtime:
-    """Checked wrappers of ``cudaEventRecord``, ``cudaStreamWaitEvent`` and ``cudaMemcpyAsync``
-    over a loaded runtime library (``lib``: a ``ctypes.CDLL`` or anything with those attributes)."""
+    """Checked wrappers of ``cudaEventRecord``, ``cudaStreamWaitEvent``, ``cudaMemcpyAsync`` and
+    ``cudaMemcpyBatchAsync`` (where the runtime has it: :attr:`batch_reason` says why not) over a loaded runtime library (``lib``: a ``ctypes.CDLL`` or anything with those attributes)."""
 
     def __init__(self, lib, path: str = "?"):
         self.lib, self.path = lib, path
@@ -43,6 +56,40 @@ class Runtime:
         lib.cudaGetLastError.argtypes = []
         lib.cudaGetLastError.restype = ctypes.c_int
         self._record, self._wait, self._memcpy = lib.cudaEventRecord, lib.cudaStreamWaitEvent, lib.cudaMemcpyAsync
+        self.version = self._runtime_version()
+        self._batch, self.batch_reason = self._bind_batch()
+
+    def _runtime_version(self) -> int:
+        fn = getattr(self.lib, "cudaRuntimeGetVersion", None)
+        if fn is None:
+            return 0
+        fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        fn.restype = ctypes.c_int
+        v = ctypes.c_int(0)
+        return v.value if fn(ctypes.byref(v)) == 0 else 0
+
+    def _bind_batch(self):
+        """``cudaMemcpyBatchAsync`` with the signature of this runtime's version: CUDA 12.8/12.9
+        take a ``size_t *failIdx`` before the stream, CUDA 13 dropped it. ``(callable, "")`` or
+        ``(None, why not)``."""
+        fn = getattr(self.lib, "cudaMemcpyBatchAsync", None)
+        if fn is None or self.version < 12080:
+            return None, f"cudaMemcpyBatchAsync needs CUDA >= 12.8 (this runtime: {self.version or 'unknown'})"
+        p = ctypes.c_void_p
+        self._attr = MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
+        self._attr_idx = ctypes.c_size_t(0)
+        self._fail_idx = ctypes.c_size_t(0)
+        # pointer objects made once (on every layer's path)
+        self._attr_p, self._attr_idx_p = ctypes.pointer(self._attr), ctypes.pointer(self._attr_idx)
+        self._fail_idx_p = ctypes.pointer(self._fail_idx)
+        if self.version >= 13000:
+            fn.argtypes = [p, p, p, ctypes.c_size_t, ctypes.POINTER(MemcpyAttributes), ctypes.POINTER(ctypes.c_size_t),
+                           ctypes.c_size_t, p]
+        else:
+            fn.argtypes = [p, p, p, ctypes.c_size_t, ctypes.POINTER(MemcpyAttributes), ctypes.POINTER(ctypes.c_size_t),
+                           ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t), p]
+        fn.restype = ctypes.c_int
+        return fn, ""
 
     def clear_error(self) -> None:
         """A failed runtime call also sets the thread's last error: cleared, or the next unrelated
@@ -71,6 +118,23 @@ class Runtime:
         """``cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, stream)``: asynchronous for
         pinned host <-> device (the pipeline's pool and slots)."""
         self._check(self._memcpy(dst, src, nbytes, _MEMCPY_DEFAULT, stream), "cudaMemcpyAsync")
+
+
+    def memcpy_batch(self, dsts: int, srcs: int, sizes: int, count: int, stream: int) -> None:
+        """``cudaMemcpyBatchAsync`` of ``count`` copies on ``stream`` (not the legacy default
+        stream: the runtime rejects it): ``dsts``, ``srcs`` and ``sizes`` are addresses of host
+        arrays of ``count`` 64-bit values (pointers, pointers, byte counts), read during the call.
+        One attribute for all copies: sources read in stream order (after the work queued before
+        it). Copy-engine DMA only: no SM runs it."""
+        if self._batch is None:
+            raise RuntimeError(f"kvkernels pipeline: {self.batch_reason}")
+        if count <= 0:
+            return
+        if self.version >= 13000:
+            rc = self._batch(dsts, srcs, sizes, count, self._attr_p, self._attr_idx_p, 1, stream)
+        else:
+            rc = self._batch(dsts, srcs, sizes, count, self._attr_p, self._attr_idx_p, 1, self._fail_idx_p, stream)
+        self._check(rc, f"cudaMemcpyBatchAsync of {count} copies")
 
 
 def _loaded_cudart(maps: str = "/proc/self/maps", major: str | None = None) -> str | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["env_int", "env_str", "env_bool", "backend", "max_ctas", "validate_default", "cache_dir", "cuda_bulk", "io_threads",
-           "pipeline_stream_api"]
+           "pipeline_stream_api", "pipeline_copy_mode"]
 
 
 def env_str(name: str, default: str) -> str:
@@ -72,6 +72,18 @@ def pipeline_stream_api() -> str:
     val = env_str("KVKERNELS_PIPELINE_STREAM_API", "torch").strip().lower()
     if val not in ("torch", "cudart"):
         raise ValueError(f"`KVKERNELS_PIPELINE_STREAM_API`: expected torch|cudart, got {val!r}")
+    return val
+
+
+def pipeline_copy_mode() -> str:
+    """``KVKERNELS_PIPELINE_COPY_MODE``: how :class:`kvkernels.pipeline.LayerPipeline` moves a
+    layer's blocks: ``gather`` (default: a capped-SM gather into a device slot, then one large
+    DMA; restore the reverse) or ``dma`` (one ``cudaMemcpyBatchAsync`` per layer straight between
+    the cache's blocks and the host pool: no SM at all; needs contiguous chunks and host block
+    ids). Not yet measured on a GPU (docs/pipeline.md)."""
+    val = env_str("KVKERNELS_PIPELINE_COPY_MODE", "gather").strip().lower()
+    if val not in ("gather", "dma"):
+        raise ValueError(f"`KVKERNELS_PIPELINE_COPY_MODE`: expected gather|dma, got {val!r}")
     return val
 
 

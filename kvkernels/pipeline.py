@@ -54,6 +54,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping
 
+import numpy as np
 import torch
 
 from . import backends, ops
@@ -155,6 +156,74 @@ def _copy_pieces(f, cfmt, layer: int, host_block: int, slot_block: int, n: int,
 
 def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
+
+
+class _DmaPlan:
+    """One request's blocks as copy-engine pieces (``copy_mode="dma"``): for each run of blocks
+    that is contiguous both in the cache (consecutive ids, blocks ``chunk_nbytes`` apart) and in
+    the host entry, its offset from the cache view's base (``cache_rel``), its offset inside a
+    K/V entry of the host region (``host_rel``) and its size. Padding ids (-1) get no piece (a
+    restore skips them; a save with padding uses the gather, which writes zero blocks). The same
+    for every layer and for K and V: built once per request per step, from host ids."""
+
+    __slots__ = ("n", "cache_rel", "host_rel", "sizes")
+
+    def __init__(self, ids: np.ndarray, block_stride: int, chunk_nbytes: int):
+        ids = np.asarray(ids, dtype=np.int64)
+        self.n = int(ids.size)
+        pos = np.flatnonzero(ids >= 0)
+        vals = ids[pos]
+        if vals.size:
+            brk = np.ones(vals.size, dtype=bool)  # a piece starts here
+            if block_stride == chunk_nbytes:  # neighbouring blocks are neighbouring bytes
+                brk[1:] = (np.diff(vals) != 1) | (np.diff(pos) != 1)
+            starts = np.flatnonzero(brk)
+            lens = np.diff(np.append(starts, vals.size))
+        else:
+            starts = lens = np.zeros(0, dtype=np.int64)
+        self.cache_rel = vals[starts] * block_stride
+        self.host_rel = pos[starts] * chunk_nbytes
+        self.sizes = lens.astype(np.int64) * chunk_nbytes
+
+    def numel(self) -> int:
+        """Block ids of the request (as ``Tensor.numel`` of its ids: the entry's size)."""
+        return self.n
+
+
+class _DmaBatch:
+    """The pieces of several requests' plans for every K/V entry, laid out for one
+    ``cudaMemcpyBatchAsync`` per layer: for layer ``l`` the cache address of a piece is
+    ``base[l][kv] + cache_rel`` and its host address ``host0 + l * host1`` (a host entry's layer
+    regions are ``region_nbytes`` apart). Filling the two address arrays costs four numpy
+    operations per layer however many requests share the batch."""
+
+    __slots__ = ("sig", "kv", "cache_rel", "host0", "host1", "sizes", "cache_addr", "host_addr", "count")
+
+    def __init__(self, sig, parts, num_kv: int):
+        kv, cache_rel, host0, host1, sizes = [], [], [], [], []
+        for ent, plan in parts:
+            f, ptr = ent.fmt, ent.buf.data_ptr()
+            m = plan.sizes.size
+            for c in range(num_kv):
+                kv.append(np.full(m, c, dtype=np.int64))
+                cache_rel.append(plan.cache_rel)
+                host0.append(ptr + f.entry_offset(0, c) + plan.host_rel)
+                host1.append(np.full(m, f.region_nbytes, dtype=np.int64))
+                sizes.append(plan.sizes)
+        cat = (lambda xs: np.concatenate(xs).astype(np.int64, copy=False) if xs else np.zeros(0, dtype=np.int64))
+        self.sig = sig
+        self.kv, self.cache_rel, self.host0, self.host1 = cat(kv), cat(cache_rel), cat(host0), cat(host1)
+        self.sizes = np.ascontiguousarray(cat(sizes))
+        self.count = int(self.sizes.size)
+        self.cache_addr = np.empty(self.count, dtype=np.int64)
+        self.host_addr = np.empty(self.count, dtype=np.int64)
+
+    def fill(self, base_row: np.ndarray, layer: int) -> None:
+        """Addresses of ``layer``'s pieces (``base_row``: the layer's K/V view addresses)."""
+        np.take(base_row, self.kv, out=self.cache_addr)
+        np.add(self.cache_addr, self.cache_rel, out=self.cache_addr)
+        np.multiply(self.host1, layer, out=self.host_addr)
+        np.add(self.host_addr, self.host0, out=self.host_addr)
 
 
 def _drain(streams) -> None:
@@ -347,11 +416,21 @@ class LayerPipeline:
         Python API (default) or by calling the CUDA runtime directly (``kvkernels._cudart``: ~1 us
         a call instead of several; issue 4's host-time target). Default
         ``KVKERNELS_PIPELINE_STREAM_API`` (``torch``); ``cudart`` needs a CUDA cache.
+    copy_mode : {"gather", "dma"}, optional
+        How a layer's blocks move: ``gather`` (a capped-SM gather into a device slot, then large
+        DMAs; restore: DMAs into a slot, then a scatter) or ``dma`` (one ``cudaMemcpyBatchAsync``
+        per layer straight between the cache's blocks and the host entry, runs of consecutive
+        blocks merged: no SM and no device staging). ``dma`` needs a layout whose per-block K/V
+        chunks are contiguous in the staging format's (token, head, dim) order — NHD caches,
+        MLA, SGLang; not HND, whose chunks the gather transposes — and, on a GPU, CUDA >= 12.8; requests whose ids
+        are device tensors (not read back: a sync) or, in a save, contain padding use the gather
+        for that call. Default ``KVKERNELS_PIPELINE_COPY_MODE`` (``gather``).
     """
 
     def __init__(self, layout: PagedLayout, *, host_bytes: int, slot_bytes: int = 64 << 20, num_slots: int = 3,
                  max_ctas: int = 16, prefetch_depth: int = 2, store=None, backend: str = "auto",
-                 read_priority: bool = True, stream_api: str | None = None, pack_priority: int = 0):
+                 read_priority: bool = True, stream_api: str | None = None, pack_priority: int = 0,
+                 copy_mode: str | None = None):
         if not isinstance(layout, PagedLayout):
             fail("layout", "a kvkernels.PagedLayout", type(layout).__name__, TypeError)
         check_int(num_slots, "num_slots", lo=2)
@@ -368,6 +447,19 @@ class LayerPipeline:
             self._rt = _cudart.load()
             if self._rt is None:
                 raise RuntimeError(f"`stream_api`: 'cudart' is not available: {_cudart.reason()}")
+        self.copy_mode = self._resolve_copy_mode(copy_mode)
+        self._batch_rt = None  # the runtime whose cudaMemcpyBatchAsync moves dma-mode layers (GPU)
+        if self.copy_mode == "dma":
+            self._base_tab = np.array(layout.base_addresses(), dtype=np.int64)  # [L, num_kv] view addresses
+            if self.cuda:
+                from . import _cudart
+
+                rt = self._rt or _cudart.load()
+                if rt is None:
+                    raise RuntimeError(f"`copy_mode`: 'dma' is not available: {_cudart.reason()}")
+                if rt._batch is None:
+                    raise RuntimeError(f"`copy_mode`: 'dma' is not available: {rt.batch_reason}")
+                self._batch_rt = rt
         per_block = layout.num_kv * layout.chunk_nbytes
         check_int(slot_bytes, "slot_bytes", lo=per_block)
         # a slot holds one chunk of one layer: [K chunk | V chunk], chunk_blocks blocks each
@@ -400,6 +492,10 @@ class LayerPipeline:
         self._ready = {d: self._event() for d in ("save", "load")}  # the compute stream's point of entry
         self._gathered = self._event()  # the last save_layer's gathers (the pack stream is in order)
         self._save_pending = False
+        self._dma_read = self._event()  # the last save_layer's dma-mode copies (on the D2H stream)
+        self._dma_pending = False
+        self._save_batch: _DmaBatch | None = None  # dma-mode saves: reused while the same plans come back
+        self._load_batch: _DmaBatch | None = None  # dma-mode restores of the current start_load
         # one "layer restored" event per layer, re-recorded by each restore (only stream waits bind
         # to them; the last layer's, which get_finished polls, is new per restore)
         self._layer_loaded = [self._event() for _ in range(layout.num_layers)]
@@ -410,7 +506,8 @@ class LayerPipeline:
             # (close() runs the same drain once, then it is detached)
             self._drain_streams = weakref.finalize(self, _drain, (self.pack_stream, self.d2h_stream, self.h2d_stream))
             for ev in (*self._slot_free["save"], *self._slot_free["load"], *self._slot_filled["save"],
-                       *self._slot_filled["load"], *self._ready.values(), self._gathered, *self._layer_loaded):
+                       *self._slot_filled["load"], *self._ready.values(), self._gathered, self._dma_read,
+                       *self._layer_loaded):
                 ev.record(self.pack_stream)  # creates the CUDA event (torch creates it at the first record)
         self.entries: dict[Hashable, HostEntry] = {}
         self._lock = threading.RLock()
@@ -450,6 +547,17 @@ class LayerPipeline:
         if stream_api == "cudart" and not self.cuda:
             fail("stream_api", "'torch' for a cache on the CPU ('cudart' drives CUDA streams)", "'cudart'")
         return stream_api
+
+    def _resolve_copy_mode(self, copy_mode) -> str:
+        if copy_mode is None:
+            from . import config
+
+            copy_mode = config.pipeline_copy_mode()
+        check(copy_mode in ("gather", "dma"), "copy_mode", "'gather' or 'dma'", repr(copy_mode))
+        if copy_mode == "dma" and not self.layout.is_contiguous_chunk():
+            fail("copy_mode", "'gather' for this layout: 'dma' copies each block's K/V chunk as one piece, and "
+                 "this layout's chunks are not contiguous in (token, head, dim) order (HND or strided)", "'dma'")
+        return copy_mode
 
     def _check_device(self) -> None:
         """``stream_api="cudart"`` calls the runtime without torch's device guard: the cache's
@@ -492,6 +600,22 @@ class LayerPipeline:
                     host[h : h + n].copy_(slot[s_ : s_ + n], non_blocking=True)
                 else:
                     slot[s_ : s_ + n].copy_(host[h : h + n], non_blocking=True)
+
+    def _run_batch(self, b: _DmaBatch, to_host: bool) -> None:
+        """The filled pieces of ``b`` (:meth:`_DmaBatch.fill`): cache -> host on the D2H stream
+        (``to_host``) or host -> cache on the H2D stream, as one ``cudaMemcpyBatchAsync``; on a
+        CPU cache the same pieces by ``memmove``, synchronously."""
+        if to_host:
+            dsts, srcs = b.host_addr, b.cache_addr
+        else:
+            dsts, srcs = b.cache_addr, b.host_addr
+        if self._batch_rt is not None:
+            stream = self.d2h_stream if to_host else self.h2d_stream
+            self._batch_rt.memcpy_batch(dsts.ctypes.data, srcs.ctypes.data, b.sizes.ctypes.data, b.count,
+                                        stream.cuda_stream)
+            return
+        for d, s_, n in zip(dsts.tolist(), srcs.tolist(), b.sizes.tolist()):
+            ctypes.memmove(d, s_, n)
 
     def _probe_gates(self) -> bool:
         """Whether the driver's stream wait on a pinned flag works here (one wait on a flag that
@@ -587,17 +711,24 @@ class LayerPipeline:
             # its memory must not go back to the compute stream's allocations before that
             block_ids.record_stream(self.pack_stream)
         else:
-            host = ops._ids_tensor(block_ids)
-            try:
-                ops._validate_ids(host, self.layout, unique=unique)
-            except ValueError as exc:
-                raise ValueError(f"`{name}`: {exc}") from None
+            host = self._host_ids(block_ids, name, unique=unique)
             with self._stream(self.pack_stream):
                 ids = ops._to_cache_device(host, self.layout)
         check(ids.numel() > 0, name, "at least one block id", "an empty list")
         if self.cuda:
             ids.record_stream(self.pack_stream)
         return ids
+
+    def _host_ids(self, block_ids, name: str, *, unique: bool = False) -> torch.Tensor:
+        """Host ids (a list, a tuple or a CPU tensor) as a CPU int64 tensor, range-checked (and
+        with ``unique``, checked for duplicates); never empty."""
+        host = ops._ids_tensor(block_ids)
+        try:
+            ops._validate_ids(host, self.layout, unique=unique)
+        except ValueError as exc:
+            raise ValueError(f"`{name}`: {exc}") from None
+        check(host.numel() > 0, name, "at least one block id", "an empty list")
+        return host.to(torch.int64)
 
     @staticmethod
     def _host_ids_key(block_ids):
@@ -610,14 +741,21 @@ class LayerPipeline:
             return tuple(block_ids)
         return None
 
-    def _save_ids(self, key, block_ids) -> tuple[torch.Tensor, object]:
-        """``(device ids, host key)`` of one layer's save: host ids equal to the previous layer's
-        (``HostEntry.save_ids``) are not converted and copied again (host key None then: nothing
-        to store); new host ids come with the key to store beside their copy."""
+    def _save_ids(self, key, block_ids) -> tuple[object, object]:
+        """``(device ids or a _DmaPlan, host key)`` of one layer's save: host ids equal to the
+        previous layer's (``HostEntry.save_ids``) are not converted and copied again (host key
+        None then: nothing to store); new host ids come with the key to store beside their copy
+        (``copy_mode="dma"``: their plan, checked but not copied; with padding, device ids for
+        the gather, which writes zero blocks)."""
         hk = self._host_ids_key(block_ids)
         ent = self._saving.get(key)
         if hk is not None and ent is not None and ent.save_ids is not None and ent.save_ids[0] == hk:
             return ent.save_ids[1], None
+        if hk is not None and self.copy_mode == "dma":
+            host = self._host_ids(block_ids, f"saves[{key!r}]")
+            arr = host.numpy()
+            if not (arr < 0).any():
+                return _DmaPlan(arr, self.layout.byte_strides[0], self.layout.chunk_nbytes), hk
         return self._ids(block_ids, f"saves[{key!r}]"), hk
 
     def _ensure_open(self):
@@ -678,10 +816,8 @@ class LayerPipeline:
         if not saves:
             return
         self._check_device()
-        ready = self._ready["save"]
-        self._record(ready, self._compute_stream())  # layer's KV is final here
-        self._wait(self.pack_stream, ready)
-        todo: list[tuple[Hashable, HostEntry, torch.Tensor]] = []
+        self._record(self._ready["save"], self._compute_stream())  # layer's KV is final here
+        todo: list[tuple[Hashable, HostEntry, object]] = []
         try:
             for key, block_ids in saves.items():
                 try:
@@ -700,14 +836,20 @@ class LayerPipeline:
                 todo.append((key, ent, ids))
         finally:  # a bad key raises after the keys before it are issued (as one by one), and
             if todo:  # wait_for_save covers what was issued either way
+                dma = [t for t in todo if isinstance(t[2], _DmaPlan)]
+                gather = [t for t in todo if not isinstance(t[2], _DmaPlan)] if dma else todo
                 try:
-                    self._issue_saves(layer, todo)
+                    self._issue_saves(layer, todo, gather, dma)
                 except BaseException:  # a launch or DMA that could not be issued (JIT, runtime)
                     self._fail_saves(layer, todo)
                     raise
                 finally:
-                    self._record(self._gathered, self.pack_stream)
-                    self._save_pending = True
+                    if gather:
+                        self._record(self._gathered, self.pack_stream)
+                        self._save_pending = True
+                    if dma:
+                        self._record(self._dma_read, self.d2h_stream)
+                        self._dma_pending = True
 
     def _fail_saves(self, layer: int, todo) -> None:
         """The saves of ``todo`` could not be issued at ``layer``: reported in ``failed_saves``,
@@ -741,15 +883,22 @@ class LayerPipeline:
                     self._drop(ent)
         self._failed_saves.add(key)
 
-    def _issue_saves(self, layer: int, todo) -> None:
-        """Gather + D2H of ``layer`` for ``[(key, entry, ids)]``: all in one gather when they fit
-        one slot together (one launch per layer however many requests), else request by request
-        in slot-sized chunks. Then the entries that have all their layers get their done event."""
-        entries = [ent for _, ent, _ in todo]
+    def _issue_saves(self, layer: int, todo, gather, dma) -> None:
+        """``layer`` of ``todo`` (``[(key, entry, ids)]``): the ``dma`` part as one batched DMA
+        straight from the blocks (:meth:`_save_dma`); the ``gather`` part gathered + D2H, all in
+        one gather when they fit one slot together (one launch per layer however many
+        requests), else request by request in slot-sized chunks. Then the entries that have all
+        their layers get their done event."""
+        if dma:
+            self._wait(self.d2h_stream, self._ready["save"])
+            self._save_dma(layer, dma)
+        if gather:
+            self._wait(self.pack_stream, self._ready["save"])
+        entries = [ent for _, ent, _ in gather]
         if self._share_a_slot(entries):
-            self._save_together(layer, todo, sum(ent.fmt.num_blocks for ent in entries))
+            self._save_together(layer, gather, sum(ent.fmt.num_blocks for ent in entries))
         else:
-            for _, ent, ids in todo:
+            for _, ent, ids in gather:
                 f = ent.fmt
                 for a, b in self._chunks(f.num_blocks):
                     cfmt = StagingFormat.for_layout(self.layout, b - a, (layer,))
@@ -766,6 +915,17 @@ class LayerPipeline:
                 ent.save_ids = None
                 if self.store is not None:
                     ent.ssd_future = self._io_writes.submit(self._write_to_store, ent)
+
+    def _save_dma(self, layer: int, dma) -> None:
+        """``layer`` of the dma-mode saves ``[(key, entry, plan)]``: one batched DMA from the
+        cache's blocks into the entries (the D2H stream waited for the layer's KV). The batch's
+        pieces are reused while the same plans come back (every layer of a step)."""
+        sig = tuple((ent, plan) for _, ent, plan in dma)
+        b = self._save_batch
+        if b is None or len(b.sig) != len(sig) or any(x[0] is not y[0] or x[1] is not y[1] for x, y in zip(b.sig, sig)):
+            b = self._save_batch = _DmaBatch(sig, sig, self.layout.num_kv)
+        b.fill(self._base_tab[layer], layer)
+        self._run_batch(b, to_host=True)
 
     def _gather_to_slot(self, ids: torch.Tensor, cfmt: StagingFormat) -> int:
         """Gather ``ids`` (format ``cfmt``) into the next save slot on the pack stream and make
@@ -824,9 +984,14 @@ class LayerPipeline:
         blocks may be reused by later kernels); a stream wait, not a host wait (vLLM:
         ``wait_for_save``). DMA and SSD completion are reported by :meth:`get_finished`."""
         self._check_device()
-        if self._save_pending:  # the pack stream runs in order: its last gather's event covers all
-            self._wait(self._compute_stream(), self._gathered)
-            self._save_pending = False
+        if self._save_pending or self._dma_pending:
+            compute = self._compute_stream()
+            if self._save_pending:  # the pack stream runs in order: its last gather's event covers all
+                self._wait(compute, self._gathered)
+                self._save_pending = False
+            if self._dma_pending:  # the same for dma-mode saves on the D2H stream
+                self._wait(compute, self._dma_read)
+                self._dma_pending = False
 
     # ------------------------------------------------------------------ load (restore)
     def prefetch(self, key, *, num_blocks: int) -> Future:
@@ -954,7 +1119,12 @@ class LayerPipeline:
         self._check_device()
         # (key, device ids, host ids as a tuple or None): the host values once, for the cross-request
         # check and for what a failure reports
-        checked = [(key, self._ids(block_ids, f"loads[{key!r}]", unique=True), self._host_ids_key(block_ids), block_ids)
+        hks = {key: self._host_ids_key(block_ids) for key, block_ids in loads.items()}
+        # copy_mode="dma": every restore's ids on the host (device ids are not read back: a sync),
+        # so the layers go as batched DMAs straight into the blocks; else all through the slots
+        dma = self.copy_mode == "dma" and all(hk is not None for hk in hks.values())
+        checked = [(key, self._host_ids(block_ids, f"loads[{key!r}]", unique=True) if dma
+                    else self._ids(block_ids, f"loads[{key!r}]", unique=True), hks[key], block_ids)
                    for key, block_ids in loads.items()]
         self._check_distinct_destinations(checked)
         while self._loads and self._next_load_layer < self.layout.num_layers:
@@ -984,7 +1154,12 @@ class LayerPipeline:
             self._loads.append((ent, ids, ent.state == "loading", err))  # streamed: gate each layer
         # several restores that fit one slot together: one scatter per layer for all of them
         self._load_cat = None
-        if self._share_a_slot([ent for ent, *_ in self._loads]):
+        self._load_batch = None
+        if dma:
+            parts = [(ent, _DmaPlan(ids.numpy(), self.layout.byte_strides[0], self.layout.chunk_nbytes))
+                     for ent, ids, *_ in self._loads]
+            self._load_batch = _DmaBatch(None, parts, self.layout.num_kv)
+        elif self._share_a_slot([ent for ent, *_ in self._loads]):
             with self._stream(self.pack_stream):  # the ids are ready on the pack stream
                 self._load_cat = torch.cat([ids.to(torch.int64) for _, ids, *_ in self._loads])
         for _ in range(min(self.prefetch_depth, self.layout.num_layers)):
@@ -1024,7 +1199,7 @@ class LayerPipeline:
         no further layer is issued. Their entries stay in use (not evictable, gates kept) until
         the copies already issued are done: a fresh event behind both side streams, polled by
         :meth:`get_finished` like a finished restore's."""
-        loads, self._loads, self._load_cat = self._loads, [], None
+        loads, self._loads, self._load_cat, self._load_batch = self._loads, [], None, None
         self._next_load_layer = self.layout.num_layers
         if not loads:
             return
@@ -1046,7 +1221,15 @@ class LayerPipeline:
         self._pending_loads.append((ev, [(ent, None) for ent, *_ in loads]))
 
     def _issue_load_layer_work(self, layer: int) -> None:
-        if self._load_cat is not None:
+        done_on = self.pack_stream  # the stream whose work completes the layer
+        if self._load_batch is not None:
+            for ent, _, streamed, _ in self._loads:
+                if streamed:
+                    self._gate(ent, layer)  # the layer's bytes are in the host pool (or zeroed on failure)
+            self._load_batch.fill(self._base_tab[layer], layer)
+            self._run_batch(self._load_batch, to_host=False)
+            done_on = self.h2d_stream
+        elif self._load_cat is not None:
             self._load_together(layer)
         else:
             for ent, ids, streamed, _ in self._loads:
@@ -1064,11 +1247,11 @@ class LayerPipeline:
             # every step could then never be seen finished. The entries stay in use (not
             # evictable, their pool regions and gates untouched) until get_finished sees it
             ev = self._event()
-            ev.record(self.pack_stream if self.cuda else None)
+            ev.record(done_on if self.cuda else None)
             self._pending_loads.append((ev, [(ent, err) for ent, _, _, err in self._loads]))
         else:
             ev = self._layer_loaded[layer]
-            self._record(ev, self.pack_stream)
+            self._record(ev, done_on)
         self._load_events[layer] = ev
 
     def _load_slot(self) -> tuple[int, torch.Tensor]:

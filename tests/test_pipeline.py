@@ -365,11 +365,13 @@ def test_host_pool_is_registered_at_its_size_and_unregistered_at_close():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("copy_mode", ["gather", "dma"])
 @pytest.mark.parametrize("stream_api", STREAM_APIS)
-def test_step_path_has_no_host_sync_and_issue_cost(stream_api):
+def test_step_path_has_no_host_sync_and_issue_cost(stream_api, copy_mode):
     lay = make_cache("vllm-nhd", num_layers=8, num_blocks=1024, block_size=16, num_heads=8, head_dim=128, device=DEVICE)
     src, dst = torch.randperm(1024, device=DEVICE)[:256], torch.randperm(1024, device=DEVICE)[:256]
-    with LayerPipeline(lay, host_bytes=1 << 30, slot_bytes=8 << 20, stream_api=stream_api) as pipe:
+    with LayerPipeline(lay, host_bytes=1 << 30, slot_bytes=8 << 20, stream_api=stream_api,
+                       copy_mode=copy_mode) as pipe:
         run_step_saves(pipe, {"w": src})  # warm-up: JIT, pointer tables
         torch.cuda.synchronize()
         drain(pipe)
@@ -386,12 +388,19 @@ def test_step_path_has_no_host_sync_and_issue_cost(stream_api):
             run_step_loads(pipe, {"w": dst})
             t_load = (time.perf_counter() - t0) / 8
             pipe.get_finished()
-            run_step_saves(pipe, {"h": src_list})  # copied through pinned memory: no sync either
+            t0 = time.perf_counter()
+            run_step_saves(pipe, {"h": src_list})  # copied through pinned memory (dma: not copied): no sync either
+            t_save_h = (time.perf_counter() - t0) / 8
+            t0 = time.perf_counter()
             run_step_loads(pipe, {"w": dst_list})
+            t_load_h = (time.perf_counter() - t0) / 8
+            if copy_mode == "dma":
+                assert pipe._load_batch is not None  # host ids: the restore went as batched DMAs
         finally:
             torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
-        print(f"host issue cost per layer ({stream_api}): save {t_save * 1e6:.1f} us, restore {t_load * 1e6:.1f} us")
+        print(f"host issue cost per layer ({stream_api}, {copy_mode}): device ids save {t_save * 1e6:.1f} us, "
+              f"restore {t_load * 1e6:.1f} us; host ids save {t_save_h * 1e6:.1f} us, restore {t_load_h * 1e6:.1f} us")
         assert t_save < 1e-3 and t_load < 1e-3  # target 50 us is tracked in the benchmark
 
 
@@ -1214,3 +1223,189 @@ def test_a_region_with_queued_copies_is_in_use():
     assert LayerPipeline._in_use(ent)
     ev.done = True
     assert not LayerPipeline._in_use(ent)
+
+
+# ---------------------------------------------------------------- copy_mode="dma"
+DMA_LAYOUTS = ["vllm-nhd", "mla", "sglang", "cross-layer"]  # chunks contiguous in (token, head, dim) order
+
+
+def _no_kernels(monkeypatch):
+    """Any gather / scatter launch fails: a dma-mode layer must not run one."""
+    from kvkernels import ops
+
+    def boom(*a, **kw):
+        raise AssertionError("a kernel ran in copy_mode='dma'")
+    monkeypatch.setattr(ops, "_gather_into", boom)
+    monkeypatch.setattr(ops, "_scatter_from", boom)
+
+
+def _sync():
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("layout", DMA_LAYOUTS)
+@pytest.mark.parametrize("stream_api", STREAM_APIS)
+def test_dma_mode_round_trip_writes_the_gather_format(layout, stream_api, monkeypatch):
+    """Saves and restores moved as batched DMAs straight between blocks and host entries (no
+    kernel): the host entry holds exactly what ``kvkernels.gather`` writes (so entries, SSD files
+    and the other mode agree), runs of consecutive blocks are one piece each, and a restore into
+    other blocks (a padding id skipped) is bit-exact."""
+    lay = cache(layout)
+    a_src = [3, 4, 5, 9, 1, 30, 31, 17]  # runs [3,4,5] [9] [1] [30,31] [17] where blocks are adjacent
+    b_src = torch.tensor([10, 11])  # a CPU tensor: host ids as well
+    want = {k: kvkernels.gather(lay, ids(v)).cpu() for k, v in (("a", a_src), ("b", b_src.tolist()))}
+    expect_a, expect_b = snapshot(lay, a_src), snapshot(lay, b_src.tolist())
+    _no_kernels(monkeypatch)
+    with LayerPipeline(lay, host_bytes=1 << 20, copy_mode="dma", stream_api=stream_api) as pipe:
+        run_step_saves(pipe, {"a": a_src, "b": b_src})
+        _sync()
+        assert drain(pipe)[0] == {"a", "b"}
+        merged = lay.byte_strides[0] == lay.chunk_nbytes
+        assert pipe._save_batch.count == lay.num_kv * ((5 + 1) if merged else (8 + 2))
+        for key, w in want.items():
+            assert torch.equal(pipe.entries[key].buf[: w.numel()].cpu(), w), key
+        a_dst, b_dst = [20, 21, 22, -1, 2, 6, 7, 8], [12, 13]
+        keep = snapshot(lay, [0])  # block 0 is nobody's destination: untouched
+        run_step_loads(pipe, {"a": a_dst, "b": b_dst})
+        _sync()
+        assert drain(pipe)[1] == {"a", "b"}
+        assert pipe.get_block_ids_with_load_errors() == set()
+    pos = [i for i, x in enumerate(a_dst) if x >= 0]
+    got = snapshot(lay, [a_dst[i] for i in pos])
+    for l in range(L):
+        for c in range(lay.num_kv):
+            assert bytes_equal(got[l][c], expect_a[l][c][pos]), (layout, l, c)
+    assert_blocks_hold(lay, b_dst, expect_b)
+    assert_blocks_hold(lay, [0], keep)
+
+
+def test_dma_mode_falls_back_to_the_gather_where_it_must(monkeypatch):
+    """A save with padding (the gather writes a zero block) or with device ids (not read back)
+    goes through the gather, beside dma-mode requests of the same layer; wait_for_save covers
+    both kinds of copies, and the entries still hold the staging format."""
+    from kvkernels import ops
+
+    lay = cache()
+    gathers = []
+    real = ops._gather_into
+    monkeypatch.setattr(ops, "_gather_into", lambda *a, **kw: (gathers.append(1), real(*a, **kw))[1])
+    saves = {"dma": [3, 4, 9], "pad": [5, -1, 6]}
+    if DEVICE.type == "cuda":
+        saves["dev"] = ids([7, 8])
+    with LayerPipeline(lay, host_bytes=1 << 20, copy_mode="dma") as pipe:
+        for layer in range(L):
+            pipe.save_layer(layer, saves)
+            assert pipe._save_pending and pipe._dma_pending  # gathers on the pack stream, DMAs on the D2H one
+        assert len(gathers) == L  # the gather-side requests share one launch per layer
+        pipe.wait_for_save()
+        assert not pipe._save_pending and not pipe._dma_pending
+        _sync()
+        assert drain(pipe)[0] == set(saves)
+        for key, src in saves.items():
+            w = kvkernels.gather(lay, ids(src) if not isinstance(src, torch.Tensor) else src).cpu()
+            assert torch.equal(pipe.entries[key].buf[: w.numel()].cpu(), w), key
+
+
+def test_dma_mode_restores_with_device_ids_through_the_slots(monkeypatch):
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20, copy_mode="dma") as pipe:
+        expect = snapshot(lay, [3, 9])
+        run_step_saves(pipe, {"a": [3, 9]})
+        _sync()
+        drain(pipe)
+        dst = ids([20, 21])
+        run_step_loads(pipe, {"a": dst})  # on the GPU: device ids -> H2D + scatter; on CPU: host ids -> DMA
+        assert (pipe._load_batch is None) == (DEVICE.type == "cuda")
+        _sync()
+        assert drain(pipe)[1] == {"a"}
+    assert_blocks_hold(lay, [20, 21], expect)
+
+
+def test_dma_mode_copy_failures_fail_cleanly(monkeypatch):
+    """A batched DMA that cannot be issued: the save fails like a gather that cannot be launched
+    (reported, entry dropped, the next step works) and a restore reports its blocks."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20, copy_mode="dma", prefetch_depth=1) as pipe:
+        monkeypatch.setattr(pipe, "_run_batch", _raise_on_call(pipe._run_batch, 2))
+        pipe.save_layer(0, {"a": [3, 9]})
+        with pytest.raises(RuntimeError, match="injected"):
+            pipe.save_layer(1, {"a": [3, 9]})
+        for layer in range(2, L):
+            pipe.save_layer(layer, {"a": [3, 9]})
+        pipe.wait_for_save()
+        _sync()
+        drain(pipe)
+        assert "a" in pipe.failed_saves and "a" not in pipe.entries
+        monkeypatch.undo()
+        save_step_then_restore(pipe, lay, "a", [3, 9], [20, 21])
+        monkeypatch.setattr(pipe, "_run_batch", _raise_on_call(pipe._run_batch, 2))
+        pipe.start_load({"a": [22, 23]})
+        with pytest.raises(RuntimeError, match="injected"):
+            pipe.wait_for_layer_load(0)  # issues layer 1
+        for layer in range(1, L):
+            pipe.wait_for_layer_load(layer)
+        _sync()
+        assert drain(pipe)[1] == set()
+        assert pipe.get_block_ids_with_load_errors() == {22, 23}
+
+
+def test_dma_mode_streamed_ssd_restore_with_the_real_store(tmp_path, monkeypatch):
+    from kvkernels.io import KVStore
+
+    lay = make_cache("vllm-nhd", num_layers=16, num_blocks=NB, block_size=BS, num_heads=H, head_dim=D,
+                     device=DEVICE)
+    src, dst = [3, 4, 9], [30, 0, 17]
+    expect = [[lay.views[l][c][src].cpu().clone() for c in range(2)] for l in range(16)]
+    _no_kernels(monkeypatch)
+    with KVStore(tmp_path) as store, LayerPipeline(lay, host_bytes=1 << 20, store=store, copy_mode="dma") as pipe:
+        for layer in range(16):
+            pipe.save_layer(layer, {"r": src})
+        pipe.wait_for_save()
+        t0 = time.time()
+        while "r" not in pipe.get_finished()[0] and time.time() - t0 < 20:
+            time.sleep(0.01)
+        assert pipe.evict("r")
+        pipe.pool.buffer.fill_(0xAB)
+        fut = pipe.prefetch("r", num_blocks=3)
+        pipe.start_load({"r": dst})  # without waiting for the read: each layer's DMA waits for its gate
+        for layer in range(16):
+            pipe.wait_for_layer_load(layer)
+        _sync()
+        assert fut.result(timeout=20).state == "ready"
+        assert _drain_loads(pipe) == {"r"}
+    got = [[lay.views[l][c][dst].cpu() for c in range(2)] for l in range(16)]
+    assert all(bytes_equal(a, b) for ra, rb in zip(expect, got) for a, b in zip(ra, rb))
+
+
+def test_dma_plan_merges_runs_only_where_both_sides_are_contiguous():
+    import numpy as np
+
+    from kvkernels.pipeline import _DmaPlan
+
+    p = _DmaPlan(np.array([4, 5, 6, 2, 3, -1, 7, 8]), 100, 100)
+    assert p.numel() == 8
+    assert p.cache_rel.tolist() == [400, 200, 700]  # [4,5,6] [2,3] | padding breaks the run | [7,8]
+    assert p.host_rel.tolist() == [0, 300, 600]
+    assert p.sizes.tolist() == [300, 200, 200]
+    q = _DmaPlan(np.array([4, 5, 6]), 800, 100)  # blocks 800 bytes apart (cross-layer): one piece each
+    assert q.cache_rel.tolist() == [3200, 4000, 4800] and q.sizes.tolist() == [100] * 3
+    assert _DmaPlan(np.array([-1, -1]), 100, 100).sizes.size == 0
+
+
+def test_copy_mode_is_checked(monkeypatch):
+    from kvkernels import config
+
+    with pytest.raises(ValueError, match="copy_mode"):
+        LayerPipeline(cache(), host_bytes=1 << 20, copy_mode="memcpy")
+    with pytest.raises(ValueError, match="HND"):
+        LayerPipeline(cache("flashinfer-hnd"), host_bytes=1 << 20, copy_mode="dma")
+    monkeypatch.setenv("KVKERNELS_PIPELINE_COPY_MODE", "batch")
+    with pytest.raises(ValueError, match="KVKERNELS_PIPELINE_COPY_MODE"):
+        config.pipeline_copy_mode()
+    monkeypatch.setenv("KVKERNELS_PIPELINE_COPY_MODE", "DMA")
+    with LayerPipeline(cache(), host_bytes=1 << 20) as pipe:
+        assert pipe.copy_mode == "dma"
+    monkeypatch.delenv("KVKERNELS_PIPELINE_COPY_MODE")
+    with LayerPipeline(cache(), host_bytes=1 << 20) as pipe:
+        assert pipe.copy_mode == "gather"
