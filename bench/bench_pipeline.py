@@ -20,6 +20,10 @@ For each prompt length and block size, in one run:
   launcher — the host time per layer against the default (torch's Python API);
   ``[4 requests]`` / ``[4 requests+cudart]`` (first case only): the same blocks as four requests
   with list ids, as vLLM's connector passes them (one gather per layer for all four);
+  ``[dma]`` / ``[dma+cudart]`` (and ``[4 requests+dma+cudart]``, first case only): the pipeline
+  with ``copy_mode="dma"`` and list ids — each layer one ``cudaMemcpyBatchAsync`` straight between
+  the blocks and the host entry (no SM, no slot), i.e. the ``memcpy-batch`` baseline below with
+  the pipeline's events, completion tracking and host-time bookkeeping;
 * ``sm-zero-copy[ctas]``: compute + an SM gather writing pinned host directly on a side stream
   (LMCache / SGLang style), full grid and 2 CTAs;
 * ``memcpy-per-chunk``: compute + one ``cudaMemcpyAsync`` per chunk on a side stream (vLLM
@@ -262,11 +266,14 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         common.progress(rows[-1])
         return wall
 
-    def pipeline_rows(pipe: LayerPipeline, tag: str = "", parts: int = 1) -> float:
+    def pipeline_rows(pipe: LayerPipeline, tag: str = "", parts: int = 1, host_ids: bool = False) -> float:
         """Transfer alone and beside the compute, offload and restore, for one pipeline; returns the
         offload transfer-alone wall time. ``parts`` > 1: the blocks as that many requests whose
-        ids are lists of ints (what vLLM's connector passes), saved and restored together."""
-        if parts == 1:
+        ids are lists of ints (what vLLM's connector passes), saved and restored together;
+        ``host_ids``: one request with list ids (``copy_mode="dma"`` needs ids on the host)."""
+        if parts == 1 and host_ids:
+            saves, loads = {"req": src.tolist()}, {"req": dst.tolist()}
+        elif parts == 1:
             saves, loads = {"req": src}, {"req": dst}
         else:
             saves = {f"req{i}": src[i::parts].tolist() for i in range(parts)}
@@ -421,16 +428,42 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                     p3.close()
         else:
             print(f"[bench] stream_api='cudart' rows skipped: {_cudart.reason()}", file=sys.stderr)
+    # copy_mode="dma": each layer as one cudaMemcpyBatchAsync straight between the blocks and the
+    # host entry (no SM, no slot; list ids, as vLLM passes them): the memcpy-batch baseline's
+    # slowdown with the pipeline's host time and completion tracking, against [cudart] above
+    dma_ok = lay.is_contiguous_chunk()
+    if dma_ok and device.type == "cuda":
+        from kvkernels import _cudart
+
+        rt = _cudart.load()
+        dma_ok = rt is not None and rt._batch is not None
+        if not dma_ok:
+            print(f"[bench] copy_mode='dma' rows skipped: {rt.batch_reason if rt else _cudart.reason()}", file=sys.stderr)
+    if dma_ok:
+        apis = (("torch", "[dma]"), ("cudart", "[dma+cudart]")) if device.type == "cuda" else (("torch", "[dma]"),)
+        for api, tag in apis:
+            p5 = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2,
+                               stream_api=api, copy_mode="dma")
+            try:
+                pipeline_rows(p5, tag, host_ids=True)
+                if profile_path is not None and api == "cudart":
+                    _profile_issue(p5, src.tolist(), dst.tolist(), L, device, profile_path,
+                                   f"{tag} {model} {seq} tokens", mode="a")
+            finally:
+                p5.close()
     if profile_path is not None:
         # first case only: the same blocks as 4 requests with list ids (vLLM's connector): one
         # gather per layer for all of them, and the ids copied once per save
         from kvkernels import _cudart
 
-        for api, tag in (("torch", "[4 requests]"), ("cudart", "[4 requests+cudart]")):
+        for api, tag, mode in (("torch", "[4 requests]", "gather"), ("cudart", "[4 requests+cudart]", "gather"),
+                               ("cudart", "[4 requests+dma+cudart]", "dma")):
             if api == "cudart" and (device.type != "cuda" or _cudart.load() is None):
                 continue
+            if mode == "dma" and not dma_ok:
+                continue
             p4 = LayerPipeline(lay, host_bytes=fmt.nbytes + (2 << 20), max_ctas=16, prefetch_depth=2,
-                               stream_api=api)
+                               stream_api=api, copy_mode=mode)
             try:
                 pipeline_rows(p4, tag, parts=4)
             finally:

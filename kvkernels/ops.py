@@ -79,9 +79,10 @@ def _ids_tensor(block_ids) -> torch.Tensor:
     if isinstance(block_ids, torch.Tensor):
         ids = block_ids
     elif isinstance(block_ids, Sequence) and not isinstance(block_ids, (str, bytes)):
-        for x in block_ids:
-            if isinstance(x, bool) or not isinstance(x, int):
-                fail("block_ids", "ints", f"an element of type {type(x).__name__}", TypeError)
+        if not set(map(type, block_ids)) <= {int}:  # plain ints (what vLLM passes): one C-level pass
+            for x in block_ids:
+                if isinstance(x, bool) or not isinstance(x, int):
+                    fail("block_ids", "ints", f"an element of type {type(x).__name__}", TypeError)
         ids = torch.tensor(list(block_ids), dtype=torch.int64)
     else:
         fail("block_ids", "a 1-D int tensor or a sequence of ints", type(block_ids).__name__, TypeError)

@@ -194,12 +194,14 @@ class _DmaBatch:
     """The pieces of several requests' plans for every K/V entry, laid out for one
     ``cudaMemcpyBatchAsync`` per layer: for layer ``l`` the cache address of a piece is
     ``base[l][kv] + cache_rel`` and its host address ``host0 + l * host1`` (a host entry's layer
-    regions are ``region_nbytes`` apart). Filling the two address arrays costs four numpy
-    operations per layer however many requests share the batch."""
+    regions are ``region_nbytes`` apart). A layer's row of addresses is computed at its first use
+    (four numpy operations, into arrays allocated once per batch) and kept: the batch lives for
+    a step, and a layer is issued once per step per direction."""
 
-    __slots__ = ("sig", "kv", "cache_rel", "host0", "host1", "sizes", "cache_addr", "host_addr", "count")
+    __slots__ = ("sig", "count", "sizes", "kv", "cache_rel", "host0", "host1", "base_tab", "cache_addr", "host_addr",
+                 "_done", "_ptrs")
 
-    def __init__(self, sig, parts, num_kv: int):
+    def __init__(self, sig, parts, num_kv: int, base_tab: np.ndarray):
         kv, cache_rel, host0, host1, sizes = [], [], [], [], []
         for ent, plan in parts:
             f, ptr = ent.fmt, ent.buf.data_ptr()
@@ -211,19 +213,39 @@ class _DmaBatch:
                 host1.append(np.full(m, f.region_nbytes, dtype=np.int64))
                 sizes.append(plan.sizes)
         cat = (lambda xs: np.concatenate(xs).astype(np.int64, copy=False) if xs else np.zeros(0, dtype=np.int64))
-        self.sig = sig
         self.kv, self.cache_rel, self.host0, self.host1 = cat(kv), cat(cache_rel), cat(host0), cat(host1)
+        self.sig = sig
         self.sizes = np.ascontiguousarray(cat(sizes))
         self.count = int(self.sizes.size)
-        self.cache_addr = np.empty(self.count, dtype=np.int64)
-        self.host_addr = np.empty(self.count, dtype=np.int64)
+        self.base_tab = base_tab
+        num_layers = base_tab.shape[0]
+        self.cache_addr = np.empty((num_layers, self.count), dtype=np.int64)
+        self.host_addr = np.empty((num_layers, self.count), dtype=np.int64)
+        self._done = bytearray(num_layers)
+        # the arrays' addresses, taken once (numpy's .ctypes costs ~1 us a call)
+        self._ptrs = (self.cache_addr.ctypes.data, self.host_addr.ctypes.data, self.sizes.ctypes.data)
 
-    def fill(self, base_row: np.ndarray, layer: int) -> None:
-        """Addresses of ``layer``'s pieces (``base_row``: the layer's K/V view addresses)."""
-        np.take(base_row, self.kv, out=self.cache_addr)
-        np.add(self.cache_addr, self.cache_rel, out=self.cache_addr)
-        np.multiply(self.host1, layer, out=self.host_addr)
-        np.add(self.host_addr, self.host0, out=self.host_addr)
+    def _fill(self, layer: int) -> None:
+        c, h = self.cache_addr[layer], self.host_addr[layer]
+        self.base_tab[layer].take(self.kv, out=c)
+        np.add(c, self.cache_rel, out=c)
+        np.multiply(self.host1, layer, out=h)
+        np.add(h, self.host0, out=h)
+        self._done[layer] = 1
+
+    def pointers(self, layer: int) -> tuple[int, int, int]:
+        """``(cache addresses, host addresses, sizes)`` of ``layer``'s pieces: addresses of
+        ``count`` int64 values each, valid while this batch lives."""
+        if not self._done[layer]:
+            self._fill(layer)
+        row = layer * self.count * 8
+        return self._ptrs[0] + row, self._ptrs[1] + row, self._ptrs[2]
+
+    def pieces(self, layer: int):
+        """``(cache address, host address, nbytes)`` of ``layer``'s pieces (the CPU path)."""
+        if not self._done[layer]:
+            self._fill(layer)
+        return zip(self.cache_addr[layer].tolist(), self.host_addr[layer].tolist(), self.sizes.tolist())
 
 
 def _drain(streams) -> None:
@@ -601,21 +623,23 @@ class LayerPipeline:
                 else:
                     slot[s_ : s_ + n].copy_(host[h : h + n], non_blocking=True)
 
-    def _run_batch(self, b: _DmaBatch, to_host: bool) -> None:
-        """The filled pieces of ``b`` (:meth:`_DmaBatch.fill`): cache -> host on the D2H stream
-        (``to_host``) or host -> cache on the H2D stream, as one ``cudaMemcpyBatchAsync``; on a
-        CPU cache the same pieces by ``memmove``, synchronously."""
-        if to_host:
-            dsts, srcs = b.host_addr, b.cache_addr
-        else:
-            dsts, srcs = b.cache_addr, b.host_addr
+    def _run_batch(self, b: _DmaBatch, layer: int, to_host: bool) -> None:
+        """``layer``'s pieces of ``b``: cache -> host on the D2H stream (``to_host``) or host ->
+        cache on the H2D stream, as one ``cudaMemcpyBatchAsync``; on a CPU cache the same pieces
+        by ``memmove``, synchronously."""
         if self._batch_rt is not None:
+            cache, host, sizes = b.pointers(layer)
             stream = self.d2h_stream if to_host else self.h2d_stream
-            self._batch_rt.memcpy_batch(dsts.ctypes.data, srcs.ctypes.data, b.sizes.ctypes.data, b.count,
-                                        stream.cuda_stream)
+            if to_host:
+                self._batch_rt.memcpy_batch(host, cache, sizes, b.count, stream.cuda_stream)
+            else:
+                self._batch_rt.memcpy_batch(cache, host, sizes, b.count, stream.cuda_stream)
             return
-        for d, s_, n in zip(dsts.tolist(), srcs.tolist(), b.sizes.tolist()):
-            ctypes.memmove(d, s_, n)
+        for c, h, n in b.pieces(layer):
+            if to_host:
+                ctypes.memmove(h, c, n)
+            else:
+                ctypes.memmove(c, h, n)
 
     def _probe_gates(self) -> bool:
         """Whether the driver's stream wait on a pinned flag works here (one wait on a flag that
@@ -923,9 +947,8 @@ class LayerPipeline:
         sig = tuple((ent, plan) for _, ent, plan in dma)
         b = self._save_batch
         if b is None or len(b.sig) != len(sig) or any(x[0] is not y[0] or x[1] is not y[1] for x, y in zip(b.sig, sig)):
-            b = self._save_batch = _DmaBatch(sig, sig, self.layout.num_kv)
-        b.fill(self._base_tab[layer], layer)
-        self._run_batch(b, to_host=True)
+            b = self._save_batch = _DmaBatch(sig, sig, self.layout.num_kv, self._base_tab)
+        self._run_batch(b, layer, to_host=True)
 
     def _gather_to_slot(self, ids: torch.Tensor, cfmt: StagingFormat) -> int:
         """Gather ``ids`` (format ``cfmt``) into the next save slot on the pack stream and make
@@ -1158,7 +1181,7 @@ class LayerPipeline:
         if dma:
             parts = [(ent, _DmaPlan(ids.numpy(), self.layout.byte_strides[0], self.layout.chunk_nbytes))
                      for ent, ids, *_ in self._loads]
-            self._load_batch = _DmaBatch(None, parts, self.layout.num_kv)
+            self._load_batch = _DmaBatch(None, parts, self.layout.num_kv, self._base_tab)
         elif self._share_a_slot([ent for ent, *_ in self._loads]):
             with self._stream(self.pack_stream):  # the ids are ready on the pack stream
                 self._load_cat = torch.cat([ids.to(torch.int64) for _, ids, *_ in self._loads])
@@ -1226,8 +1249,7 @@ class LayerPipeline:
             for ent, _, streamed, _ in self._loads:
                 if streamed:
                     self._gate(ent, layer)  # the layer's bytes are in the host pool (or zeroed on failure)
-            self._load_batch.fill(self._base_tab[layer], layer)
-            self._run_batch(self._load_batch, to_host=False)
+            self._run_batch(self._load_batch, layer, to_host=False)
             done_on = self.h2d_stream
         elif self._load_cat is not None:
             self._load_together(layer)
