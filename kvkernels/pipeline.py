@@ -113,6 +113,19 @@ class _OnStream:
         torch._C._cuda_setStream(*self._prev)
 
 
+# the current stream's handle on a device index (torch's C binding; Triton's launcher calls it)
+_RAW_CURRENT = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+class _Handle:
+    """A stream known by its CUDA handle only (what the ``cudart`` calls take)."""
+
+    __slots__ = ("cuda_stream",)
+
+    def __init__(self, handle: int):
+        self.cuda_stream = handle
+
+
 # ---------------------------------------------------------------------------- CPU stand-ins
 class _NullEvent:
     """Event stand-in on CPU: work is synchronous, so everything is always complete."""
@@ -683,6 +696,14 @@ class LayerPipeline:
         sid, dev, kind = torch._C._cuda_getCurrentStream(self._device_index)
         return torch.cuda.Stream(stream_id=sid, device_index=dev, device_type=kind)
 
+    def _compute(self):
+        """The compute stream as :meth:`_record` / :meth:`_wait` take it: with ``stream_api="cudart"``
+        only its handle (``torch._C._cuda_getCurrentRawStream``, the call Triton's launcher makes;
+        no torch ``Stream`` object built per layer), else :meth:`_compute_stream`."""
+        if self._rt is not None and self.cuda and _RAW_CURRENT is not None:
+            return _Handle(_RAW_CURRENT(self._device_index))
+        return self._compute_stream()
+
     def _stream(self, s):
         """``with torch.cuda.stream(s)``, without its device guards where the stream's device is
         the current one (always, for a pipeline driven from its cache's device; otherwise torch's
@@ -840,7 +861,7 @@ class LayerPipeline:
         if not saves:
             return
         self._check_device()
-        self._record(self._ready["save"], self._compute_stream())  # layer's KV is final here
+        self._record(self._ready["save"], self._compute())  # layer's KV is final here
         todo: list[tuple[Hashable, HostEntry, object]] = []
         try:
             for key, block_ids in saves.items():
@@ -1008,7 +1029,7 @@ class LayerPipeline:
         ``wait_for_save``). DMA and SSD completion are reported by :meth:`get_finished`."""
         self._check_device()
         if self._save_pending or self._dma_pending:
-            compute = self._compute_stream()
+            compute = self._compute()
             if self._save_pending:  # the pack stream runs in order: its last gather's event covers all
                 self._wait(compute, self._gathered)
                 self._save_pending = False
@@ -1156,7 +1177,7 @@ class LayerPipeline:
         self._load_events = {}
         self._next_load_layer = 0
         start = self._ready["load"]
-        self._record(start, self._compute_stream())  # earlier users of the destination blocks are done
+        self._record(start, self._compute())  # earlier users of the destination blocks are done
         self._wait(self.h2d_stream, start)
         self._wait(self.pack_stream, start)
         for key, ids, hk, given in checked:
@@ -1319,7 +1340,7 @@ class LayerPipeline:
             self._issue_load_layer()
         ev = self._load_events.get(layer)
         if ev is not None:
-            self._wait(self._compute_stream(), ev)
+            self._wait(self._compute(), ev)
         target = layer + self.prefetch_depth
         while self._next_load_layer <= min(target, self.layout.num_layers - 1):
             self._issue_load_layer()
