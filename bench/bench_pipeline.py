@@ -23,7 +23,9 @@ For each prompt length and block size, in one run:
   ``[dma]`` / ``[dma+cudart]`` (and ``[4 requests+dma+cudart]``, first case only): the pipeline
   with ``copy_mode="dma"`` and list ids — each layer one ``cudaMemcpyBatchAsync`` straight between
   the blocks and the host entry (no SM, no slot), i.e. the ``memcpy-batch`` baseline below with
-  the pipeline's events, completion tracking and host-time bookkeeping;
+  the pipeline's events, completion tracking and host-time bookkeeping (random block ids, as
+  every row; ``[dma+cudart,consecutive ids]``, first case only: ids in runs, which merge into
+  one piece each — the best case);
 * ``sm-zero-copy[ctas]``: compute + an SM gather writing pinned host directly on a side stream
   (LMCache / SGLang style), full grid and 2 CTAs;
 * ``memcpy-per-chunk``: compute + one ``cudaMemcpyAsync`` per chunk on a side stream (vLLM
@@ -266,13 +268,16 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         common.progress(rows[-1])
         return wall
 
-    def pipeline_rows(pipe: LayerPipeline, tag: str = "", parts: int = 1, host_ids: bool = False) -> float:
+    def pipeline_rows(pipe: LayerPipeline, tag: str = "", parts: int = 1, host_ids: bool = False,
+                      blocks: tuple | None = None) -> float:
         """Transfer alone and beside the compute, offload and restore, for one pipeline; returns the
         offload transfer-alone wall time. ``parts`` > 1: the blocks as that many requests whose
         ids are lists of ints (what vLLM's connector passes), saved and restored together;
-        ``host_ids``: one request with list ids (``copy_mode="dma"`` needs ids on the host)."""
+        ``host_ids``: one request with list ids (``copy_mode="dma"`` needs ids on the host);
+        ``blocks``: ``(source ids, destination ids)`` other than the case's random ones."""
+        s_ids, d_ids = blocks if blocks is not None else (src, dst)
         if parts == 1 and host_ids:
-            saves, loads = {"req": src.tolist()}, {"req": dst.tolist()}
+            saves, loads = {"req": s_ids.tolist()}, {"req": d_ids.tolist()}
         elif parts == 1:
             saves, loads = {"req": src}, {"req": dst}
         else:
@@ -449,6 +454,10 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                 if profile_path is not None and api == "cudart":
                     _profile_issue(p5, src.tolist(), dst.tolist(), L, device, profile_path,
                                    f"{tag} {model} {seq} tokens", mode="a")
+                    # first case only: consecutive block ids (a fresh request from vLLM's free
+                    # queue often gets runs of them): pieces merge into runs, the best case
+                    seq_ids = (torch.arange(n, device=device), torch.arange(n, 2 * n, device=device))
+                    pipeline_rows(p5, "[dma+cudart,consecutive ids]", host_ids=True, blocks=seq_ids)
             finally:
                 p5.close()
     if profile_path is not None:
