@@ -57,10 +57,12 @@ class Runtime:
         lib.cudaGetLastError.restype = ctypes.c_int
         self._record, self._wait, self._memcpy = lib.cudaEventRecord, lib.cudaStreamWaitEvent, lib.cudaMemcpyAsync
         self.version = self._runtime_version()
+        self.driver_version = self._runtime_version("cudaDriverGetVersion")
         self._batch, self.batch_reason = self._bind_batch()
 
-    def _runtime_version(self) -> int:
-        fn = getattr(self.lib, "cudaRuntimeGetVersion", None)
+    def _runtime_version(self, name: str = "cudaRuntimeGetVersion") -> int:
+        """``cudaRuntimeGetVersion`` (or ``cudaDriverGetVersion``) as e.g. 13000; 0 if unknown."""
+        fn = getattr(self.lib, name, None)
         if fn is None:
             return 0
         fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
@@ -75,6 +77,8 @@ class Runtime:
         fn = getattr(self.lib, "cudaMemcpyBatchAsync", None)
         if fn is None or self.version < 12080:
             return None, f"cudaMemcpyBatchAsync needs CUDA >= 12.8 (this runtime: {self.version or 'unknown'})"
+        if 0 < self.driver_version < 12080:  # a newer runtime on an older driver (minor-version compatibility)
+            return None, f"cudaMemcpyBatchAsync needs a driver for CUDA >= 12.8 (this driver: {self.driver_version})"
         p = ctypes.c_void_p
         self._attr = MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
         self._attr_idx = ctypes.c_size_t(0)

@@ -167,6 +167,15 @@ def _copy_pieces(f, cfmt, layer: int, host_block: int, slot_block: int, n: int,
     return tuple(tuple(x) for x in out)
 
 
+def _zero_region_padding(buf: torch.Tensor, fmt: StagingFormat) -> None:
+    """Zero the bytes between each region's payload and the next 4 KiB boundary of a new host
+    entry: the copies write payloads only, and the pool region held another entry before
+    (the staging format's padding is zero, and an SSD file must not carry another request's KV)."""
+    pad = fmt.region_nbytes - fmt.payload_nbytes
+    if pad:
+        buf[: fmt.num_regions * fmt.region_nbytes].view(fmt.num_regions, fmt.region_nbytes)[:, fmt.payload_nbytes:].zero_()
+
+
 def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
@@ -484,17 +493,6 @@ class LayerPipeline:
                 raise RuntimeError(f"`stream_api`: 'cudart' is not available: {_cudart.reason()}")
         self.copy_mode = self._resolve_copy_mode(copy_mode)
         self._batch_rt = None  # the runtime whose cudaMemcpyBatchAsync moves dma-mode layers (GPU)
-        if self.copy_mode == "dma":
-            self._base_tab = np.array(layout.base_addresses(), dtype=np.int64)  # [L, num_kv] view addresses
-            if self.cuda:
-                from . import _cudart
-
-                rt = self._rt or _cudart.load()
-                if rt is None:
-                    raise RuntimeError(f"`copy_mode`: 'dma' is not available: {_cudart.reason()}")
-                if rt._batch is None:
-                    raise RuntimeError(f"`copy_mode`: 'dma' is not available: {rt.batch_reason}")
-                self._batch_rt = rt
         per_block = layout.num_kv * layout.chunk_nbytes
         check_int(slot_bytes, "slot_bytes", lo=per_block)
         # a slot holds one chunk of one layer: [K chunk | V chunk], chunk_blocks blocks each
@@ -531,6 +529,7 @@ class LayerPipeline:
         self._dma_pending = False
         self._save_batch: _DmaBatch | None = None  # dma-mode saves: reused while the same plans come back
         self._load_batch: _DmaBatch | None = None  # dma-mode restores of the current start_load
+        self._finished_off = self._event()  # a previous restore's last layers, issued by start_load
         # one "layer restored" event per layer, re-recorded by each restore (only stream waits bind
         # to them; the last layer's, which get_finished polls, is new per restore)
         self._layer_loaded = [self._event() for _ in range(layout.num_layers)]
@@ -542,7 +541,7 @@ class LayerPipeline:
             self._drain_streams = weakref.finalize(self, _drain, (self.pack_stream, self.d2h_stream, self.h2d_stream))
             for ev in (*self._slot_free["save"], *self._slot_free["load"], *self._slot_filled["save"],
                        *self._slot_filled["load"], *self._ready.values(), self._gathered, self._dma_read,
-                       *self._layer_loaded):
+                       self._finished_off, *self._layer_loaded):
                 ev.record(self.pack_stream)  # creates the CUDA event (torch creates it at the first record)
         self.entries: dict[Hashable, HostEntry] = {}
         self._lock = threading.RLock()
@@ -551,6 +550,16 @@ class LayerPipeline:
         self._load_events: dict[int, object] = {}
         self._next_load_layer = 0
         self._saving: dict[Hashable, HostEntry] = {}
+        if self.copy_mode == "dma":
+            self._base_tab = np.array(layout.base_addresses(), dtype=np.int64)  # [L, num_kv] view addresses
+            if self.cuda:
+                why = self._probe_batch()
+                if why is not None and copy_mode is not None:  # asked for by the caller: refused here
+                    raise RuntimeError(f"`copy_mode`: 'dma' is not available: {why}")
+                if why is not None:  # from KVKERNELS_PIPELINE_COPY_MODE: a process-wide preference
+                    log.warning("kvkernels: KVKERNELS_PIPELINE_COPY_MODE=dma is not available (%s): this "
+                                "pipeline gathers", why)
+                    self.copy_mode = "gather"
         self._batch_ids = None  # (the requests' id copies, their concatenation): _save_together
         # (last layer's event, [(entry, what a failure reports; None: already reported)])
         self._pending_loads: list[tuple[object, list]] = []
@@ -584,22 +593,55 @@ class LayerPipeline:
         return stream_api
 
     def _resolve_copy_mode(self, copy_mode) -> str:
-        if copy_mode is None:
+        """The constructor's ``copy_mode`` (refused where it cannot apply), or the environment's
+        (a process-wide preference: layouts it cannot apply to gather, with a warning)."""
+        explicit = copy_mode is not None
+        if not explicit:
             from . import config
 
             copy_mode = config.pipeline_copy_mode()
         check(copy_mode in ("gather", "dma"), "copy_mode", "'gather' or 'dma'", repr(copy_mode))
         if copy_mode == "dma" and not self.layout.is_contiguous_chunk():
-            fail("copy_mode", "'gather' for this layout: 'dma' copies each block's K/V chunk as one piece, and "
-                 "this layout's chunks are not contiguous in (token, head, dim) order (HND or strided)", "'dma'")
+            why = ("'dma' copies each block's K/V chunk as one piece, and this layout's chunks are not contiguous "
+                   "in (token, head, dim) order (HND or strided)")
+            if explicit:
+                fail("copy_mode", f"'gather' for this layout: {why}", "'dma'")
+            log.warning("kvkernels: KVKERNELS_PIPELINE_COPY_MODE=dma does not apply to this layout (%s): this "
+                        "pipeline gathers", why)
+            return "gather"
         return copy_mode
 
+    def _probe_batch(self) -> str | None:
+        """Set up ``cudaMemcpyBatchAsync`` for dma mode and try one copy (a slot's first 16 bytes to
+        the pool; a host wait, at construction only): None when it works, else why not. The
+        runtime torch loaded may be newer than the driver (minor-version compatibility), which
+        would refuse the call at the first step otherwise."""
+        from . import _cudart
+
+        rt = self._rt or _cudart.load()
+        if rt is None:
+            return _cudart.reason()
+        if rt._batch is None:
+            return rt.batch_reason
+        addrs = np.array([self.pool.buffer.data_ptr(), self._slots["save"][0].data_ptr(), 16], dtype=np.int64)
+        try:
+            with torch.cuda.device(self._device_index):
+                a = addrs.ctypes.data
+                rt.memcpy_batch(a, a + 8, a + 16, 1, self.d2h_stream.cuda_stream)
+                self.d2h_stream.synchronize()
+        except RuntimeError as exc:
+            return str(exc)
+        self._batch_rt = rt
+        return None
+
     def _check_device(self) -> None:
-        """``stream_api="cudart"`` calls the runtime without torch's device guard: the cache's
+        """``stream_api="cudart"`` and ``copy_mode="dma"`` call the runtime without torch's device
+        guard: the cache's
         device must be the current one (vLLM workers set it), or the runtime would work in (and
         create) another device's context."""
-        if self._rt is not None and self.cuda and torch.cuda.current_device() != self._device_index:
-            raise RuntimeError(f"LayerPipeline(stream_api='cudart'): the current CUDA device is "
+        if (self._rt is not None or self._batch_rt is not None) and self.cuda and \
+                torch.cuda.current_device() != self._device_index:
+            raise RuntimeError(f"LayerPipeline(stream_api='cudart' or copy_mode='dma'): the current CUDA device is "
                                f"cuda:{torch.cuda.current_device()}, the cache is on cuda:{self._device_index} "
                                "(torch.cuda.set_device)")
 
@@ -844,6 +886,7 @@ class LayerPipeline:
                 self._drop(old)  # still read by a restore, a prefetch or an SSD put: freed later
             ent = HostEntry(key=key, fmt=fmt, offset=off, buf=self.pool.view(off, fmt.nbytes))
             self.entries[key] = ent
+        _zero_region_padding(ent.buf, fmt)  # no copy writes it, and the SSD copy must not carry stale bytes
         self._saving[key] = ent
         self._failed_saves.discard(key)  # the set reports each key's latest save
         return ent
@@ -877,7 +920,8 @@ class LayerPipeline:
                     continue
                 if host_key is not None:  # new host ids (even in the same tensor, on a CPU cache)
                     ent.save_ids = (host_key, ids)
-                    self._batch_ids = None
+                    if not isinstance(ids, _DmaPlan):  # the shared gather's memo holds gather ids only
+                        self._batch_ids = None
                 todo.append((key, ent, ids))
         finally:  # a bad key raises after the keys before it are issued (as one by one), and
             if todo:  # wait_for_save covers what was issued either way
@@ -1171,8 +1215,17 @@ class LayerPipeline:
                     else self._ids(block_ids, f"loads[{key!r}]", unique=True), hks[key], block_ids)
                    for key, block_ids in loads.items()]
         self._check_distinct_destinations(checked)
-        while self._loads and self._next_load_layer < self.layout.num_layers:
-            self._issue_load_layer()  # a previous load not waited to the end: finish issuing it
+        if self._loads and self._next_load_layer < self.layout.num_layers:
+            while self._loads and self._next_load_layer < self.layout.num_layers:
+                self._issue_load_layer()  # a previous load not waited to the end: finish issuing it
+            # its last layers' copies (scatters on the pack stream, dma copies on the H2D stream)
+            # come before the compute's next kernels and before this load's copies, which may be
+            # on the other stream (dma after gather): the compute waits for both streams, and the
+            # start event below orders both side streams after the compute
+            self._record(self._finished_off, self.pack_stream)
+            self._wait(self.h2d_stream, self._finished_off)
+            self._record(self._finished_off, self.h2d_stream)
+            self._wait(self._compute(), self._finished_off)
         self._loads = []
         self._load_events = {}
         self._next_load_layer = 0

@@ -27,11 +27,12 @@ _SRC = r"""
 #include <stdint.h>
 #include <string.h>
 
-static int g_version = CUDART_VERSION;
+static int g_version = CUDART_VERSION, g_driver = CUDART_VERSION;
 size_t fake_batches = 0, fake_last_count = 0;
 uintptr_t fake_last_stream = 0;
 
 void fake_set_version(int v) { g_version = v; }
+void fake_set_driver(int v) { g_driver = v; }
 size_t fake_attr_size(void) { return sizeof(struct cudaMemcpyAttributes); }
 size_t fake_attr_offset(int i) {
   switch (i) {
@@ -43,6 +44,7 @@ size_t fake_attr_offset(int i) {
 }
 
 cudaError_t CUDARTAPI cudaRuntimeGetVersion(int *v) { *v = g_version; return cudaSuccess; }
+cudaError_t CUDARTAPI cudaDriverGetVersion(int *v) { *v = g_driver; return cudaSuccess; }
 cudaError_t CUDARTAPI cudaGetLastError(void) { return cudaSuccess; }
 const char *CUDARTAPI cudaGetErrorString(cudaError_t e) { return e == cudaErrorInvalidValue ? "invalid argument" : "other"; }
 cudaError_t CUDARTAPI cudaEventRecord(cudaEvent_t e, cudaStream_t s) { return cudaSuccess; }
@@ -52,10 +54,18 @@ cudaError_t CUDARTAPI cudaMemcpyAsync(void *d, const void *s, size_t n, enum cud
   return cudaSuccess;
 }
 
-/* the declaration in cuda_runtime_api.h decides this signature (a mismatch does not compile) */
+/* the declaration in cuda_runtime_api.h decides this signature (a mismatch does not compile):
+   CUDA 13 dropped 12.8/12.9's failIdx argument */
+#if CUDART_VERSION >= 13000
 cudaError_t CUDARTAPI cudaMemcpyBatchAsync(void *const *dsts, const void *const *srcs, const size_t *sizes,
                                            size_t count, struct cudaMemcpyAttributes *attrs, size_t *attrsIdxs,
                                            size_t numAttrs, cudaStream_t stream) {
+#else
+cudaError_t CUDARTAPI cudaMemcpyBatchAsync(void **dsts, void **srcs, size_t *sizes, size_t count,
+                                           struct cudaMemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs,
+                                           size_t *failIdx, cudaStream_t stream) {
+  if (failIdx == NULL) return cudaErrorInvalidValue;
+#endif
   /* what the pipeline promises: one attribute for all copies, sources in stream order, no hints,
      and never the legacy default stream (the real runtime rejects it) */
   if (numAttrs != 1 || attrsIdxs[0] != 0 || attrs[0].srcAccessOrder != cudaMemcpySrcAccessOrderStream ||
@@ -140,6 +150,14 @@ def test_batch_is_refused_below_cuda_12_8(fake_runtime):
     assert rt.version == 12060 and rt._batch is None and "12.8" in rt.batch_reason
     with pytest.raises(RuntimeError, match="12.8"):
         rt.memcpy_batch(0, 0, 0, 1, 1)
+    # a new runtime on an older driver (CUDA minor-version compatibility): refused up front, not
+    # at the first step's copy
+    fake_runtime.fake_set_driver(12040)
+    try:
+        rt = Runtime(fake_runtime, "fake")
+    finally:
+        fake_runtime.fake_set_driver(was)
+    assert rt.version == was and rt._batch is None and "driver" in rt.batch_reason
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the GPU runs the real runtime in test_pipeline's dma tests")

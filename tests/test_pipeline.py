@@ -1258,6 +1258,7 @@ def test_dma_mode_round_trip_writes_the_gather_format(layout, stream_api, monkey
     expect_a, expect_b = snapshot(lay, a_src), snapshot(lay, b_src.tolist())
     _no_kernels(monkeypatch)
     with LayerPipeline(lay, host_bytes=1 << 20, copy_mode="dma", stream_api=stream_api) as pipe:
+        pipe.pool.buffer.fill_(0xAB)  # stale bytes of earlier entries: the region padding must come out zero
         run_step_saves(pipe, {"a": a_src, "b": b_src})
         _sync()
         assert drain(pipe)[0] == {"a", "b"}
@@ -1307,6 +1308,7 @@ def test_dma_mode_falls_back_to_the_gather_where_it_must(monkeypatch):
             assert torch.equal(pipe.entries[key].buf[: w.numel()].cpu(), w), key
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="device ids exist on a GPU only (on CPU, ids are host ids)")
 def test_dma_mode_restores_with_device_ids_through_the_slots(monkeypatch):
     lay = cache()
     with LayerPipeline(lay, host_bytes=1 << 20, copy_mode="dma") as pipe:
@@ -1315,8 +1317,8 @@ def test_dma_mode_restores_with_device_ids_through_the_slots(monkeypatch):
         _sync()
         drain(pipe)
         dst = ids([20, 21])
-        run_step_loads(pipe, {"a": dst})  # on the GPU: device ids -> H2D + scatter; on CPU: host ids -> DMA
-        assert (pipe._load_batch is None) == (DEVICE.type == "cuda")
+        run_step_loads(pipe, {"a": dst})  # device ids -> H2D into a slot + scatter
+        assert pipe._load_batch is None
         _sync()
         assert drain(pipe)[1] == {"a"}
     assert_blocks_hold(lay, [20, 21], expect)
@@ -1409,3 +1411,73 @@ def test_copy_mode_is_checked(monkeypatch):
     monkeypatch.delenv("KVKERNELS_PIPELINE_COPY_MODE")
     with LayerPipeline(cache(), host_bytes=1 << 20) as pipe:
         assert pipe.copy_mode == "gather"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stream_api", STREAM_APIS)
+def test_dma_mode_copies_wait_for_the_compute_on_the_gpu(stream_api):
+    """The stream waits of dma mode, made visible: the compute stream is held busy (a spin
+    kernel) and then writes the blocks, so a DMA that did not wait for it would read or be
+    overwritten by the wrong bytes. A save must read what the compute wrote last; a restore
+    issued right after a save of the same key must wait for that save's copies; a restore's
+    writes must land after the compute's earlier writes to the destination blocks."""
+    lay = make_cache("vllm-nhd", num_layers=L, num_blocks=NB, block_size=BS, num_heads=H, head_dim=D, device=DEVICE)
+    src, dst = [3, 4, 5, 9], [20, 21, 22, 23]
+    cycles = 50_000_000  # ~25 ms of spinning on the compute stream
+    with LayerPipeline(lay, host_bytes=1 << 20, copy_mode="dma", stream_api=stream_api) as pipe:
+        for layer in range(L):
+            torch.cuda._sleep(cycles)
+            for c in range(lay.num_kv):
+                lay.views[layer][c][src] = float(layer + 1)  # queued behind the spin
+            pipe.save_layer(layer, {"k": src})
+        pipe.wait_for_save()
+        # restore at once (the save's D2H copies may still be queued): done_event orders them
+        torch.cuda._sleep(cycles)
+        for layer in range(L):
+            for c in range(lay.num_kv):
+                lay.views[layer][c][dst] = -7.0  # the compute's last writes before the restore
+        pipe.start_load({"k": dst})
+        for layer in range(L):
+            pipe.wait_for_layer_load(layer)
+        torch.cuda.synchronize()
+        drain(pipe)
+    for layer in range(L):
+        for c in range(lay.num_kv):
+            got = lay.views[layer][c][dst].float()
+            assert bool((got == float(layer + 1)).all()), (layer, c)
+
+
+@pytest.mark.parametrize("copy_mode", ["gather", "dma"])
+def test_host_entries_have_zero_region_padding_over_stale_pool_bytes(copy_mode):
+    """This MLA cache's payload does not fill its 4 KiB-aligned regions: the padding of a new
+    entry is zeroed (the copies write payloads only), so the entry — and its SSD file — is
+    exactly the staging format, never another request's stale bytes."""
+    lay = cache("mla")
+    src = [3, 4, 9]
+    want = kvkernels.gather(lay, ids(src)).cpu()
+    with LayerPipeline(lay, host_bytes=1 << 20, copy_mode=copy_mode) as pipe:
+        fmt = kvkernels.StagingFormat.for_layout(lay, len(src))
+        assert fmt.region_nbytes > fmt.payload_nbytes
+        pipe.pool.buffer.fill_(0xAB)
+        run_step_saves(pipe, {"k": src})
+        _sync()
+        drain(pipe)
+        assert torch.equal(pipe.entries["k"].buf.cpu(), want)
+
+
+def test_a_restore_not_waited_to_the_end_is_finished_before_the_next_one():
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20, copy_mode="dma", prefetch_depth=1) as pipe:
+        exp_a, exp_b = snapshot(lay, [3, 9]), snapshot(lay, [4, 5])
+        run_step_saves(pipe, {"a": [3, 9], "b": [4, 5]})
+        _sync()
+        drain(pipe)
+        pipe.start_load({"a": [20, 21]})
+        pipe.wait_for_layer_load(0)  # the engine stopped after layer 0
+        pipe.start_load({"b": [22, 23]})  # issues "a"'s remaining layers first
+        for layer in range(L):
+            pipe.wait_for_layer_load(layer)
+        _sync()
+        assert drain(pipe)[1] == {"a", "b"}
+    assert_blocks_hold(lay, [20, 21], exp_a)
+    assert_blocks_hold(lay, [22, 23], exp_b)
