@@ -1408,6 +1408,9 @@ def test_copy_mode_is_checked(monkeypatch):
     monkeypatch.setenv("KVKERNELS_PIPELINE_COPY_MODE", "DMA")
     with LayerPipeline(cache(), host_bytes=1 << 20) as pipe:
         assert pipe.copy_mode == "dma"
+    # a process-wide preference does not break the caches it cannot apply to: they gather
+    with LayerPipeline(cache("flashinfer-hnd"), host_bytes=1 << 20) as pipe:
+        assert pipe.copy_mode == "gather"
     monkeypatch.delenv("KVKERNELS_PIPELINE_COPY_MODE")
     with LayerPipeline(cache(), host_bytes=1 << 20) as pipe:
         assert pipe.copy_mode == "gather"
