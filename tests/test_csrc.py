@@ -75,12 +75,15 @@ def test_resource_usage_report(tmp_path, capsys):
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", out)]
     assert len(per) == len(regs)
     # paged copy: 5 word widths x gather/scatter; fp8 gather: 3 dtypes x 2 granularities x vec/scalar,
-    # plus the per-token 16-byte instance for rows of 65-96 vectors (3 dtypes); fp8 scatter: 3 dtypes x
-    # vec/scalar; shuffle: gather/scatter x vec/scalar; bulk copy (with the CUTLASS headers): 3 stage
-    # counts x gather/scatter
-    assert len(regs) == 10 + 12 + 3 + 6 + 4 + (6 if build.cutlass_include() else 0)
-    long_rows = {k: int(v) for k, v in per.items() if "quant_gather_kernel" in k and k.endswith("Li3EEEvNS_15QuantCopyParamsE")}
-    assert len(long_rows) == 3
+    # plus the per-token 16-byte instance for rows of 65-96 vectors (3 dtypes) and the per-token
+    # instances with the row length fixed at compile time (16, 32, 72 vectors; 3 dtypes); fp8
+    # scatter: 3 dtypes x vec/scalar; shuffle: gather/scatter x vec/scalar; bulk copy (with the
+    # CUTLASS headers): 3 stage counts x gather/scatter
+    assert len(regs) == 10 + 12 + 3 + 9 + 6 + 4 + (6 if build.cutlass_include() else 0)
+    # the 3-vector instances (kRV = 3: the run-time one and the 72-vector one), per dtype
+    long_rows = {k: int(v) for k, v in per.items()
+                 if "quant_gather_kernel" in k and re.search(r"Li3ELi\d+EEEvNS_15QuantCopyParamsE$", k)}
+    assert len(long_rows) == 6
     # a copy kernel has no business spilling or limiting occupancy: <= 64 registers (8 warps of 256
     # threads, 4 CTAs per SM); the long-row instance holds 3 vectors per lane: <= 80 (3 CTAs per SM)
     assert max(int(v) for k, v in per.items() if k not in long_rows) <= 64
@@ -339,9 +342,9 @@ def _emu_round_trip(lay, dst_a, dst_b, max_ctas, **mode):
 
 
 @needs_gxx
-@pytest.mark.parametrize("head_dim", [64, 40], ids=["vec16", "scalar"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("layout", EMU_LAYOUTS)
+@pytest.mark.parametrize("head_dim", [64, 40, 128], ids=["vec16", "scalar", "vec16-fixed"])  # 128: the compile-time
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)  # row instances
+@pytest.mark.parametrize("layout", EMU_LAYOUTS)  # (several items per CTA), capped grids included
 def test_emulated_fp8_kernels_match_reference(emulated_cuda, layout, dtype, head_dim):
     lay = _emu_cache(layout, dtype, head_dim)  # random bytes: NaN, inf, huge, subnormal values
     for k, granularity in enumerate(("token", "block")):
@@ -352,13 +355,15 @@ def test_emulated_fp8_kernels_match_reference(emulated_cuda, layout, dtype, head
 @needs_gxx
 @pytest.mark.parametrize("head_dim", [16, 48, 128, 256, 288, 512, 576, 768])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("layout", ["vllm-hnd", "mla"])
+@pytest.mark.parametrize("layout", ["vllm-hnd", "vllm-nhd", "mla"])  # rows through (t, h); evenly spaced; one head
 def test_emulated_fp8_register_rows_cover_every_group_shape(emulated_cuda, layout, dtype, head_dim):
     """The token path that holds rows in registers (quant_rows_token_vec), by 16-byte vectors per
     row (bf16: head_dim / 8, fp32: head_dim / 4): lanes per row 1-32, 1-4 row steps per warp,
     partial groups (48 bf16: 6 of 8 lanes); 2 vectors per lane (512 / 288 bf16, 256 fp32); the
     3-vector instance for rows of 65-96 vectors (576 / 768 bf16 — MLA's rows —, 288 fp32);
-    and the warp-per-row fallback beyond (512 / 576 / 768 fp32)."""
+    and the warp-per-row fallback beyond (512 / 576 / 768 fp32). The instances with the row
+    geometry fixed at compile time (16, 32 and 72 vectors: 128 / 256 / 576 bf16, 128 / 288 fp32)
+    beside the run-time ones."""
     lay = _emu_cache(layout, dtype, head_dim)
     dst_a, dst_b = _emu_cache(layout, dtype, head_dim, seed=1), _emu_cache(layout, dtype, head_dim, seed=1)
     _emu_round_trip(lay, dst_a, dst_b, max_ctas=0, quant="fp8", granularity="token")

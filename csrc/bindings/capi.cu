@@ -109,8 +109,9 @@ int check_fp8_format(const uint8_t* staging, int64_t n, int64_t C, int64_t H, in
 }
 
 template <int kKind>
-cudaError_t launch_fp8(bool gather, bool per_block, bool vec, const kvk::QuantCopyParams& p, int grid,
+cudaError_t launch_fp8(bool gather, bool per_block, bool vec, const kvk::QuantCopyParams& p, int64_t max_ctas,
                        cudaStream_t s) {
+  const int grid = grid_size(p.num_items, max_ctas);
   if (gather) {
     if (per_block) {
       if (vec) {
@@ -118,10 +119,34 @@ cudaError_t launch_fp8(bool gather, bool per_block, bool vec, const kvk::QuantCo
       } else {
         kvk::quant_gather_kernel<kKind, true, false><<<grid, kvk::kThreads, 0, s>>>(p);
       }
-    } else if (vec && kvk::token_reg_vecs(p.head_dim / kvk::Elem<kKind>::kPerVec) == kvk::kRegVecsLong) {
-      kvk::quant_gather_kernel<kKind, false, true, kvk::kRegVecsLong><<<grid, kvk::kThreads, 0, s>>>(p);
     } else if (vec) {
-      kvk::quant_gather_kernel<kKind, false, true><<<grid, kvk::kThreads, 0, s>>>(p);
+      // the token path's instance: registers per lane by row length, and the row geometry fixed
+      // at compile time for the common lengths (token_fixed_nv)
+      // (those take token_items_per_cta items per CTA: the grid covers the items in that many fewer CTAs)
+      const int64_t nv = p.head_dim / kvk::Elem<kKind>::kPerVec;
+      const int64_t rows = p.block_size * p.H;
+      const bool long_rows = kvk::token_reg_vecs(nv) == kvk::kRegVecsLong;
+      const auto fixed_grid = [&](int ipc) { return grid_size((p.num_items + ipc - 1) / ipc, max_ctas); };
+      switch (kvk::token_fixed_nv(nv)) {
+        case 16:
+          kvk::quant_gather_kernel<kKind, false, true, kvk::kRegVecs, 16>
+              <<<fixed_grid(kvk::token_items_per_cta<kvk::kRegVecs>(16, rows)), kvk::kThreads, 0, s>>>(p);
+          break;
+        case 32:
+          kvk::quant_gather_kernel<kKind, false, true, kvk::kRegVecs, 32>
+              <<<fixed_grid(kvk::token_items_per_cta<kvk::kRegVecs>(32, rows)), kvk::kThreads, 0, s>>>(p);
+          break;
+        case 72:
+          kvk::quant_gather_kernel<kKind, false, true, kvk::kRegVecsLong, 72>
+              <<<fixed_grid(kvk::token_items_per_cta<kvk::kRegVecsLong>(72, rows)), kvk::kThreads, 0, s>>>(p);
+          break;
+        default:
+          if (long_rows) {
+            kvk::quant_gather_kernel<kKind, false, true, kvk::kRegVecsLong><<<grid, kvk::kThreads, 0, s>>>(p);
+          } else {
+            kvk::quant_gather_kernel<kKind, false, true><<<grid, kvk::kThreads, 0, s>>>(p);
+          }
+      }
     } else {
       kvk::quant_gather_kernel<kKind, false, false><<<grid, kvk::kThreads, 0, s>>>(p);
     }
@@ -152,13 +177,12 @@ int fp8_copy(bool gather, const int64_t* ptr_tab, const void* block_ids, int ids
                          stride_b, stride_n,  stride_h, C,   H, block_size, head_dim,
                          region_bytes, q_entry_bytes, scale_base_bytes, scale_entry_bytes, ids_64 != 0,
                          per_block != 0};
-  const int g = grid_size(p.num_items, max_ctas);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   cudaError_t e;
   switch (kind) {
-    case 0: e = launch_fp8<0>(gather, per_block != 0, vec16 != 0, p, g, s); break;
-    case 1: e = launch_fp8<1>(gather, per_block != 0, vec16 != 0, p, g, s); break;
-    default: e = launch_fp8<2>(gather, per_block != 0, vec16 != 0, p, g, s); break;
+    case 0: e = launch_fp8<0>(gather, per_block != 0, vec16 != 0, p, max_ctas, s); break;
+    case 1: e = launch_fp8<1>(gather, per_block != 0, vec16 != 0, p, max_ctas, s); break;
+    default: e = launch_fp8<2>(gather, per_block != 0, vec16 != 0, p, max_ctas, s); break;
   }
   return guard.release(gather ? "quant_gather_kernel launch" : "dequant_scatter_kernel launch", e);
 }

@@ -57,17 +57,27 @@ struct Item {
   bool valid;
 };
 
-__device__ __forceinline__ Item item_coords(const QuantCopyParams& p, int64_t w) {
+// leader: the one thread of the item's threads that counts an invalid id (the CTA's first thread,
+// or the first of the warps that share a CTA's item, see quant_token_fixed_items)
+__device__ __forceinline__ Item item_coords(const QuantCopyParams& p, int64_t w, bool leader) {
   Item it;
-  const int64_t jc = w / p.n;
-  it.i = w - jc * p.n;
-  it.j = jc / p.C;
-  it.c = jc - it.j * p.C;
+  if (p.num_items <= 0xFFFFFFFFll) {  // always, in practice: 32-bit divisions (a 64-bit one is a call)
+    const uint32_t wu = static_cast<uint32_t>(w), nu = static_cast<uint32_t>(p.n), cu = static_cast<uint32_t>(p.C);
+    const uint32_t jc = wu / nu;
+    it.i = wu - jc * nu;
+    it.j = jc / cu;
+    it.c = jc - static_cast<uint32_t>(it.j) * cu;
+  } else {
+    const int64_t jc = w / p.n;
+    it.i = w - jc * p.n;
+    it.j = jc / p.C;
+    it.c = jc - it.j * p.C;
+  }
   it.bid = p.ids_64 ? static_cast<const int64_t*>(p.block_ids)[it.i]
                     : static_cast<int64_t>(static_cast<const int32_t*>(p.block_ids)[it.i]);
   it.valid = it.bid >= 0 && it.bid < p.num_blocks;
   // counted once per slot: in the first n work items (layer region 0, entry 0)
-  if (!it.valid && it.bid != -1 && threadIdx.x == 0 && w < p.n) atomicAdd(p.err, 1);
+  if (!it.valid && it.bid != -1 && leader && w < p.n) atomicAdd(p.err, 1);
   return it;
 }
 
@@ -81,6 +91,40 @@ __device__ __forceinline__ QR divmod32(int64_t a, int64_t b) {
   const uint32_t au = static_cast<uint32_t>(a), bu = static_cast<uint32_t>(b);
   const uint32_t q = au / bu;
   return QR{q, au - q * bu};
+}
+
+// Byte offset of row r = t * H + h of a chunk: r * stride when rows are evenly spaced (NHD: stride_n
+// == H * stride_h; one head: stride_n), else through (t, h) = divmod(r, H). row_stride() is 0 in
+// the second case. The division cost ~27 instructions per 16-byte vector in the FP8 gather's
+// register path (static SASS, sm_90, 2026-11-23), where NHD caches never need it.
+__device__ __forceinline__ int64_t row_stride(const QuantCopyParams& p) {
+  if (p.H == 1) return p.stride_n;
+  return p.stride_n == p.H * p.stride_h ? p.stride_h : 0;
+}
+__device__ __forceinline__ int64_t row_offset(const QuantCopyParams& p, int64_t r, int64_t stride) {
+  if (stride != 0) return r * stride;
+  const QR th = divmod32(r, p.H);
+  return static_cast<int64_t>(th.q) * p.stride_n + static_cast<int64_t>(th.r) * p.stride_h;
+}
+
+// Unsigned max (one VIMNMX on the GPU rather than a compare and a select).
+__device__ __forceinline__ uint32_t umax32(uint32_t a, uint32_t b) {
+#ifdef __CUDA_ARCH__
+  return max(a, b);
+#else
+  return a > b ? a : b;
+#endif
+}
+
+// A 16-byte read of the cache through the read-only path (LDG.CONSTANT: the kernels never write
+// the cache they read; the pointer comes from a table, so the compiler emitted generic loads).
+template <class V>
+__device__ __forceinline__ V load_ro(const V* ptr) {
+#ifdef __CUDA_ARCH__
+  return __ldg(ptr);
+#else
+  return *ptr;
+#endif
 }
 
 __device__ __forceinline__ const uint8_t* cache_block(const QuantCopyParams& p, const Item& it) {
@@ -176,11 +220,19 @@ __host__ __device__ constexpr int token_reg_vecs(int64_t nv) {
   return nv > 32 * kRegVecs && nv <= 32 * kRegVecsLong ? kRegVecsLong : kRegVecs;
 }
 
-__device__ __forceinline__ int group_lanes(int64_t nv) {
+__host__ __device__ constexpr int group_lanes(int64_t nv) {
   int g = 1;
   while (g < nv && g < 32) g <<= 1;
   return g;
 }
+
+// Rows of these many vectors get kernel instances with the row geometry known at compile time
+// (kNV): bf16/fp16 head_dim 128 (16), fp32 128 / 16-bit 256 (32), MLA's 576 bf16 (72). With nv
+// a run-time value the group size, lanes per row and row steps are too, so the amax shuffle is
+// a loop and every vector carries bounds checks: 38.6 instructions per element against
+// Triton's 22.4 in the static SASS of the D = 128 instance (sm_90, 2026-11-23), where Triton's
+// kernel ran 1.6x faster on the H100. 0: the run-time instance (any other nv).
+__host__ __device__ constexpr int token_fixed_nv(int64_t nv) { return nv == 16 || nv == 32 || nv == 72 ? static_cast<int>(nv) : 0; }
 
 // Element y of a 16-byte vector, through its 32-bit words (register extraction, no address taken).
 template <int kKind>
@@ -192,20 +244,29 @@ __device__ __forceinline__ uint32_t vec_elem(const uint4& v, int y) {
   return (y % kPerWord) ? (w >> 16) : (w & 0xFFFFu);
 }
 
-template <int kKind, int kRegVecs>
+template <int kKind, int kRegVecs, int kNV = 0>
 __device__ __forceinline__ void quant_rows_token_vec(const QuantCopyParams& p, const Item& it, const uint8_t* cache,
-                                                     uint8_t* q_out, float* s_out, int warp, int lane) {
+                                                     uint8_t* q_out, float* s_out, int warp, int lane,
+                                                     int nwarps = kWarps) {
   using E = Elem<kKind>;
+  // kNV > 0: the row geometry below is compile-time (shuffles unrolled with constant offsets,
+  // bounds checks folded); kNV == 0: the same values at run time
+  constexpr bool kFixed = kNV > 0;
+  constexpr int kG = kFixed ? group_lanes(kNV) : 32;
+  constexpr int kPerLane = kFixed ? (kNV + kG - 1) / kG : 1;
+  constexpr bool kFull = kFixed && kPerLane * kG == kNV;  // every lane's vectors exist: no k < nv check
+  static_assert(!kFixed || kPerLane <= kRegVecs, "a fixed row must fit the lane's registers");
   const int64_t D = p.head_dim;
   const int64_t rows = p.block_size * p.H;
-  const int64_t nv = D / E::kPerVec;
-  const int g = group_lanes(nv);
-  const int per_lane = static_cast<int>((nv + g - 1) / g);  // vectors of one row per lane (<= kRegVecs)
+  const int64_t nv = kFixed ? kNV : D / E::kPerVec;
+  const int g = kFixed ? kG : group_lanes(nv);
+  const int per_lane = kFixed ? kPerLane : static_cast<int>((nv + g - 1) / g);  // vectors of one row per lane (<= kRegVecs)
   const int steps = kRegVecs / per_lane;                      // row steps held at once (>= 1)
   const int rpw = 32 / g;                                     // rows per warp per step
   const int sub = lane / g, gl = lane - sub * g;
   const int64_t tile = static_cast<int64_t>(rpw) * steps;     // rows of one warp iteration
-  for (int64_t r0 = warp * tile; r0 < rows; r0 += kWarps * tile) {  // warp-uniform: shuffles see all lanes
+  const int64_t rstride = row_stride(p);
+  for (int64_t r0 = warp * tile; r0 < rows; r0 += nwarps * tile) {  // warp-uniform: shuffles see all lanes
     typename E::Vec v[kRegVecs];
     uint32_t m[kRegVecs];
 #pragma unroll
@@ -215,19 +276,14 @@ __device__ __forceinline__ void quant_rows_token_vec(const QuantCopyParams& p, c
       const int64_t k = gl + static_cast<int64_t>(x - u * per_lane) * g;
       m[x] = 0;
       v[x] = typename E::Vec{};
-      if (u < steps && r < rows && k < nv && it.valid) {
-        const QR th = divmod32(r, p.H);  // (token, head) of the row
-        v[x] = reinterpret_cast<const typename E::Vec*>(cache + static_cast<int64_t>(th.q) * p.stride_n +
-                                                        static_cast<int64_t>(th.r) * p.stride_h)[k];
-      }
+      if (u < steps && r < rows && (kFull || k < nv) && it.valid)
+        v[x] = load_ro(reinterpret_cast<const typename E::Vec*>(cache + row_offset(p, r, rstride)) + k);
     }
 #pragma unroll
     for (int x = 0; x < kRegVecs; ++x) {
 #pragma unroll
-      for (int y = 0; y < E::kPerVec; ++y) {
-        const uint32_t a = abs_finite_bits(load_as_f32<kKind>(vec_elem<kKind>(v[x], y)));
-        m[x] = a > m[x] ? a : m[x];
-      }
+      for (int y = 0; y < E::kPerVec; ++y)
+        m[x] = umax32(m[x], abs_finite_bits(load_as_f32<kKind>(vec_elem<kKind>(v[x], y))));
     }
     // every array index below is a compile-time constant after unrolling (registers, no local memory)
 #pragma unroll
@@ -236,10 +292,12 @@ __device__ __forceinline__ void quant_rows_token_vec(const QuantCopyParams& p, c
       uint32_t a = 0;
 #pragma unroll
       for (int x = 0; x < kRegVecs; ++x)
-        if (x / per_lane == u) a = m[x] > a ? m[x] : a;
-      for (int o = g >> 1; o > 0; o >>= 1) {
-        const uint32_t b = __shfl_xor_sync(0xFFFFFFFFu, a, o);
-        a = b > a ? b : a;
+        if (x / per_lane == u) a = umax32(a, m[x]);
+      if constexpr (kFixed) {
+#pragma unroll
+        for (int o = kG >> 1; o > 0; o >>= 1) a = umax32(a, __shfl_xor_sync(0xFFFFFFFFu, a, o));
+      } else {
+        for (int o = g >> 1; o > 0; o >>= 1) a = umax32(a, __shfl_xor_sync(0xFFFFFFFFu, a, o));
       }
       const int64_t r = r0 + static_cast<int64_t>(u) * rpw + sub;
       const float s = scale_from_amax_bits(a);
@@ -249,7 +307,7 @@ __device__ __forceinline__ void quant_rows_token_vec(const QuantCopyParams& p, c
       for (int x = 0; x < kRegVecs; ++x) {
         if (x / per_lane != u) continue;
         const int64_t k = gl + static_cast<int64_t>(x - u * per_lane) * g;
-        if (r >= rows || k >= nv) continue;
+        if (r >= rows || !(kFull || k < nv)) continue;
         typename E::Codes out{};
         if (it.valid) {
           uint8_t* o8 = reinterpret_cast<uint8_t*>(&out);
@@ -267,20 +325,62 @@ __device__ __forceinline__ void quant_rows_token_vec(const QuantCopyParams& p, c
   }
 }
 
+// Rows one warp iteration of quant_rows_token_vec covers for rows of kNV vectors (kRV per lane).
+template <int kRV>
+__host__ __device__ constexpr int64_t token_tile_rows(int nv) {
+  return static_cast<int64_t>(32 / group_lanes(nv)) * (kRV / ((nv + group_lanes(nv) - 1) / group_lanes(nv)));
+}
+
+// Work items one CTA takes at once in the fixed-geometry token instances: an item of `rows` rows
+// needs ceil(rows / tile) warp iterations; when that is fewer than half the CTA's warps, the
+// warps split into groups (a power of two of them) that take one item each. 4 KB chunks (16 rows
+// of 16 vectors: 4 tiles) left half of every CTA idle with one item per CTA (static SASS, sm_90,
+// 2026-11-23). The host sizes the grid with the same function (capi.cu).
+template <int kRV>
+__host__ __device__ constexpr int token_items_per_cta(int nv, int64_t rows) {
+  const int64_t tiles = (rows + token_tile_rows<kRV>(nv) - 1) / token_tile_rows<kRV>(nv);
+  int ipc = 1;
+  while (ipc < kWarps && tiles * (2 * ipc) <= kWarps) ipc *= 2;
+  return ipc;
+}
+
+// The fixed-geometry token path (kNV > 0): token_items_per_cta items per CTA, each on its own group
+// of warps (warp shuffles only: the groups never wait for each other).
+template <int kKind, int kRV, int kNV>
+__device__ __forceinline__ void quant_token_fixed_items(const QuantCopyParams& p, int warp, int lane) {
+  const int64_t rows = p.block_size * p.H;
+  const int ipc = token_items_per_cta<kRV>(kNV, rows);
+  const int wpi = kWarps / ipc;
+  const int slot = warp / wpi, wwarp = warp - slot * wpi;
+  for (int64_t w = static_cast<int64_t>(blockIdx.x) * ipc + slot; w < p.num_items;
+       w += static_cast<int64_t>(gridDim.x) * ipc) {
+    const Item it = item_coords(p, w, wwarp == 0 && lane == 0);
+    const uint8_t* cache = cache_block(p, it);
+    uint8_t* region = p.staging + it.j * p.region_bytes;
+    uint8_t* q_out = region + it.c * p.q_entry_bytes + it.i * rows * p.head_dim;
+    float* s_out = reinterpret_cast<float*>(region + p.scale_base_bytes + it.c * p.scale_entry_bytes);
+    quant_rows_token_vec<kKind, kRV, kNV>(p, it, cache, q_out, s_out + it.i * rows, wwarp, lane, wpi);
+  }
+}
+
 // FP8 gather. kPerBlock = false: token granularity; with 16-byte vectors and rows of at most 32 *
 // kRegVecs vectors, quant_rows_token_vec; otherwise one warp per (token, head) row (warp-shuffle
 // amax, scale, codes; the row re-read for the codes hits L1). kPerBlock = true: one warp per head
 // of the block (kWarps / H warps per head when H < kWarps, through shared memory): amax over the
 // block's tokens, then a second pass quantizes (the re-read hits L1/L2).
-template <int kKind, bool kPerBlock, bool kVec, int kRV = kRegVecs>
+template <int kKind, bool kPerBlock, bool kVec, int kRV = kRegVecs, int kNV = 0>
 __global__ void __launch_bounds__(kThreads) quant_gather_kernel(QuantCopyParams p) {
   // grid: (min(num_items, max_ctas),); block: kThreads threads = kWarps warps over the rows
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
+  if constexpr (!kPerBlock && kVec && kNV > 0) {
+    quant_token_fixed_items<kKind, kRV, kNV>(p, warp, lane);
+    return;
+  }
   const int64_t D = p.head_dim;
   const int64_t rows = p.block_size * p.H;
   for (int64_t w = blockIdx.x; w < p.num_items; w += gridDim.x) {
-    const Item it = item_coords(p, w);
+    const Item it = item_coords(p, w, threadIdx.x == 0);
     const uint8_t* cache = cache_block(p, it);
     uint8_t* region = p.staging + it.j * p.region_bytes;
     uint8_t* q_out = region + it.c * p.q_entry_bytes + it.i * rows * D;
@@ -333,7 +433,7 @@ __global__ void __launch_bounds__(kThreads) quant_gather_kernel(QuantCopyParams 
                                     it.valid, lane);
       }
     } else if (kVec && D / Elem<kKind>::kPerVec <= 32 * kRV) {
-      quant_rows_token_vec<kKind, kRV>(p, it, cache, q_out, s_out + it.i * rows, warp, lane);
+      quant_rows_token_vec<kKind, kRV, kNV>(p, it, cache, q_out, s_out + it.i * rows, warp, lane);
     } else {
       s_out += it.i * rows;
       for (int64_t r = warp; r < rows; r += kWarps) {
@@ -370,7 +470,7 @@ __global__ void __launch_bounds__(kThreads) dequant_scatter_kernel(QuantCopyPara
   const int64_t total = rows * per_row;
   const int64_t stride = static_cast<int64_t>(blockDim.x);
   for (int64_t w = blockIdx.x; w < p.num_items; w += gridDim.x) {
-    const Item it = item_coords(p, w);
+    const Item it = item_coords(p, w, threadIdx.x == 0);
     if (!it.valid) continue;
     uint8_t* cache = const_cast<uint8_t*>(cache_block(p, it));
     const uint8_t* region = p.staging + it.j * p.region_bytes;
@@ -437,7 +537,7 @@ __global__ void __launch_bounds__(kThreads) shuffle_copy_kernel(QuantCopyParams 
   const int64_t total = rows * per_row;
   const int64_t plane = p.n * rows * D;
   for (int64_t w = blockIdx.x; w < p.num_items; w += gridDim.x) {
-    const Item it = item_coords(p, w);
+    const Item it = item_coords(p, w, threadIdx.x == 0);
     if (!kToStaging && !it.valid) continue;
     uint8_t* cache = const_cast<uint8_t*>(cache_block(p, it));
     uint8_t* hi = p.staging + it.j * p.region_bytes + it.c * p.q_entry_bytes + it.i * rows * D;

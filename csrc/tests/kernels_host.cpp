@@ -73,7 +73,15 @@ int atomicAdd(int* p, int v) {
 namespace {
 // mode 0: fp8 gather, 1: fp8 scatter, 2: shuffle gather, 3: shuffle scatter.
 int run(int mode, const kvk::QuantCopyParams& p, int kind, bool per_block, bool vec16, int64_t max_ctas) {
-  const int64_t g = max_ctas > 0 && max_ctas < p.num_items ? max_ctas : p.num_items;
+  int64_t items = p.num_items;  // the fixed-geometry token instances take several items per CTA (capi.cu)
+  const int64_t nv = p.head_dim / (kind == 2 ? 4 : 8);
+  if (mode == 0 && !per_block && vec16 && kvk::token_fixed_nv(nv) != 0) {
+    const int ipc = kvk::token_fixed_nv(nv) == 72
+                        ? kvk::token_items_per_cta<kvk::kRegVecsLong>(72, p.block_size * p.H)
+                        : kvk::token_items_per_cta<kvk::kRegVecs>(static_cast<int>(nv), p.block_size * p.H);
+    items = (items + ipc - 1) / ipc;
+  }
+  const int64_t g = max_ctas > 0 && max_ctas < items ? max_ctas : items;
   std::function<void()> k;
 #define KVK_FP8(K)                                                                                    \
   if (kind == K) {                                                                                    \
@@ -83,6 +91,12 @@ int run(int mode, const kvk::QuantCopyParams& p, int kind, bool per_block, bool 
     if (mode == 0 && !per_block && vec16 &&                                                           \
         kvk::token_reg_vecs(p.head_dim / kvk::Elem<K>::kPerVec) == kvk::kRegVecsLong)                 \
       k = [&] { kvk::quant_gather_kernel<K, false, true, kvk::kRegVecsLong>(p); };                    \
+    if (mode == 0 && !per_block && vec16) { /* capi.cu's fixed-geometry instances */                  \
+      const int fixed = kvk::token_fixed_nv(p.head_dim / kvk::Elem<K>::kPerVec);                      \
+      if (fixed == 16) k = [&] { kvk::quant_gather_kernel<K, false, true, kvk::kRegVecs, 16>(p); };   \
+      if (fixed == 32) k = [&] { kvk::quant_gather_kernel<K, false, true, kvk::kRegVecs, 32>(p); };   \
+      if (fixed == 72) k = [&] { kvk::quant_gather_kernel<K, false, true, kvk::kRegVecsLong, 72>(p); }; \
+    }                                                                                                 \
     if (mode == 0 && !per_block && !vec16) k = [&] { kvk::quant_gather_kernel<K, false, false>(p); }; \
     if (mode == 1 && vec16) k = [&] { kvk::dequant_scatter_kernel<K, true>(p); };                     \
     if (mode == 1 && !vec16) k = [&] { kvk::dequant_scatter_kernel<K, false>(p); };                   \
