@@ -469,6 +469,13 @@ __global__ void __launch_bounds__(kThreads) dequant_scatter_kernel(QuantCopyPara
   const int64_t per_row = D / kPer;
   const int64_t total = rows * per_row;
   const int64_t stride = static_cast<int64_t>(blockDim.x);
+  // (row, vector) of pair k: a shift and a mask when the row's vector count is a power of two (every
+  // common head dim), else a division; the row's offset without a division when rows are evenly
+  // spaced (row_stride) and the scales are per row (per-block scales need the row's head)
+  int shift = 0;
+  while ((int64_t{1} << shift) < per_row) ++shift;
+  const bool pow2 = (int64_t{1} << shift) == per_row;
+  const int64_t rstride = p.per_block ? 0 : row_stride(p);
   for (int64_t w = blockIdx.x; w < p.num_items; w += gridDim.x) {
     const Item it = item_coords(p, w, threadIdx.x == 0);
     if (!it.valid) continue;
@@ -490,14 +497,21 @@ __global__ void __launch_bounds__(kThreads) dequant_scatter_kernel(QuantCopyPara
         sc[u] = 0.0f;
         dst_off[u] = 0;
         if (k < total) {
-          const QR rx = divmod32(k, per_row);   // (row, vector in the row)
-          const QR th = divmod32(rx.q, p.H);    // (token, head) of the row
+          const QR rx = pow2 ? QR{static_cast<uint32_t>(k >> shift), static_cast<uint32_t>(k & (per_row - 1))}
+                             : divmod32(k, per_row);  // (row, vector in the row)
           const uint8_t* src = q_in + static_cast<int64_t>(rx.q) * D + static_cast<int64_t>(rx.r) * kPer;
           if (kVec) codes[u] = *reinterpret_cast<const typename E::Codes*>(src);
           else one[u] = *src;
-          sc[u] = s_in[p.per_block ? th.r : rx.q];
-          dst_off[u] = static_cast<int64_t>(th.q) * p.stride_n + static_cast<int64_t>(th.r) * p.stride_h +
-                       static_cast<int64_t>(rx.r) * kPer * static_cast<int64_t>(sizeof(typename E::T));
+          int64_t roff;
+          if (rstride != 0) {
+            roff = static_cast<int64_t>(rx.q) * rstride;
+            sc[u] = s_in[rx.q];
+          } else {
+            const QR th = divmod32(rx.q, p.H);  // (token, head) of the row
+            roff = static_cast<int64_t>(th.q) * p.stride_n + static_cast<int64_t>(th.r) * p.stride_h;
+            sc[u] = s_in[p.per_block ? th.r : rx.q];
+          }
+          dst_off[u] = roff + static_cast<int64_t>(rx.r) * kPer * static_cast<int64_t>(sizeof(typename E::T));
         }
       }
 #pragma unroll
