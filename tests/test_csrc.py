@@ -344,7 +344,7 @@ def _emu_round_trip(lay, dst_a, dst_b, max_ctas, **mode):
 @needs_gxx
 @pytest.mark.parametrize("head_dim", [64, 40, 128], ids=["vec16", "scalar", "vec16-fixed"])  # 128: the compile-time
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)  # row instances
-@pytest.mark.parametrize("layout", EMU_LAYOUTS)  # (several items per CTA), capped grids included
+@pytest.mark.parametrize("layout", EMU_LAYOUTS)
 def test_emulated_fp8_kernels_match_reference(emulated_cuda, layout, dtype, head_dim):
     lay = _emu_cache(layout, dtype, head_dim)  # random bytes: NaN, inf, huge, subnormal values
     for k, granularity in enumerate(("token", "block")):
@@ -367,6 +367,29 @@ def test_emulated_fp8_register_rows_cover_every_group_shape(emulated_cuda, layou
     lay = _emu_cache(layout, dtype, head_dim)
     dst_a, dst_b = _emu_cache(layout, dtype, head_dim, seed=1), _emu_cache(layout, dtype, head_dim, seed=1)
     _emu_round_trip(lay, dst_a, dst_b, max_ctas=0, quant="fp8", granularity="token")
+
+
+@needs_gxx
+@pytest.mark.parametrize("max_ctas", [1, 3, 0])
+@pytest.mark.parametrize("block_size, heads", [(1, 1), (1, 3), (3, 1), (4, 2)])
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 128), (torch.float32, 128), (torch.bfloat16, 576)],
+                         ids=["bf16-16vec", "fp32-32vec", "bf16-72vec"])
+@pytest.mark.parametrize("layout", ["vllm-nhd", "vllm-hnd", "mla"])
+def test_emulated_fp8_fixed_row_instances_on_capped_grids(emulated_cuda, layout, dtype, head_dim, block_size, heads,
+                                                          max_ctas):
+    """The token instances with the row length fixed at compile time take several work items per
+    CTA (a group of warps each) when an item has few rows: every item exactly once on grids capped
+    below the item count (the grid-stride wrap), one-token blocks (token stride reported as 0),
+    one head (rows evenly spaced through the token stride) and HND (rows through (t, h))."""
+    if layout == "mla" and heads != 1:
+        pytest.skip("MLA has one head")
+
+    def mk(seed):
+        return make_cache(layout, num_layers=2, num_blocks=8, block_size=block_size, num_heads=heads,
+                          head_dim=head_dim, dtype=dtype, seed=seed)
+
+    lay = mk(0)
+    _emu_round_trip(lay, mk(1), mk(1), max_ctas=max_ctas, quant="fp8", granularity="token")
 
 
 @needs_gxx

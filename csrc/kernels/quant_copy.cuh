@@ -348,6 +348,10 @@ __host__ __device__ constexpr int token_items_per_cta(int nv, int64_t rows) {
 // of warps (warp shuffles only: the groups never wait for each other).
 template <int kKind, int kRV, int kNV>
 __device__ __forceinline__ void quant_token_fixed_items(const QuantCopyParams& p, int warp, int lane) {
+  static_assert((kWarps & (kWarps - 1)) == 0, "warp groups of a CTA must be whole: kWarps a power of two");
+  static_assert(kRV == token_reg_vecs(kNV), "the register count capi.cu launches this row length with");
+  // the geometry comes from kNV alone: a launch for another head_dim would write past its rows
+  if (p.head_dim != static_cast<int64_t>(kNV) * Elem<kKind>::kPerVec) __trap();
   const int64_t rows = p.block_size * p.H;
   const int ipc = token_items_per_cta<kRV>(kNV, rows);
   const int wpi = kWarps / ipc;

@@ -5,6 +5,7 @@
 // with the torch reference on a GPU-less machine (tests/test_csrc.py). Host pointers play the
 // device pointers. Build: g++ -std=c++20 -O1 -shared -fPIC -pthread -Wno-unknown-pragmas
 // -Icsrc/tests/emu. Exports the kernel entry points of the C ABI (below).
+#include <cstdlib>
 #include <atomic>
 #include <barrier>
 #include <cstdint>
@@ -62,6 +63,8 @@ unsigned __shfl_xor_sync(unsigned, unsigned v, int lane_mask) {
 }
 
 void __syncthreads() { g_block_bar->arrive_and_wait(); }
+
+void __trap() { std::abort(); }
 
 int atomicAdd(int* p, int v) {
   std::lock_guard<std::mutex> lock(g_atomic);

@@ -29,6 +29,7 @@ extern kvk_emu_dim blockDim;
 
 unsigned __shfl_xor_sync(unsigned mask, unsigned v, int lane_mask);
 int atomicAdd(int* p, int v);
+[[noreturn]] void __trap();
 // block-wide barrier of all kThreads threads; shared memory is one static instance per kernel
 // instantiation (the threads run the blocks in order, kept in step by __syncthreads: a kernel
 // must sync before it reuses shared memory for the next work item, as on a GPU)
