@@ -596,6 +596,26 @@ def test_cuda_fp8_matches_triton_and_reference(layout, dtype, granularity, head_
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("max_ctas", [0, 3])
+@pytest.mark.parametrize("block_size, heads", [(16, 1), (4, 1), (1, 2), (4, 2)])
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 128), (torch.float32, 128), (torch.bfloat16, 576)],
+                         ids=["bf16-16vec", "fp32-32vec", "bf16-72vec"])
+@pytest.mark.parametrize("layout", ["vllm-nhd", "vllm-hnd"])
+def test_cuda_fp8_fixed_rows_with_several_items_per_cta(layout, dtype, head_dim, block_size, heads, max_ctas):
+    """Short chunks (a 4 KB llama3-70b TP8 chunk: 16 rows of 16 vectors) put several work items on
+    one CTA, a group of warps each, in the compile-time row instances: bit-exact against torch
+    and Triton on full and capped grids."""
+    lay = make_cache(layout, num_layers=2, num_blocks=64, block_size=block_size, num_heads=heads, head_dim=head_dim,
+                     dtype=dtype, device=DEVICE)
+    ids = torch.tensor([5, -1, 63, 0, 7, 7, 12, 40, 41, 42, 43], device=DEVICE)
+    kw = dict(quant="fp8", granularity="token")
+    ref = gather_quant(lay, ids, backend="torch", **kw)
+    got = gather_quant(lay, ids, backend="cuda", max_ctas=max_ctas, **kw)
+    assert torch.equal(got, ref)
+    assert torch.equal(got, gather_quant(lay, ids, backend="triton", **kw))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [128, 40])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("layout", GPU_LAYOUTS)
