@@ -373,7 +373,7 @@ def test_emulated_fp8_register_rows_cover_every_group_shape(emulated_cuda, layou
 @pytest.mark.parametrize("max_ctas", [1, 3, 0])
 @pytest.mark.parametrize("block_size, heads", [(1, 1), (1, 3), (3, 1), (4, 2)])
 @pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 128), (torch.float32, 128), (torch.bfloat16, 576)],
-                         ids=["bf16-16vec", "fp32-32vec", "bf16-72vec"])
+                         ids=["bfloat16-16vec", "float32-32vec", "bfloat16-72vec"])
 @pytest.mark.parametrize("layout", ["vllm-nhd", "vllm-hnd", "mla"])
 def test_emulated_fp8_fixed_row_instances_on_capped_grids(emulated_cuda, layout, dtype, head_dim, block_size, heads,
                                                           max_ctas):
@@ -599,7 +599,7 @@ def test_cuda_fp8_matches_triton_and_reference(layout, dtype, granularity, head_
 @pytest.mark.parametrize("max_ctas", [0, 3])
 @pytest.mark.parametrize("block_size, heads", [(16, 1), (4, 1), (1, 2), (4, 2)])
 @pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 128), (torch.float32, 128), (torch.bfloat16, 576)],
-                         ids=["bf16-16vec", "fp32-32vec", "bf16-72vec"])
+                         ids=["bfloat16-16vec", "float32-32vec", "bfloat16-72vec"])
 @pytest.mark.parametrize("layout", ["vllm-nhd", "vllm-hnd"])
 def test_cuda_fp8_fixed_rows_with_several_items_per_cta(layout, dtype, head_dim, block_size, heads, max_ctas):
     """Short chunks (a 4 KB llama3-70b TP8 chunk: 16 rows of 16 vectors) put several work items on
