@@ -530,6 +530,7 @@ class LayerPipeline:
         self._save_batch: _DmaBatch | None = None  # dma-mode saves: reused while the same plans come back
         self._load_batch: _DmaBatch | None = None  # dma-mode restores of the current start_load
         self._finished_off = self._event()  # a previous restore's last layers, issued by start_load
+        self._last_waited = -1  # the highest layer wait_for_layer_load was called for, this restore
         # one "layer restored" event per layer, re-recorded by each restore (only stream waits bind
         # to them; the last layer's, which get_finished polls, is new per restore)
         self._layer_loaded = [self._event() for _ in range(layout.num_layers)]
@@ -560,6 +561,7 @@ class LayerPipeline:
                     log.warning("kvkernels: KVKERNELS_PIPELINE_COPY_MODE=dma is not available (%s): this "
                                 "pipeline gathers", why)
                     self.copy_mode = "gather"
+                    del self._base_tab
         self._batch_ids = None  # (the requests' id copies, their concatenation): _save_together
         # (last layer's event, [(entry, what a failure reports; None: already reported)])
         self._pending_loads: list[tuple[object, list]] = []
@@ -885,8 +887,8 @@ class LayerPipeline:
             if old is not None:
                 self._drop(old)  # still read by a restore, a prefetch or an SSD put: freed later
             ent = HostEntry(key=key, fmt=fmt, offset=off, buf=self.pool.view(off, fmt.nbytes))
+            _zero_region_padding(ent.buf, fmt)  # no copy writes it, and the SSD copy must not carry stale bytes
             self.entries[key] = ent
-        _zero_region_padding(ent.buf, fmt)  # no copy writes it, and the SSD copy must not carry stale bytes
         self._saving[key] = ent
         self._failed_saves.discard(key)  # the set reports each key's latest save
         return ent
@@ -1215,9 +1217,11 @@ class LayerPipeline:
                     else self._ids(block_ids, f"loads[{key!r}]", unique=True), hks[key], block_ids)
                    for key, block_ids in loads.items()]
         self._check_distinct_destinations(checked)
-        if self._loads and self._next_load_layer < self.layout.num_layers:
+        if self._loads and (self._next_load_layer < self.layout.num_layers
+                            or self._last_waited < self.layout.num_layers - 1):
+            # a previous load not waited to the end (its last layers maybe not even issued)
             while self._loads and self._next_load_layer < self.layout.num_layers:
-                self._issue_load_layer()  # a previous load not waited to the end: finish issuing it
+                self._issue_load_layer()  # finish issuing it
             # its last layers' copies (scatters on the pack stream, dma copies on the H2D stream)
             # come before the compute's next kernels and before this load's copies, which may be
             # on the other stream (dma after gather): the compute waits for both streams, and the
@@ -1229,6 +1233,7 @@ class LayerPipeline:
         self._loads = []
         self._load_events = {}
         self._next_load_layer = 0
+        self._last_waited = -1
         start = self._ready["load"]
         self._record(start, self._compute())  # earlier users of the destination blocks are done
         self._wait(self.h2d_stream, start)
@@ -1391,6 +1396,7 @@ class LayerPipeline:
         self._check_device()
         while self._next_load_layer <= layer:  # waited out of order: issue up to it
             self._issue_load_layer()
+        self._last_waited = max(self._last_waited, layer)
         ev = self._load_events.get(layer)
         if ev is not None:
             self._wait(self._compute(), ev)

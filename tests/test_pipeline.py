@@ -1484,3 +1484,22 @@ def test_a_restore_not_waited_to_the_end_is_finished_before_the_next_one():
         assert drain(pipe)[1] == {"a", "b"}
     assert_blocks_hold(lay, [20, 21], exp_a)
     assert_blocks_hold(lay, [22, 23], exp_b)
+
+
+@pytest.mark.parametrize("prefetch_depth, waited", [(1, 1), (L, 1), (L, 0), (1, L)])
+def test_an_unwaited_restore_orders_the_compute_and_the_next_restore(prefetch_depth, waited, monkeypatch):
+    """A restore whose later layers were issued (prefetch) or not, but never waited for: the next
+    start_load orders both side streams and the compute after them (one event, recorded on the
+    pack then the H2D stream); a restore waited to its last layer needs nothing."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20, prefetch_depth=prefetch_depth) as pipe:
+        run_step_saves(pipe, {"a": [3, 9], "b": [4, 5]})
+        drain(pipe)
+        pipe.start_load({"a": [20, 21]})
+        for layer in range(waited):
+            pipe.wait_for_layer_load(layer)
+        marks = []
+        real = pipe._record
+        monkeypatch.setattr(pipe, "_record", lambda ev, st: (marks.append(ev is pipe._finished_off), real(ev, st))[1])
+        pipe.start_load({"b": [22, 23]})
+        assert marks.count(True) == (0 if waited == L else 2)
