@@ -624,16 +624,21 @@ def test_streamed_ssd_read_failing_part_way_zeroes_that_layer_and_reports(monkey
                 assert not b.view(-1).view(torch.uint8).any()
 
 
-def test_offload_to_ssd_then_streamed_restore_with_the_real_store(tmp_path):
+@pytest.mark.parametrize("copy_mode, src", [("gather", [3, 9, 4]), ("dma", [3, 4, 9])])
+def test_offload_to_ssd_then_streamed_restore_with_the_real_store(tmp_path, monkeypatch, copy_mode, src):
+    """dma: list ids (host ids), no kernel; each layer's batched DMA waits for its read's gate."""
     from kvkernels.io import KVStore
 
     lay = make_cache("vllm-nhd", num_layers=16, num_blocks=NB, block_size=BS, num_heads=H, head_dim=D,
                      device=DEVICE)  # 16 layers: reads of 2 layers each
-    src, dst = [3, 9, 4], [30, 0, 17]
+    dst = [30, 0, 17]
+    as_ids = ids if copy_mode == "gather" else list
     expect = [[lay.views[l][c][src].cpu().clone() for c in range(2)] for l in range(16)]
-    with KVStore(tmp_path) as store, LayerPipeline(lay, host_bytes=1 << 20, store=store) as pipe:
+    if copy_mode == "dma":
+        _no_kernels(monkeypatch)
+    with KVStore(tmp_path) as store, LayerPipeline(lay, host_bytes=1 << 20, store=store, copy_mode=copy_mode) as pipe:
         for layer in range(16):
-            pipe.save_layer(layer, {"r": ids(src)})
+            pipe.save_layer(layer, {"r": as_ids(src)})
         pipe.wait_for_save()
         t0 = time.time()
         while "r" not in pipe.get_finished()[0] and time.time() - t0 < 20:
@@ -641,7 +646,7 @@ def test_offload_to_ssd_then_streamed_restore_with_the_real_store(tmp_path):
         assert pipe.evict("r")
         pipe.pool.buffer.fill_(0xAB)
         fut = pipe.prefetch("r", num_blocks=3)
-        pipe.start_load({"r": ids(dst)})  # without waiting for the read
+        pipe.start_load({"r": as_ids(dst)})  # without waiting for the read
         for layer in range(16):
             pipe.wait_for_layer_load(layer)
         if DEVICE.type == "cuda":
@@ -1350,34 +1355,6 @@ def test_dma_mode_copy_failures_fail_cleanly(monkeypatch):
         _sync()
         assert drain(pipe)[1] == set()
         assert pipe.get_block_ids_with_load_errors() == {22, 23}
-
-
-def test_dma_mode_streamed_ssd_restore_with_the_real_store(tmp_path, monkeypatch):
-    from kvkernels.io import KVStore
-
-    lay = make_cache("vllm-nhd", num_layers=16, num_blocks=NB, block_size=BS, num_heads=H, head_dim=D,
-                     device=DEVICE)
-    src, dst = [3, 4, 9], [30, 0, 17]
-    expect = [[lay.views[l][c][src].cpu().clone() for c in range(2)] for l in range(16)]
-    _no_kernels(monkeypatch)
-    with KVStore(tmp_path) as store, LayerPipeline(lay, host_bytes=1 << 20, store=store, copy_mode="dma") as pipe:
-        for layer in range(16):
-            pipe.save_layer(layer, {"r": src})
-        pipe.wait_for_save()
-        t0 = time.time()
-        while "r" not in pipe.get_finished()[0] and time.time() - t0 < 20:
-            time.sleep(0.01)
-        assert pipe.evict("r")
-        pipe.pool.buffer.fill_(0xAB)
-        fut = pipe.prefetch("r", num_blocks=3)
-        pipe.start_load({"r": dst})  # without waiting for the read: each layer's DMA waits for its gate
-        for layer in range(16):
-            pipe.wait_for_layer_load(layer)
-        _sync()
-        assert fut.result(timeout=20).state == "ready"
-        assert _drain_loads(pipe) == {"r"}
-    got = [[lay.views[l][c][dst].cpu() for c in range(2)] for l in range(16)]
-    assert all(bytes_equal(a, b) for ra, rb in zip(expect, got) for a, b in zip(ra, rb))
 
 
 def test_dma_plan_merges_runs_only_where_both_sides_are_contiguous():
