@@ -102,27 +102,35 @@ def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool
     tpacks = {}  # (variant, codec) -> CompressedStaging of the tiled variant, for the SSD restore rows
     for vname, buf, vf, shuf in variants:
         payload = vf.num_regions * vf.payload_nbytes
-        rows.append({"input": vname, "codec": "none", "method": f"{vname}", "ratio": 1.0,
+        rows.append({"input": vname, "codec": "none", "method": f"{vname}", "checksum": False, "ratio": 1.0,
                      "vs_raw_bf16": raw_total / payload, "enc_gbps": None, "dec_gbps": None, "bytes": payload})
         tbuf, tfmt, tpayload = _tiled(buf, vf, device)
         # tokens in the tiled variant: each variant is tiled to >= 256 MiB of its *own* bytes, so
         # the FP8 variant holds ~1.9x the raw variant's tokens (the H100 run of 2026-11-23 counted
         # the raw variant's tokens for every row and reported FP8's restore as no faster than raw)
         tvariants.append((vname, tbuf, tfmt, shuf, sample_tokens * (tfmt.num_blocks // vf.num_blocks)))
-        for c in codecs:
+        # every codec with its default (nvCOMP codecs: checksums on), and ANS without checksums
+        # too: what nvCOMP's checksum pass costs (rows "...+ans-nocrc"; before 2026-11-23, twelfth
+        # session, ANS rows had no checksums)
+        runs = [(c, True) for c in codecs] + ([("ans", False)] if "ans" in codecs else [])
+        for c, ck in runs:
             if shuf and c in ("ans", "lz4"):
                 pass  # still measured: the field notes compare shuffled input on every codec
-            packed = compress_regions(buf, vf, c, byteshuffle=shuf)
+            packed = compress_regions(buf, vf, c, byteshuffle=shuf, checksum=ck)
             out = decompress_regions(packed)
             ok = torch.equal(out[: vf.nbytes], buf[: vf.nbytes])
             if not ok:
                 raise RuntimeError(f"{c} on {vname}: round trip mismatch")
-            tpacked = tpacks[(vname, c)] = (compress_regions(tbuf, tfmt, c, byteshuffle=shuf)
-                                            if tbuf is not buf else packed)
-            enc = common.time_ms(lambda: compress_regions(tbuf, tfmt, c, byteshuffle=shuf), device=device, reps=reps)
+            tpacked = (compress_regions(tbuf, tfmt, c, byteshuffle=shuf, checksum=ck)
+                       if tbuf is not buf else packed)
+            if ck:
+                tpacks[(vname, c)] = tpacked
+            enc = common.time_ms(lambda: compress_regions(tbuf, tfmt, c, byteshuffle=shuf, checksum=ck),
+                                 device=device, reps=reps)
             dst = torch.empty(tfmt.nbytes, dtype=torch.uint8, device=device)
             dec = common.time_ms(lambda: decompress_regions(tpacked, out=dst), device=device, reps=reps)
-            rows.append({"input": vname, "codec": c, "method": f"{vname}+{c}", "ratio": packed.ratio,
+            rows.append({"input": vname, "codec": c, "method": f"{vname}+{c}" + ("" if ck else "-nocrc"),
+                         "checksum": ck and c in ("ans", "gdeflate", "lz4"), "ratio": packed.ratio,
                          "vs_raw_bf16": raw_total / packed.nbytes, "enc_gbps": common.gbps(tpayload, enc),
                          "dec_gbps": common.gbps(tpayload, dec), "bytes": packed.nbytes, "timed_mb": tpayload / 1e6})
             del dst
@@ -133,7 +141,7 @@ def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool
                  "dtype": str(dtype), "codecs": codecs, "zstandard": _ver("zstandard"),
                  "nvcomp": _ver("nvidia-nvcomp-cu13"), "fp8_source": "torch reference",
                  "ssd_entry_raw_mb": round(tvariants[0][2].num_regions * tvariants[0][2].payload_nbytes / 1e6, 1)})
-    cols = ["input", "codec", "ratio", "vs_raw_bf16", "enc_gbps", "dec_gbps", "bytes"]
+    cols = ["method", "checksum", "ratio", "vs_raw_bf16", "enc_gbps", "dec_gbps", "bytes"]
     print(f"# {name}: {fmt.num_regions} regions x {fmt.payload_nbytes} B, {meta['device']}")
     print(common.format_table(rows, cols))
     paths = common.write_results(rows, meta, out_dir, "compress")

@@ -90,6 +90,18 @@ _TABLE_TAG = b"KVKZ"
 _TABLE_HEAD = struct.Struct("<II4sIIQI")  # skip magic, frame size, tag, version, chunk, raw, nframes
 _TABLE_VERSION = 1
 
+# The kvkernels header in front of every nvCOMP native stream (ANS / GDeflate / LZ4; docs/compress.md,
+# "ANS / GDeflate / LZ4 region"). nvCOMP's own header records neither the length the stream was
+# stored with nor the options its decoder must be built with (element data type, bitshuffle), and
+# its ANS decoder decoded a region cut to half its length without an error (H100, 2026-11-23): this
+# header makes truncation, a codec mix-up and an options mismatch errors before anything is decoded.
+_NV_TAG = b"KVKN"
+_NV_HEAD = struct.Struct("<4sHHHHIQQ")  # tag, version, codec id, element size, flags, 0, stream bytes, raw bytes
+_NV_VERSION = 1
+_NV_CODEC_ID = {"ans": 1, "gdeflate": 2, "lz4": 3}
+_NV_PLANES = 1  # flag: the payload was encoded as byte planes (no element data type given to nvCOMP)
+_NV_CHECKSUM = 2  # flag: nvCOMP computed its checksums at encode (ChecksumPolicy.COMPUTE_AND_VERIFY)
+
 
 # --------------------------------------------------------------------------------------- formats
 def _is_fp8(fmt) -> bool:
@@ -372,6 +384,70 @@ def _parse_table(prefix: bytes, stored: int, raw_expected: int, j: int) -> tuple
     return frames, end
 
 
+def _nv_header(codec: str, stream_nbytes: int, raw: int, element_size: int, planes: bool, checksum: bool) -> bytes:
+    """The 32-byte header written in front of an nvCOMP native stream."""
+    flags = (_NV_PLANES if planes else 0) | (_NV_CHECKSUM if checksum else 0)
+    return _NV_HEAD.pack(_NV_TAG, _NV_VERSION, _NV_CODEC_ID[codec], element_size, flags, 0, stream_nbytes, raw)
+
+
+def _parse_nv_header(head: bytes, stored: int, raw_expected: int, codec: str, element_size: int, planes: bool,
+                     j: int) -> bool:
+    """Check region ``j``'s header against what the decoder expects; -> whether nvCOMP checksums
+    were computed at encode. ``ValueError`` naming what is wrong otherwise."""
+    where = f"compressed region {j}"
+    if stored < _NV_HEAD.size or len(head) < _NV_HEAD.size:
+        raise ValueError(f"{where}: truncated ({stored} bytes, shorter than its {_NV_HEAD.size}-byte header)")
+    tag, version, cid, esize, flags, _, sn, raw = _NV_HEAD.unpack_from(head)
+    if tag != _NV_TAG:
+        raise ValueError(f"{where}: not a kvkernels {codec} region (bad header tag); corrupted, or written by "
+                         f"another codec or an older kvkernels")
+    if version != _NV_VERSION:
+        raise ValueError(f"{where}: header version {version}, this kvkernels reads {_NV_VERSION}")
+    names = {v: k for k, v in _NV_CODEC_ID.items()}
+    if cid != _NV_CODEC_ID[codec]:
+        raise ValueError(f"{where}: encoded with {names.get(cid, f'codec id {cid}')!r}, being decoded as {codec!r}")
+    if raw != raw_expected:
+        raise ValueError(f"{where}: decodes to {raw} bytes, the staging format expects {raw_expected}")
+    got_planes = bool(flags & _NV_PLANES)
+    if esize != element_size or got_planes != planes:
+        def opts(e, p):
+            return f"{e}-byte elements" + (" as byte planes" if p else "")
+        raise ValueError(f"{where}: encoded from {opts(esize, got_planes)}, the decoder expects "
+                         f"{opts(element_size, planes)} (nvCOMP's decoder needs the encoder's options)")
+    if flags & ~(_NV_PLANES | _NV_CHECKSUM):
+        raise ValueError(f"{where}: unknown header flags {flags:#x}; corrupted or a newer kvkernels")
+    if _NV_HEAD.size + sn != stored:
+        raise ValueError(f"{where}: its header records a {sn}-byte stream, {stored - _NV_HEAD.size} present "
+                         f"(truncated?)")
+    return bool(flags & _NV_CHECKSUM)
+
+
+def _check_nv_regions(regions: list[torch.Tensor], js: list[int], raw: int, codec: str, element_size: int,
+                      planes: bool, stream=None) -> bool:
+    """Read and check the headers of nvCOMP regions (one D2H copy for CUDA regions, on ``stream``
+    when given: the decoder's); -> whether their streams carry nvCOMP checksums (all must agree)."""
+    h = _NV_HEAD.size
+    for r, j in zip(regions, js):
+        if r.numel() < h:
+            _parse_nv_header(b"", r.numel(), raw, codec, element_size, planes, j)
+    if not regions:
+        return False
+    heads = [r[:h] for r in regions]
+    if len({t.device for t in heads}) == 1:
+        cuda = heads[0].device.type == "cuda"
+        with torch.cuda.stream(stream) if (stream is not None and cuda) else _nullctx():
+            host = torch.stack(heads).cpu()  # host sync (CUDA regions): the headers
+        rows = [bytes(host[i].numpy()) for i in range(len(heads))]
+    else:
+        rows = [bytes(t.cpu().numpy()) for t in heads]
+    sums = {_parse_nv_header(b, r.numel(), raw, codec, element_size, planes, j)
+            for b, r, j in zip(rows, regions, js)}
+    if len(sums) > 1:
+        raise ValueError("compressed regions: some were encoded with nvCOMP checksums and some without "
+                         "(regions of different compress_regions calls mixed)")
+    return sums.pop()
+
+
 # ---------------------------------------------------------------------------------- CPU (zstd)
 def _zstd_compress_cpu(payloads: list[torch.Tensor], frames: list[tuple[int, int]], chunk: int,
                        level: int) -> list[torch.Tensor]:
@@ -468,8 +544,9 @@ def _nvcomp_ready():
 _CODEC_CACHE: dict = {}
 
 
-def _codec(nvcomp, codec: str, stream_ptr: int, device: int, element_size: int, chunk: int, shuffled: bool):
-    key = (codec, stream_ptr, device, element_size, chunk, shuffled)
+def _codec(nvcomp, codec: str, stream_ptr: int, device: int, element_size: int, chunk: int, shuffled: bool,
+           checksum: bool = False):
+    key = (codec, stream_ptr, device, element_size, chunk, shuffled, checksum)
     c = _CODEC_CACHE.get(key)
     if c is None:
         kw = dict(algorithm=_NVCOMP_NAME[codec], device_id=device, cuda_stream=stream_ptr, uncomp_chunk_size=chunk)
@@ -477,6 +554,8 @@ def _codec(nvcomp, codec: str, stream_ptr: int, device: int, element_size: int, 
             kw["bitstream_kind"] = nvcomp.BitstreamKind.RAW  # bare standard zstd frames
         else:
             kw["bitstream_kind"] = nvcomp.BitstreamKind.NVCOMP_NATIVE
+            if checksum:  # computed at encode, verified at decode (an error if absent); native streams only
+                kw["checksum_policy"] = nvcomp.ChecksumPolicy.COMPUTE_AND_VERIFY
         if codec == "ans" and element_size == 2 and not shuffled:
             kw["data_type"] = "<f2"
         if codec == "lz4" and element_size in (2, 4) and not shuffled:
@@ -488,9 +567,10 @@ def _codec(nvcomp, codec: str, stream_ptr: int, device: int, element_size: int, 
 
 
 def _encode_into(c, nvcomp, base: torch.Tensor, offs: list[int], sizes: list[int], chunk: int, ptr: int,
-                 s) -> tuple[torch.Tensor, list[int], list[int]]:
+                 s, lead: int = 0) -> tuple[torch.Tensor, list[int], list[int]]:
     """Encode ``base[offs[i] : offs[i] + sizes[i]]`` (one batch) into one torch-owned buffer: each
-    entry gets nvCOMP's maximum compressed size (rounded to its alignment). Returns the buffer,
+    entry gets nvCOMP's maximum compressed size (rounded to its alignment), after ``lead`` free
+    bytes (room for a header right before the aligned start). Returns the buffer,
     entry starts and compressed lengths (a host sync). nvCOMP's own output arrays are never
     imported with ``torch.from_dlpack``: on the H100 (torch 2.11, nvCOMP 6.0) that corrupted the
     host heap."""
@@ -507,10 +587,11 @@ def _encode_into(c, nvcomp, base: torch.Tensor, offs: list[int], sizes: list[int
     for n in set(sizes):
         m = max(bound(n), chunk_bound)
         caps[n] = (m + align - 1) // align * align
+    room = (lead + align - 1) // align * align
     starts, tot = [], 0
     for n in sizes:
-        starts.append(tot)
-        tot += caps[n]
+        starts.append(tot + room)
+        tot += room + caps[n]
     with torch.cuda.stream(s):
         buf = torch.empty(max(tot, align), dtype=torch.uint8, device=base.device)
     out = nvcomp.as_arrays(buf, starts, [caps[n] for n in sizes], ptr)
@@ -520,12 +601,12 @@ def _encode_into(c, nvcomp, base: torch.Tensor, offs: list[int], sizes: list[int
 
 
 def _gpu_compress(codec: str, fmt, stream, chunk: int, shuffled: bool, base: torch.Tensor, offsets: list[int],
-                  frames: list[tuple[int, int]]) -> list[torch.Tensor]:
+                  frames: list[tuple[int, int]], checksum: bool = True) -> list[torch.Tensor]:
     nvcomp = _nvcomp_ready()
     dev = base.device.index if base.device.index is not None else torch.cuda.current_device()
     s = stream if stream is not None else torch.cuda.current_stream(base.device)
     ptr = s.cuda_stream
-    c = _codec(nvcomp, codec, ptr, dev, _esize(fmt), chunk, shuffled)
+    c = _codec(nvcomp, codec, ptr, dev, _esize(fmt), chunk, shuffled, checksum and codec != "zstd")
     n = fmt.payload_nbytes
     if codec == "zstd":
         # one RAW zstd frame per (region, frame), every region in one batch
@@ -543,19 +624,30 @@ def _gpu_compress(codec: str, fmt, stream, chunk: int, shuffled: bool, base: tor
                 t = torch.frombuffer(bytearray(table), dtype=torch.uint8).to(base.device)
                 out.append(torch.cat([t, *fr]))
         return out
-    buf, starts, lens = _encode_into(c, nvcomp, base, offsets, [n] * len(offsets), chunk, ptr, s)
-    # views of the one output buffer, each at an aligned start (nvCOMP's decoders need 8-16 byte
-    # aligned input): no copy; the buffer (worst-case sized, about the raw size) lives as long as
-    # any region does
-    return [buf[a: a + ln] for a, ln in zip(starts, lens)]
+    h = _NV_HEAD.size
+    buf, starts, lens = _encode_into(c, nvcomp, base, offsets, [n] * len(offsets), chunk, ptr, s, lead=h)
+    # each stream's kvkernels header goes into the room right before it: one H2D copy of all
+    # headers and one indexed write, on the codec's stream
+    heads = b"".join(_nv_header(codec, ln, n, _esize(fmt), shuffled, checksum) for ln in lens)
+    with torch.cuda.stream(s):
+        hd = torch.frombuffer(bytearray(heads), dtype=torch.uint8).to(base.device)
+        pos = (torch.tensor([a - h for a in starts], dtype=torch.int64)[:, None] + torch.arange(h)).flatten()
+        buf[pos.to(base.device)] = hd
+    # views of the one output buffer: header + stream, the stream at an aligned start (nvCOMP's
+    # decoders need 8-16 byte aligned input; the header is 32 bytes, so a region aligned to 16
+    # keeps its stream aligned): no copy; the buffer (worst-case sized, about the raw size) lives
+    # as long as any region does
+    return [buf[a - h: a + ln] for a, ln in zip(starts, lens)]
 
 
 def _gpu_decompress(regions: list[torch.Tensor], codec: str, fmt, out: torch.Tensor, stream, chunk_hint: int,
-                    element_size: int, shuffled: bool) -> None:
+                    element_size: int, shuffled: bool, checksum: bool = False) -> None:
     """Decode ``regions`` into ``out``. ``element_size`` / ``shuffled`` must be what the encoder was
     given (``_esize(fmt)``, ``byteshuffle``): the codec options derived from them (ANS ``<f2``, LZ4
     integer type + bitshuffle) are not recorded in nvCOMP's stream, and a decoder built without
-    them returns garbage without an error (seen on the H100, 2026-11-23)."""
+    them returns garbage without an error (seen on the H100, 2026-11-23); the kvkernels header
+    records them and :func:`_check_nv_regions` has compared it. For the native codecs
+    ``regions`` are the streams (after that header); ``checksum``: verify nvCOMP's checksums."""
     nvcomp = _nvcomp_ready()
     dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
     s = stream if stream is not None else torch.cuda.current_stream(out.device)
@@ -590,7 +682,7 @@ def _gpu_decompress(regions: list[torch.Tensor], codec: str, fmt, out: torch.Ten
             # nvCOMP's decoders need 8-16 byte aligned input: regions sliced out of a larger
             # buffer at other offsets are copied to 16-byte aligned ones first
             src_batch = nvcomp.as_arrays([r if r.data_ptr() % 16 == 0 else r.clone() for r in regions], ptr)
-    c = _codec(nvcomp, codec, ptr, dev, element_size, chunk, shuffled)
+    c = _codec(nvcomp, codec, ptr, dev, element_size, chunk, shuffled, checksum and codec != "zstd")
     try:
         dec = c.decode(src_batch, out=nvcomp.as_arrays(out, dst_offs, dst_sizes, ptr))
         got = [int(x) for x in dec.buffer_sizes]
@@ -612,6 +704,7 @@ def compress_regions(
     chunk_nbytes: int = CHUNK_NBYTES,
     level: int | None = None,
     staging_shuffled: bool = False,
+    checksum: bool = True,
 ) -> CompressedStaging:
     """Compress every region of a staging buffer, one independent stream per region.
 
@@ -638,6 +731,12 @@ def compress_regions(
         The staging was gathered with ``gather_quant(shuffle=True)`` (its payloads are byte
         planes already): recorded so that ``.scheme`` says ``"shuffle"``. Excludes
         ``byteshuffle`` (planes of planes). FP8 staging is recognised from ``fmt``.
+    checksum : bool
+        nvCOMP native codecs (ANS / GDeflate / LZ4): have nvCOMP compute its checksums at encode
+        (``ChecksumPolicy.COMPUTE_AND_VERIFY``, recorded in the region header) so that
+        :func:`decompress_regions` verifies them: a damaged region is an error, not garbage.
+        ``False`` saves that pass where something else checks the bytes (the store's per-region
+        checksum). zstd frames always carry their own checksums; ``"none"`` has none.
 
     Returns
     -------
@@ -651,6 +750,7 @@ def compress_regions(
     check(staging.numel() >= fmt.nbytes, "staging", f"at least {fmt.nbytes} bytes", f"{staging.numel()} bytes")
     check(isinstance(byteshuffle, bool), "byteshuffle", "a bool", type(byteshuffle).__name__, TypeError)
     check(isinstance(staging_shuffled, bool), "staging_shuffled", "a bool", type(staging_shuffled).__name__, TypeError)
+    check(isinstance(checksum, bool), "checksum", "a bool", type(checksum).__name__, TypeError)
     check(not (staging_shuffled and byteshuffle), "byteshuffle", "False for a staging gathered with shuffle=True "
           "(it is byte planes already)", True)
     check(not (staging_shuffled and _is_fp8(fmt)), "staging_shuffled", "False for an FP8 staging format", True)
@@ -689,7 +789,8 @@ def compress_regions(
     elif dev.type == "cuda":
         # the codec options follow the stored bytes: byte planes (split here or at gather) get no
         # element data type, and the decoder derives the same from the recorded scheme
-        stored = _gpu_compress(c, fmt, stream, chunk_nbytes, byteshuffle or staging_shuffled, base, offsets, frames)
+        stored = _gpu_compress(c, fmt, stream, chunk_nbytes, byteshuffle or staging_shuffled, base, offsets, frames,
+                               checksum)
     else:
         stored = _zstd_compress_cpu(payloads, frames, chunk_nbytes, lvl)
 
@@ -767,7 +868,10 @@ def decompress_regions(
     ------
     ValueError
         A truncated or corrupted region, or a size mismatch (raised before returning; the
-        cache is untouched because scatter has not run).
+        cache is untouched because scatter has not run). For the nvCOMP codecs the region
+        headers are checked first, also on a machine without a GPU (truncation, codec and
+        option mismatches), then nvCOMP verifies its checksums while decoding when the
+        regions were compressed with ``checksum=True``.
     RuntimeError
         An nvCOMP codec without a GPU / nvCOMP.
     """
@@ -815,6 +919,11 @@ def decompress_regions(
                          f"a buffer overlapping region {j}")
     if ofmt.nbytes == 0:
         return out
+    checksummed = False
+    if codec in _GPU_ONLY:  # their kvkernels headers first: truncation and option mismatches, on any machine
+        nv = [j for j in idx if int(cs.stored_nbytes[j]) != n]
+        checksummed = _check_nv_regions([cs.regions[j] for j in nv], nv, n, codec, _esize(fmt),
+                                        cs.scheme == "shuffle", stream)
     if codec in _GPU_ONLY and (dev.type != "cuda" or not torch.cuda.is_available()):
         raise RuntimeError(f"{'ANS' if codec == 'ans' else codec} needs nvCOMP on a GPU; use zstd for portable files")
 
@@ -827,8 +936,10 @@ def decompress_regions(
         if dev.type == "cuda" and codec != "none":
             sub = _SubFmt(fmt.region_nbytes, fmt.payload_nbytes, len(comp_j))
             scratch = tgt if comp_j == list(range(len(idx))) else torch.empty(sub.nbytes, dtype=torch.uint8, device=dev)
+            if codec in _GPU_ONLY:  # the native streams, after their checked headers
+                regs = [r[_NV_HEAD.size:] for r in regs]
             _gpu_decompress([r if r.device == dev else r.to(dev) for r in regs], codec, sub, scratch, stream,
-                            cs.chunk_nbytes, _esize(fmt), cs.scheme == "shuffle")
+                            cs.chunk_nbytes, _esize(fmt), cs.scheme == "shuffle", checksummed)
             if scratch is not tgt:
                 for q, k in enumerate(comp_j):
                     tgt[k * ofmt.region_nbytes: k * ofmt.region_nbytes + n].copy_(

@@ -249,15 +249,119 @@ def test_unknown_codec():
         compress_regions(staging, fmt, 3)
 
 
+def _nv_regions(fmt, codec, lens, *, planes=False, checksum=True, esize=None, raw=None, seed=0):
+    """Regions laid out as compress_regions writes them for an nvCOMP codec: the kvkernels header,
+    then (here random) stream bytes of the recorded length."""
+    from kvkernels import compress as C
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for ln in lens:
+        head = C._nv_header(codec, ln, fmt.payload_nbytes if raw is None else raw,
+                            C._esize(fmt) if esize is None else esize, planes, checksum)
+        out.append(torch.cat([torch.frombuffer(bytearray(head), dtype=torch.uint8),
+                              torch.randint(0, 256, (ln,), generator=g, dtype=torch.uint8)]))
+    return out
+
+
+def _nv_staging(fmt, codec, regions, byteshuffle=False):
+    return CompressedStaging(fmt, codec, regions, tuple(r.numel() for r in regions),
+                             (fmt.payload_nbytes,) * len(regions), byteshuffle)
+
+
 @pytest.mark.parametrize("codec", ["ans", "gdeflate", "lz4"])
 def test_gpu_codec_without_gpu(codec):
     staging, fmt, _, _ = kv_like(SHAPES[0], torch.bfloat16)
     with pytest.raises(RuntimeError, match="needs nvCOMP on a GPU; use zstd for portable files"):
         compress_regions(staging, fmt, codec)
-    packed = compress_regions(staging, fmt, "zstd")
-    fake = CompressedStaging(fmt, codec, packed.regions, packed.stored_nbytes, packed.raw_nbytes)
+    fake = _nv_staging(fmt, codec, _nv_regions(fmt, codec, [100] * fmt.num_regions))
     with pytest.raises(RuntimeError, match="needs nvCOMP on a GPU"):
         decompress_regions(fake, device="cpu")
+
+
+def test_nv_header_round_trip():
+    from kvkernels import compress as C
+
+    for checksum in (False, True):
+        for planes in (False, True):
+            head = C._nv_header("lz4", 1234, 5000, 2, planes, checksum)
+            assert len(head) == 32 and head[:4] == b"KVKN"
+            assert C._parse_nv_header(head, 32 + 1234, 5000, "lz4", 2, planes, 0) is checksum
+
+
+# (case, what the decoder must say): each is a region an nvCOMP codec cannot decode correctly;
+# the header check names it before any decode, on a machine without a GPU too
+NV_BAD = [
+    ("truncated", "records a 3000-byte stream, 2993 present"),
+    ("view-truncated", "records a 3000-byte stream, 1500 present"),
+    ("shorter-than-header", "shorter than its 32-byte header"),
+    ("tag", "bad header tag"),
+    ("other-codec", "encoded with 'gdeflate', being decoded as 'ans'"),
+    ("planes", "encoded from 2-byte elements as byte planes, the decoder expects 2-byte elements "),
+    ("element-size", "encoded from 4-byte elements"),
+    ("raw-size", "decodes to 77 bytes"),
+    ("version", "header version 9"),
+    ("flags", "unknown header flags 0x10"),
+    ("mixed-checksums", "some were encoded with nvCOMP checksums and some without"),
+    ("zstd-region-as-ans", "bad header tag"),
+]
+
+
+@pytest.mark.parametrize("case,msg", NV_BAD, ids=[c for c, _ in NV_BAD])
+def test_bad_nvcomp_region_is_an_error_before_decoding(case, msg):
+    import re
+
+    from kvkernels import compress as C
+
+    staging, fmt, _, _ = kv_like(SHAPES[3], torch.bfloat16)
+    assert fmt.num_regions == 2 and fmt.payload_nbytes > 4000
+    regs = _nv_regions(fmt, "ans", [3000, 3000])
+    r = regs[1]
+    if case == "truncated":
+        regs[1] = r[:-7].clone()
+    elif case == "view-truncated":
+        regs[1] = r[: 32 + 1500]
+    elif case == "shorter-than-header":
+        regs[1] = r[:20].clone()
+    elif case == "tag":
+        regs[1] = r.clone()
+        regs[1][0] ^= 1
+    elif case == "other-codec":
+        regs[1] = _nv_regions(fmt, "gdeflate", [3000])[0]
+    elif case == "planes":
+        regs[1] = _nv_regions(fmt, "ans", [3000], planes=True)[0]
+    elif case == "element-size":
+        regs[1] = _nv_regions(fmt, "ans", [3000], esize=4)[0]
+    elif case == "raw-size":
+        regs[1] = _nv_regions(fmt, "ans", [3000], raw=77)[0]
+    elif case == "version":
+        regs[1] = r.clone()
+        regs[1][4] = 9
+    elif case == "flags":
+        regs[1] = r.clone()
+        regs[1][10] = 0x10  # bytes 10-11: flags
+    elif case == "mixed-checksums":
+        regs[1] = _nv_regions(fmt, "ans", [3000], checksum=False)[0]
+    elif case == "zstd-region-as-ans":
+        packed = compress_regions(staging, fmt, "zstd")
+        assert packed.stored_nbytes[1] < fmt.payload_nbytes
+        regs[1] = packed.regions[1]
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        decompress_regions(_nv_staging(fmt, "ans", regs), device="cpu")
+    # the same regions with a good region 1 get as far as the missing GPU
+    good = _nv_staging(fmt, "ans", [regs[0], r])
+    with pytest.raises(RuntimeError, match="needs nvCOMP on a GPU"):
+        decompress_regions(good, device="cpu")
+    # only the named layer's header is read: decoding layer 0 alone is not refused for region 1
+    with pytest.raises(RuntimeError, match="needs nvCOMP on a GPU"):
+        decompress_regions(_nv_staging(fmt, "ans", regs), layers=[0], device="cpu")
+    assert C._NV_HEAD.size == 32
+
+
+def test_compress_checksum_argument_is_checked():
+    staging, fmt, _, _ = kv_like(SHAPES[0], torch.bfloat16)
+    with pytest.raises(TypeError, match="`checksum`: expected a bool"):
+        compress_regions(staging, fmt, "zstd", checksum=1)
 
 
 def test_byteshuffle_needs_16_bit():
@@ -424,13 +528,82 @@ def test_ans_ratio_on_real_kv_sample():
 
 @pytest.mark.gpu
 @nvcomp
+@pytest.mark.parametrize("codec", ["ans", "gdeflate", "lz4"])
+@pytest.mark.parametrize("checksum", [False, True])
+def test_nvcomp_regions_carry_the_kvkernels_header(codec, checksum):
+    from kvkernels import compress as C
+
+    staging, fmt, _, _ = kv_like(SHAPES[3], torch.bfloat16, device=DEVICE)
+    packed = compress_regions(staging, fmt, codec, checksum=checksum)
+    comp = [j for j, sz in enumerate(packed.stored_nbytes) if sz < fmt.payload_nbytes]
+    if codec == "ans":
+        assert comp  # ANS compresses this data; LZ4 may store it raw
+    for j in comp:
+        head = bytes(packed.regions[j][:32].cpu().numpy())
+        assert C._parse_nv_header(head, packed.stored_nbytes[j], fmt.payload_nbytes, codec, 2, False, j) is checksum
+        assert packed.regions[j][32:].data_ptr() % 16 == 0  # the stream stays aligned for the decoder
+    assert torch.equal(decompress_regions(packed), staging)
+
+
+@pytest.mark.gpu
+@nvcomp
+@pytest.mark.parametrize("how", ["clone", "view"])
+def test_ans_truncated_region_is_an_error(how):
+    """The H100 run of 2026-11-23 saw ANS decode half a region to full size without an error; the
+    kvkernels header's stream length now refuses it before nvCOMP reads a byte (a view would have
+    let the decoder read past the cut, a clone past the allocation)."""
+    staging, fmt, _, _ = kv_like(SHAPES[3], torch.bfloat16, device=DEVICE)
+    packed = compress_regions(staging, fmt, "ans")
+    half = packed.regions[0][: packed.stored_nbytes[0] // 2]
+    bad = _with_region(packed, 0, half.clone() if how == "clone" else half)
+    with pytest.raises(ValueError, match="compressed region 0: .*truncated"):
+        decompress_regions(bad)
+    assert torch.equal(decompress_regions(packed), staging)  # the intact regions still decode
+
+
+_DAMAGED_ANS = """
+import sys, torch
+sys.path.insert(0, "tests")
+from test_compress import SHAPES, kv_like
+from kvkernels.compress import compress_regions, decompress_regions, CompressedStaging
+staging, fmt, _, _ = kv_like(SHAPES[3], torch.bfloat16, device="cuda")
+packed = compress_regions(staging, fmt, "ans", checksum=True)
+r = packed.regions[0].clone()
+pos = 32 + (r.numel() - 32) * 3 // 4   # inside the chunk data, past nvCOMP's own header
+r[pos] ^= 0x10
+regions = [r] + list(packed.regions[1:])
+bad = CompressedStaging(fmt, "ans", regions, packed.stored_nbytes, packed.raw_nbytes)
+try:
+    out = decompress_regions(bad)
+    torch.cuda.synchronize()
+    print("DECODED equal=%s" % torch.equal(out, staging))
+except Exception as exc:
+    print("ERROR %s: %s" % (type(exc).__name__, exc))
+"""
+
+
+@pytest.mark.gpu
+@nvcomp
+def test_ans_damaged_stream_is_an_error_with_nvcomp_checksums():
+    """A flipped byte inside an ANS stream compressed with ``checksum=True`` (the default) must be
+    an error from decompress_regions (nvCOMP verifies its checksums), not garbage. In a child
+    process: a decoder fed damaged data could fault and poison this process's CUDA context."""
+    import subprocess
+
+    p = subprocess.run([sys.executable, "-c", _DAMAGED_ANS], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    assert "ERROR ValueError" in p.stdout and "decompression failed" in p.stdout, out
+
+
+@pytest.mark.gpu
+@nvcomp
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_ans_damage_on_disk_is_caught_by_the_store_checksum(tmp_path, shuffle):
-    """nvCOMP's ANS decoder does not notice a damaged region: on the H100 (2026-11-23) half of a
-    region decoded to full size without an error status, so an in-memory CompressedStaging cannot
-    be checked by decoding it. What protects ANS data is the store: each region's stored bytes
-    carry a checksum, so a flipped byte in an ANS entry on disk is an error at ``get``, before any
-    decode or scatter; the undamaged entry restores bit-exactly through from_buffer + decode."""
+    """On disk, the store's per-region checksum catches damage first: a flipped byte in an ANS
+    entry is an error at ``get``, before any decode or scatter (in memory, the region header and
+    nvCOMP's checksums do: the two tests above); the undamaged entry restores bit-exactly through
+    from_buffer + decode."""
     from kvkernels.io import CorruptEntryError, EntryMeta, KVStore
 
     staging, fmt, layout, ids = kv_like(SHAPES[3], torch.bfloat16, device=DEVICE)
