@@ -226,6 +226,8 @@ def _lay():
         (lambda l: kvkernels.gather(l, torch.tensor([[0]])), ValueError, "block_ids"),
         (lambda l: kvkernels.gather(l, [NB]), ValueError, "block_ids"),
         (lambda l: kvkernels.gather(l, [-2]), ValueError, "block_ids"),
+        (lambda l: kvkernels.gather(l, [0, 2**64]), ValueError, "block_ids`: expected ids that fit in int64"),
+        (lambda l: kvkernels.gather(l, (0, True)), TypeError, "block_ids"),
         (lambda l: kvkernels.gather(l, [0], layers=[L]), ValueError, "layers"),
         (lambda l: kvkernels.gather(l, [0], layers=[]), ValueError, "layers"),
         (lambda l: kvkernels.gather(l, [0], out=torch.empty(10, dtype=torch.uint8, device=DEVICE)), ValueError, "out"),
