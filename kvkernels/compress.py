@@ -545,7 +545,9 @@ _CODEC_CACHE: dict = {}
 
 
 def _codec(nvcomp, codec: str, stream_ptr: int, device: int, element_size: int, chunk: int, shuffled: bool,
-           checksum: bool = False):
+           checksum: str | None = None):
+    """``checksum``: the name of an ``nvcomp.ChecksumPolicy`` for a native stream (None: nvCOMP's
+    default, no checksums)."""
     key = (codec, stream_ptr, device, element_size, chunk, shuffled, checksum)
     c = _CODEC_CACHE.get(key)
     if c is None:
@@ -554,8 +556,8 @@ def _codec(nvcomp, codec: str, stream_ptr: int, device: int, element_size: int, 
             kw["bitstream_kind"] = nvcomp.BitstreamKind.RAW  # bare standard zstd frames
         else:
             kw["bitstream_kind"] = nvcomp.BitstreamKind.NVCOMP_NATIVE
-            if checksum:  # computed at encode, verified at decode (an error if absent); native streams only
-                kw["checksum_policy"] = nvcomp.ChecksumPolicy.COMPUTE_AND_VERIFY
+            if checksum:  # native streams only (nvCOMP refuses a policy for RAW ones)
+                kw["checksum_policy"] = getattr(nvcomp.ChecksumPolicy, checksum)
         if codec == "ans" and element_size == 2 and not shuffled:
             kw["data_type"] = "<f2"
         if codec == "lz4" and element_size in (2, 4) and not shuffled:
@@ -606,7 +608,8 @@ def _gpu_compress(codec: str, fmt, stream, chunk: int, shuffled: bool, base: tor
     dev = base.device.index if base.device.index is not None else torch.cuda.current_device()
     s = stream if stream is not None else torch.cuda.current_stream(base.device)
     ptr = s.cuda_stream
-    c = _codec(nvcomp, codec, ptr, dev, _esize(fmt), chunk, shuffled, checksum and codec != "zstd")
+    c = _codec(nvcomp, codec, ptr, dev, _esize(fmt), chunk, shuffled,
+               "COMPUTE_AND_VERIFY" if checksum and codec != "zstd" else None)
     n = fmt.payload_nbytes
     if codec == "zstd":
         # one RAW zstd frame per (region, frame), every region in one batch
@@ -633,6 +636,9 @@ def _gpu_compress(codec: str, fmt, stream, chunk: int, shuffled: bool, base: tor
         hd = torch.frombuffer(bytearray(heads), dtype=torch.uint8).to(base.device)
         pos = (torch.tensor([a - h for a in starts], dtype=torch.int64)[:, None] + torch.arange(h)).flatten()
         buf[pos.to(base.device)] = hd
+    # the regions are complete when this returns, on any stream, as before the headers (the
+    # compressed sizes were a host sync already; this one waits for the few-µs header write)
+    s.synchronize()
     # views of the one output buffer: header + stream, the stream at an aligned start (nvCOMP's
     # decoders need 8-16 byte aligned input; the header is 32 bytes, so a region aligned to 16
     # keeps its stream aligned): no copy; the buffer (worst-case sized, about the raw size) lives
@@ -682,10 +688,17 @@ def _gpu_decompress(regions: list[torch.Tensor], codec: str, fmt, out: torch.Ten
             # nvCOMP's decoders need 8-16 byte aligned input: regions sliced out of a larger
             # buffer at other offsets are copied to 16-byte aligned ones first
             src_batch = nvcomp.as_arrays([r if r.data_ptr() % 16 == 0 else r.clone() for r in regions], ptr)
-    c = _codec(nvcomp, codec, ptr, dev, element_size, chunk, shuffled, checksum and codec != "zstd")
+    # the header's checksum flag asks for a strict check; without it nvCOMP still verifies
+    # checksums its own stream header says are there (one flipped flag bit does not turn it off)
+    policy = None if codec == "zstd" else ("COMPUTE_AND_VERIFY" if checksum else "NO_COMPUTE_AND_VERIFY_IF_PRESENT")
+    c = _codec(nvcomp, codec, ptr, dev, element_size, chunk, shuffled, policy)
     try:
         dec = c.decode(src_batch, out=nvcomp.as_arrays(out, dst_offs, dst_sizes, ptr))
-        got = [int(x) for x in dec.buffer_sizes]
+        got = [int(x) for x in dec.buffer_sizes]  # host sync
+        if policy:
+            # nvCOMP checks the verification status in a deferred callback: give it the chance to
+            # raise here, inside this try, before the output is used (not yet seen on a GPU)
+            s.synchronize()
     except Exception as exc:  # nvCOMP raises RuntimeError/ValueError with its status
         raise ValueError(f"{codec} decompression failed (truncated or corrupted region?): {exc}") from exc
     for i, (g, w) in enumerate(zip(got, dst_sizes)):
@@ -719,8 +732,9 @@ def compress_regions(
         See the module docs. CPU buffers: ``"zstd"`` / ``"none"``; the nvCOMP codecs raise
         ``RuntimeError`` there.
     stream : torch.cuda.Stream, optional
-        CUDA stream for nvCOMP (default: the current stream). The only host sync is reading
-        the compressed sizes.
+        CUDA stream for nvCOMP (default: the current stream). Host syncs: reading the
+        compressed sizes, and (nvCOMP codecs) after writing the region headers; the regions
+        are complete when this returns.
     byteshuffle : bool
         Split payloads into byte planes first (16/32-bit elements only).
     chunk_nbytes : int

@@ -724,6 +724,35 @@ def test_zstd_compression_round_trip(tmp_path):
         m.close()
 
 
+def test_entry_that_does_not_decode_is_removed_not_a_miss_forever(tmp_path):
+    """Regions that pass the store's checksum but do not decode (here zstd regions replaced by
+    other bytes under the same header; in practice an entry in a region format this kvkernels
+    refuses) are counted corrupt and removed, so LMCache stores the chunk again."""
+    pytest.importorskip("zstandard")
+    m = Manager(tmp_path / "kv", compression="zstd")
+    try:
+        o, ref = m.chunk(71)
+        m.put([_key(71)], [o])
+        ks = key_string(_key(71))
+        h = m.plugin.store.header(ks)
+        assert h.meta.codec == "zstd" and all(r.stored < r.raw for r in h.regions)
+        g = torch.Generator().manual_seed(0)
+        junk = [torch.randint(0, 256, (r.stored,), generator=g, dtype=torch.uint8) for r in h.regions]
+        m.plugin.store.remove(ks)
+        m.plugin.store.put(ks, junk, h.meta).result()
+        before = _active(m)
+        assert m.plugin.get_blocking(_key(71)) is None
+        assert _active(m) == before
+        assert m.plugin.stats()["corrupt"] == 1 and not m.plugin.contains(_key(71))
+        o2, ref2 = m.chunk(72)
+        m.put([_key(71)], [o2])  # stored again under the key, and read back whole
+        got = m.plugin.get_blocking(_key(71))
+        assert bytes_equal(got.tensor, ref2)
+        got.ref_count_down()
+    finally:
+        m.close()
+
+
 def test_bench_tiny(tmp_path):
     from kvkernels.bench import bench_lmcache
 

@@ -122,6 +122,7 @@ class PendingRead:
     fmt: Any  # StagingFormat or QuantStagingFormat of the regions read
     buf: Optional[torch.Tensor]  # staging buffer (None: read in place)
     future: Future
+    key: Any = None  # the store key (an entry that does not decode is removed under it)
 
 
 class ChunkIO:
@@ -216,7 +217,7 @@ class ChunkIO:
         if (self._inplace(out, header.meta, shape) and out.shape == shape.torch_shape and out.dtype == shape.dtype
                 and all(r.stored == payload for r in sel)):
             fut = self.store.get(key, out=self.regions(out, shape, fmt.layers), layers=layers)
-            return PendingRead(header, shape, fmt, None, fut)
+            return PendingRead(header, shape, fmt, None, fut, key)
         gran = fp8_granularity(header.meta.scheme)
         if gran is not None:
             from kvkernels.quant import QuantStagingFormat
@@ -230,12 +231,13 @@ class ChunkIO:
         except BaseException:
             self.bufs.give(buf)
             raise
-        return PendingRead(header, shape, fmt, buf, fut)
+        return PendingRead(header, shape, fmt, buf, fut, key)
 
     def try_finish(self, pending: PendingRead, out: torch.Tensor) -> tuple[str, Optional[BaseException]]:
         """:meth:`finish_read` with the outcome classified for the callers' counters and logs:
         ``("ok", None)``, ``("missing", exc)`` (removed meanwhile), ``("corrupt", exc)`` (checksum
-        or truncation: the store dropped the entry) or ``("error", exc)`` (I/O, sizes, codec).
+        or truncation: the store dropped the entry; or regions that do not decode: removed here)
+        or ``("error", exc)`` (I/O, sizes).
         On anything but ``"ok"`` the bytes in ``out`` must not be used."""
         from kvkernels.io import CorruptEntryError
 
@@ -271,7 +273,17 @@ class ChunkIO:
                 cs = CompressedStaging.from_buffer(buf, fmt, [r.stored for r in sel], m.codec,
                                                    byteshuffle=m.scheme == "shuffle")
                 extra = self.bufs.take(fmt.nbytes)
-                staging = decompress_regions(cs, out=extra)
+                try:
+                    staging = decompress_regions(cs, out=extra)
+                except ValueError as exc:
+                    # the bytes passed the store's checksum but do not decode (e.g. an nvCOMP region
+                    # without the kvkernels header of 2026-11-23, written by an older kvkernels):
+                    # drop the entry so that it is stored again, instead of a miss on every read
+                    if pending.key is not None:
+                        self.store.remove(pending.key)
+                    from kvkernels.io import CorruptEntryError
+
+                    raise CorruptEntryError(f"entry {pending.key!r} does not decode ({exc}); removed") from exc
             gran = fp8_granularity(m.scheme)
             if gran is not None:  # dequantize in one pass into the chunk's dtype
                 import kvkernels
