@@ -69,7 +69,7 @@ def compile_triton_variants(align: bool = True, which=("copy", "quant", "shuffle
             for pb in (False, True):
                 out[f"quant_gather_{dt}_{'block' if pb else 'token'}"] = _compile(_quant_gather_kernel, qn, qt, dict(
                     C=2, H=8, BS=16, D=128, IN_KIND=kind, PER_BLOCK=pb, BLOCK_R=32, BLOCK_D=128, ALIGN16=align,
-                    HW_CVT=True, FMA_DIV=True, D_TAIL=0), div)
+                    HW_CVT=True, FMA_DIV=True, D_TAIL=0, ITEMS=1, TAIL_FIX=0), div)
             out[f"dequant_scatter_{dt}"] = _compile(_dequant_scatter_kernel, qn, qt[:3] + ["*fp32"] + qt[4:], dict(
                 C=2, H=8, BS=16, D=128, OUT_KIND=kind, PER_BLOCK=False, BLOCK_R=32, BLOCK_D=128, ALIGN16=align), div)
     if "quant_split" in which:  # the split-D probe (bench/fp8_tuning.py): MLA's 576 = 512 + 64
@@ -82,7 +82,24 @@ def compile_triton_variants(align: bool = True, which=("copy", "quant", "shuffle
         for pb in (False, True):
             out[f"quant_gather_split_bf16_{'block' if pb else 'token'}"] = _compile(_quant_gather_kernel, qn, qt, dict(
                 C=1, H=1, BS=16, D=576, IN_KIND=0, PER_BLOCK=pb, BLOCK_R=8, BLOCK_D=512, ALIGN16=align,
-                HW_CVT=True, FMA_DIV=True, D_TAIL=64), div)
+                HW_CVT=True, FMA_DIV=True, D_TAIL=64, ITEMS=1, TAIL_FIX=0), div)
+    if "quant_probes" in which:  # bench/fp8_tuning.py's twelfth-session variants (sm_90 static study)
+        from kvkernels.triton_ops.quant_gather import _quant_gather_kernel
+
+        qn = ["ptr_tab", "block_ids", "q_ptr", "s_ptr", "err_ptr"] + COMMON + [
+            "region_nbytes", "q_entry_nbytes", "scale_base_nbytes", "scale_entry_nbytes"]
+        qt = ["*i64", "*i64", "*u8", "*i32", "*i32"] + COMMON_T + ["i64"] * 4
+        div = ["ptr_tab", "q_ptr", "s_ptr", "stride_b", "stride_n", "stride_h"] + qn[-4:]
+        base4k = dict(C=2, H=1, BS=16, D=128, IN_KIND=0, BLOCK_R=16, BLOCK_D=128, ALIGN16=align, HW_CVT=True,
+                      D_TAIL=0, TAIL_FIX=0)
+        mla = dict(C=1, H=1, BS=16, D=576, IN_KIND=0, BLOCK_R=8, BLOCK_D=512, ALIGN16=align, HW_CVT=True,
+                   D_TAIL=64, ITEMS=1)
+        for pb in (False, True):
+            g = "block" if pb else "token"
+            out[f"quant_gather_4k_items4_fma2_{g}"] = _compile(_quant_gather_kernel, qn, qt, dict(
+                base4k, PER_BLOCK=pb, ITEMS=4, FMA_DIV=2), div)
+            out[f"quant_gather_mla_tailfix_fma2_{g}"] = _compile(_quant_gather_kernel, qn, qt, dict(
+                mla, PER_BLOCK=pb, TAIL_FIX=2, FMA_DIV=2), div)
     if "shuffle" in which:
         from kvkernels.triton_ops.shuffle_gather import _shuffle_gather_kernel
         from kvkernels.triton_ops.unshuffle_scatter import _unshuffle_scatter_kernel

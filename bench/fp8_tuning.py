@@ -16,6 +16,10 @@ encode with the conversion instruction. This script times, on one cache and bloc
 * ``fma_div,padded_d``: a head dim that is not a power of two (MLA's 576) as one tile padded to
   1024 (44 % of its lanes idle) instead of the default 512 tile plus a 64 tile (``split_d``, the
   default since the H100 run of 2026-11-23: 73-79 % of the bound against 48-54 % padded);
+* ``items=4`` / ``items=8``: that many consecutive work items per program step (one division and
+  one prologue per group), ``fma2``: the same quotient with one instruction less,
+  ``tail_fix``: the split tiles kept in their load layouts (no tile-sized shared-memory
+  conversion), ``maxnreg=72``: Triton's register cap (twelfth session, from a static SASS study);
 
 with each variant's time, GB/s (bytes read + written, as ``bench_gather``), % of the measured
 device-copy peak, and how many code/scale bytes differ from the default kernel's (must be 0), and the CUDA
@@ -47,6 +51,16 @@ VARIANTS = {
     "fma_div,warps=8": {"FMA_DIV": True, "num_warps": 8},
     "fma_div,tile=2048": {"FMA_DIV": True, "tile_elems": 2048},
     "fma_div,padded_d": {"FMA_DIV": True, "split_d": False},
+    # the twelfth session's static SASS study (docs/PERF_NOTES.md, "Triton FP8 gather: what the
+    # static SASS says"), predictions there: groups of items per program step (fixed per-item work
+    # shared), the quotient with one instruction less, the split tiles kept in their load layouts
+    "fma_div,items=4": {"FMA_DIV": True, "items": 4},
+    "fma_div,items=8": {"FMA_DIV": True, "items": 8},
+    "fma2": {"FMA_DIV": 2},
+    "fma2,items=4": {"FMA_DIV": 2, "items": 4},
+    "fma2,tail_fix": {"FMA_DIV": 2, "tail_fix": 2},
+    "fma2,tail_fix,maxnreg=72": {"FMA_DIV": 2, "tail_fix": 2, "maxnreg": 72},
+    "fma2,items=4,tail_fix": {"FMA_DIV": 2, "items": 4, "tail_fix": 2},
 }
 
 

@@ -612,6 +612,73 @@ def test_split_d_probe_gives_the_same_bytes(granularity, dtype):
             assert torch.equal(out, ref[: fmt.nbytes]), (kind, d, split)
 
 
+# the twelfth session's variants of the Triton FP8 gather (bench/fp8_tuning.py; docs/PERF_NOTES.md,
+# "Triton FP8 gather: what the static SASS says"): groups of work items per program step, the split
+# tiles kept in their load layouts, the quotient with one instruction less (GPU only: FMA_DIV=2)
+FP8_PROBES = [{"items": 3}, {"items": 4}, {"tail_fix": 2}, {"items": 4, "tail_fix": 2}]
+
+
+@pytest.mark.parametrize("probe", FP8_PROBES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_fp8_gather_variants_give_the_same_bytes(probe, granularity):
+    """Each variant writes the reference's bytes and counts the same invalid ids, including the
+    last, partial group of items (its stores masked) and padding / invalid ids inside a group: a
+    4 KB-chunk-like cache (one head), MLA's 576 (split tiles), two heads of 80 (HND). On the GPU
+    the same with the FMA quotient and its one-instruction-shorter form (FMA_DIV=2)."""
+    from kvkernels.triton_ops.quant_gather import quant_gather_triton
+
+    if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel on CPU needs TRITON_INTERPRET=1")
+    fmas = [False] if DEVICE.type == "cpu" else [True, 2]  # the interpreter's FMA rounds twice
+    for kind, h, d in (("vllm-nhd", 1, 128), ("mla", 1, 576), ("vllm-hnd", 2, 80)):
+        lay = cache(kind, dtype=torch.bfloat16, head_dim=d, heads=h, block_size=4, blocks=9, layers=2, seed=5)
+        ids = torch.tensor([3, -1, 5, 0, 8, 12, 2], device=DEVICE)  # 12: invalid (counted, zeros written)
+        fmt = QuantStagingFormat.for_layout(lay, len(ids), granularity=granularity)
+        ref = torch.zeros(fmt.nbytes, dtype=torch.uint8, device=DEVICE)
+        err_ref = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        quant_gather_triton(lay, ids, fmt, ref, err_ref)
+        assert int(err_ref) == 1
+        slot = ids.tolist().index(12)  # the invalid id's slot: zeros, like padding
+        pad = ids.clone()
+        pad[slot] = -1
+        want = gather_quant(lay, pad, quant="fp8", granularity=granularity, backend="torch")
+        assert torch.equal(ref, want[: fmt.nbytes]), kind
+        for fma in fmas:
+            for cap in (0, 3):  # one program per group, and a persistent grid of 3 programs
+                out = torch.full((fmt.nbytes,), 0x5A, dtype=torch.uint8, device=DEVICE)
+                err = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+                quant_gather_triton(lay, ids, fmt, out, err, max_ctas=cap, _probe={**probe, "FMA_DIV": fma})
+                assert torch.equal(out, ref), (kind, probe, fma, cap)
+                assert int(err) == 1, (kind, probe, fma, cap)
+
+
+VARIANT_PROBE = r"""
+import json, re, sys
+from kvkernels.bench.bench_resources import compile_triton_variants
+ks = compile_triton_variants(True, which=("quant_probes",))
+print(json.dumps({name: sorted(set(re.findall(r"(?:ld|st|div|cvt|fma)\.[\w.]*", k.asm["ptx"])))
+                  + ["ndiv=%d" % k.asm["ptx"].count("div.rn.f32"), "shared=%d" % k.metadata.shared]
+                  for name, k in ks.items()}))
+"""
+
+
+def test_fp8_gather_variants_compile_for_sm90():
+    """The variants compile to sm_90 PTX with the conversion instruction, the FMA quotient,
+    16-byte loads and divisions per row / tile only; the MLA tail fix has no tile-sized shared
+    memory round trip left (the default split kernel uses 4 KiB for it)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", VARIANT_PROBE], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    insns = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(insns) == 4
+    for name, ins in insns.items():
+        assert {"cvt.rn.satfinite.e4m3x2.f32", "fma.rn.f32", "ld.global.v4.b32"} <= set(ins), (name, ins)
+        ndiv = int(ins[-2].split("=")[1])
+        assert ndiv <= (8 if "items4" in name else 6), (name, ins[-2])  # 2 per item (scale, reciprocal)
+        if "tailfix" in name:
+            assert int(ins[-1].split("=")[1]) <= 64, (name, ins[-1])
+
+
 @pytest.mark.parametrize("align", ["align16", "unaligned"])
 def test_kernels_compile_for_sm90(align):
     """Every kernel variant compiles to sm_90 PTX here (no GPU): the divisions are IEEE (div.rn.f32)

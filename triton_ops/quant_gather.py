@@ -25,7 +25,7 @@ import triton.language as tl
 from kvkernels import config
 from kvkernels.backends import triton_interpret
 
-from ._paged import _block_ptr, _cache_rows, _slot, _staging_rows, geometry
+from ._paged import _cache_rows, _staging_rows, geometry
 
 # Elements per program tile (rows x padded head dim). 4096 fp32 temporaries = 16 KiB of registers
 # per program at 4 warps. NOT yet measured on a GPU.
@@ -104,7 +104,13 @@ def _quotient(x, s, f, sf, r, FMA_DIV: tl.constexpr):
     pre-scale keeps every step out of underflow there; below, the code is +-0 either way);
     ``e == 0`` and non-finite ``q0`` keep ``q0``. Checked exactly in tests/test_quant.py. Without
     FMA_DIV (the interpreter, whose ``tl.fma`` rounds twice): ``tl.div_rn`` per element."""
-    if FMA_DIV:
+    if FMA_DIV == 2:  # same values: -q0 * sf == q0 * -sf exactly; !(|q0| < inf) <=> bits >= 0x7F800000
+        xs = x * f
+        q0 = xs * r
+        e = tl.fma(q0, -sf, xs)
+        keep = (e == 0) | ~(tl.abs(q0) < float("inf"))
+        return tl.where(keep, q0, tl.fma(e, r, q0))
+    elif FMA_DIV:
         xs = x * f
         q0 = xs * r
         e = tl.fma(-q0, sf, xs)
@@ -148,8 +154,13 @@ def _quant_gather_kernel(
     FMA_DIV: tl.constexpr,  # x / s by reciprocal + FMA correction (GPU) or tl.div_rn per element (interpreter)
     D_TAIL: tl.constexpr = 0,  # > 0: BLOCK_D is a power of two < D and columns BLOCK_D.. come as a second
     # tile of D_TAIL (the default for head dims that are not a power of two, e.g. MLA's 576 = 512 + 64)
+    ITEMS: tl.constexpr = 1,  # consecutive work items per program step (one division, one prologue per group)
+    TAIL_FIX: tl.constexpr = 0,  # with D_TAIL, 2: each tile stays in its load layout, only the rows'
+    # maxima cross layouts (no tile-sized layout conversion through shared memory); 0: one layout
 ):
-    # grid: (min(num_items, max_ctas),); each program strides over the work items
+    # grid: (min(cdiv(num_items, ITEMS), max_ctas),); each program strides over groups of ITEMS
+    # consecutive work items (the twelfth session's static SASS study, docs/PERF_NOTES.md: per-item
+    # fixed work is a third of a 4 KB item's instructions; a group shares one division and prologue)
     ROWS: tl.constexpr = BS * H
     EB: tl.constexpr = 4 if IN_KIND == 2 else 2  # cache element bytes (loaded as int32 / int16 bits)
     EV: tl.constexpr = 16 // EB  # cache elements per 16 bytes
@@ -159,77 +170,126 @@ def _quant_gather_kernel(
     TAIL_W: tl.constexpr = D_TAIL if D_TAIL > 0 else 1
     e_ar = BLOCK_D + tl.arange(0, TAIL_W)  # the tail tile's columns (unused when D_TAIL == 0)
     e_ok = e_ar < D
-    for w32 in tl.range(tl.program_id(0), num_items, tl.num_programs(0)):
-        j, c, i, bid, valid = _slot(w32, block_ids, err_ptr, n, num_blocks, C)
-        row_lim = tl.where(valid, ROWS, 0)  # invalid id: no cache row is read, zeros are written
-        tok_lim = tl.where(valid, BS, 0)
-        cache = _block_ptr(ptr_tab, j, c, bid, valid, stride_b, EB, C, ALIGN16)
-        q_out = q_ptr + j * region_nbytes + c * q_entry_nbytes + i * (ROWS * D)
-        s_out = s_ptr + (j * region_nbytes + scale_base_nbytes + c * scale_entry_nbytes) // 4
-        if PER_BLOCK:
-            s_out = s_out + i * H
-            for h in tl.range(0, H):
-                # pass 1: amax over the block's tokens for head h
-                amax = tl.zeros([BLOCK_R], tl.int32)
-                for t0 in tl.range(0, BS, BLOCK_R):
-                    t = t0 + r_ar
-                    c_row = t.to(tl.int64) * stride_n + h * stride_h
-                    if ALIGN16:
-                        c_row = tl.multiple_of(c_row, EV)
+    num_groups = (num_items + (ITEMS - 1)) // ITEMS
+    for g in tl.range(tl.program_id(0), num_groups, tl.num_programs(0)):
+        w0 = g * ITEMS
+        jc = w0 // n  # int32: one division per group, then carried
+        i32 = w0 - jc * n
+        for k in tl.static_range(ITEMS):
+            live = (w0 + k) < num_items
+            jcl = tl.where(live, jc, 0)
+            j = (jcl // C).to(tl.int64)
+            c = (jcl - (jcl // C) * C).to(tl.int64)
+            i = i32.to(tl.int64)
+            # the table entry first (independent of the id), then the id; relaxed counter (no fence)
+            addr = tl.load(ptr_tab + j * C + c)
+            bid = tl.load(block_ids + i).to(tl.int64)
+            valid = (bid >= 0) & (bid < num_blocks)
+            tl.atomic_add(err_ptr, 1, mask=(((bid != -1) & (bid < 0)) | (bid >= num_blocks)) & ((w0 + k) < n) & live,
+                          sem="relaxed")
+            row_lim = tl.where(valid, ROWS, 0)  # invalid id: no cache row is read, zeros are written
+            tok_lim = tl.where(valid, BS, 0)
+            row_end = tl.where(live, ROWS, 0)  # past the last item: nothing stored
+            tok_end = tl.where(live, BS, 0)
+            if EB == 2:
+                base = addr.to(tl.pointer_type(tl.int16))
+            else:
+                base = addr.to(tl.pointer_type(tl.int32))
+            if ALIGN16:
+                base = tl.multiple_of(base, 16)
+            cache = base + tl.where(valid, bid, 0) * stride_b
+            q_out = q_ptr + j * region_nbytes + c * q_entry_nbytes + i * (ROWS * D)
+            s_out = s_ptr + (j * region_nbytes + scale_base_nbytes + c * scale_entry_nbytes) // 4
+            if PER_BLOCK:
+                s_out = s_out + i * H
+                for h in tl.range(0, H):
+                    # pass 1: amax over the block's tokens for head h
+                    amax = tl.zeros([BLOCK_R], tl.int32)
+                    amax2 = tl.zeros([BLOCK_R], tl.int32)
+                    for t0 in tl.range(0, BS, BLOCK_R):
+                        t = t0 + r_ar
+                        c_row = t.to(tl.int64) * stride_n + h * stride_h
+                        if ALIGN16:
+                            c_row = tl.multiple_of(c_row, EV)
+                        off = c_row[:, None] + d_ar[None, :]
+                        mv = (t < tok_lim)[:, None] & d_ok[None, :]
+                        amax = tl.maximum(amax, tl.max(_abs_bits(_load_f32(cache + off, mv, IN_KIND)), axis=1))
+                        if D_TAIL > 0:
+                            mv2 = (t < tok_lim)[:, None] & e_ok[None, :]
+                            x2 = _load_f32(cache + c_row[:, None] + e_ar[None, :], mv2, IN_KIND)
+                            if TAIL_FIX:  # the tail's own vector: the two meet only as scalars (max is exact)
+                                amax2 = tl.maximum(amax2, tl.max(_abs_bits(x2), axis=1))
+                            else:
+                                amax = tl.maximum(amax, tl.max(_abs_bits(x2), axis=1))
+                    if TAIL_FIX and D_TAIL > 0:
+                        s = _scale_from_amax_bits(tl.maximum(tl.max(amax, axis=0), tl.max(amax2, axis=0)))
+                    else:
+                        s = _scale_from_amax_bits(tl.max(amax, axis=0))
+                    f, sf, rc = _recip(s)
+                    tl.store(s_out + h, tl.where(valid, s, 0.0).to(tl.int32, bitcast=True), mask=live)
+                    # pass 2: quantize (the re-read should hit L2; not measured)
+                    for t0 in tl.range(0, BS, BLOCK_R):
+                        t = t0 + r_ar
+                        c_row = t.to(tl.int64) * stride_n + h * stride_h
+                        if ALIGN16:
+                            c_row = tl.multiple_of(c_row, EV)
+                        off = c_row[:, None] + d_ar[None, :]
+                        mv = (t < tok_lim)[:, None] & d_ok[None, :]
+                        x = _load_f32(cache + off, mv, IN_KIND)
+                        code = _code_of(_quotient(x, s, f, sf, rc, FMA_DIV), HW_CVT)
+                        q_row = _staging_rows(t * H + h, D, ALIGN16)
+                        tl.store(q_out + q_row[:, None] + d_ar[None, :], code.to(tl.uint8),
+                                 mask=(t < tok_end)[:, None] & d_ok[None, :])
+                        if D_TAIL > 0:
+                            mv2 = (t < tok_lim)[:, None] & e_ok[None, :]
+                            x2 = _load_f32(cache + c_row[:, None] + e_ar[None, :], mv2, IN_KIND)
+                            code2 = _code_of(_quotient(x2, s, f, sf, rc, FMA_DIV), HW_CVT)
+                            tl.store(q_out + q_row[:, None] + e_ar[None, :], code2.to(tl.uint8),
+                                     mask=(t < tok_end)[:, None] & e_ok[None, :])
+            else:
+                s_out = s_out + i * ROWS
+                for r0 in tl.range(0, ROWS, BLOCK_R):
+                    rows = r0 + r_ar
+                    c_row, _h = _cache_rows(rows, stride_n, stride_h, H, EV, ALIGN16)
                     off = c_row[:, None] + d_ar[None, :]
-                    mv = (t < tok_lim)[:, None] & d_ok[None, :]
-                    amax = tl.maximum(amax, tl.max(_abs_bits(_load_f32(cache + off, mv, IN_KIND)), axis=1))
-                    if D_TAIL > 0:
-                        mv2 = (t < tok_lim)[:, None] & e_ok[None, :]
-                        x2 = _load_f32(cache + c_row[:, None] + e_ar[None, :], mv2, IN_KIND)
-                        amax = tl.maximum(amax, tl.max(_abs_bits(x2), axis=1))
-                s = _scale_from_amax_bits(tl.max(amax, axis=0))
-                f, sf, rc = _recip(s)
-                tl.store(s_out + h, tl.where(valid, s, 0.0).to(tl.int32, bitcast=True))
-                # pass 2: quantize (the re-read should hit L2; not measured)
-                for t0 in tl.range(0, BS, BLOCK_R):
-                    t = t0 + r_ar
-                    c_row = t.to(tl.int64) * stride_n + h * stride_h
-                    if ALIGN16:
-                        c_row = tl.multiple_of(c_row, EV)
-                    off = c_row[:, None] + d_ar[None, :]
-                    mv = (t < tok_lim)[:, None] & d_ok[None, :]
+                    mv = (rows < row_lim)[:, None] & d_ok[None, :]
                     x = _load_f32(cache + off, mv, IN_KIND)
-                    code = _code_of(_quotient(x, s, f, sf, rc, FMA_DIV), HW_CVT)
-                    q_row = _staging_rows(t * H + h, D, ALIGN16)
-                    tl.store(q_out + q_row[:, None] + d_ar[None, :], code.to(tl.uint8),
-                             mask=(t < BS)[:, None] & d_ok[None, :])
-                    if D_TAIL > 0:
-                        mv2 = (t < tok_lim)[:, None] & e_ok[None, :]
+                    if D_TAIL > 0 and TAIL_FIX == 2:
+                        # each tile keeps its load layout; only [R] row maxima cross layouts, through tl.gather
+                        # (explicit small conversions); s, f, sf, rc are computed once per layout (same ops)
+                        am_m = tl.max(_abs_bits(x), axis=1)
+                        mv2 = (rows < row_lim)[:, None] & e_ok[None, :]
                         x2 = _load_f32(cache + c_row[:, None] + e_ar[None, :], mv2, IN_KIND)
-                        code2 = _code_of(_quotient(x2, s, f, sf, rc, FMA_DIV), HW_CVT)
+                        am_t = tl.max(_abs_bits(x2), axis=1)
+                        am = tl.maximum(am_m, tl.gather(am_t, tl.where(am_m < 0, 0, r_ar), 0))
+                        am2 = tl.maximum(am_t, tl.gather(am_m, tl.where(am_t < 0, 0, r_ar), 0))
+                    else:
+                        am = tl.max(_abs_bits(x), axis=1)
+                        if D_TAIL > 0:
+                            mv2 = (rows < row_lim)[:, None] & e_ok[None, :]
+                            x2 = _load_f32(cache + c_row[:, None] + e_ar[None, :], mv2, IN_KIND)
+                            am = tl.maximum(am, tl.max(_abs_bits(x2), axis=1))
+                    s = _scale_from_amax_bits(am)
+                    f, sf, rc = _recip(s)
+                    code = _code_of(_quotient(x, s[:, None], f[:, None], sf[:, None], rc[:, None], FMA_DIV), HW_CVT)
+                    q_row = _staging_rows(rows, D, ALIGN16)
+                    tl.store(q_out + q_row[:, None] + d_ar[None, :], code.to(tl.uint8),
+                             mask=(rows < row_end)[:, None] & d_ok[None, :])
+                    if D_TAIL > 0:
+                        if TAIL_FIX == 2:
+                            s2 = _scale_from_amax_bits(am2)
+                            f2, sf2, rc2 = _recip(s2)
+                            code2 = _code_of(_quotient(x2, s2[:, None], f2[:, None], sf2[:, None], rc2[:, None], FMA_DIV), HW_CVT)
+                        else:
+                            code2 = _code_of(_quotient(x2, s[:, None], f[:, None], sf[:, None], rc[:, None], FMA_DIV), HW_CVT)
                         tl.store(q_out + q_row[:, None] + e_ar[None, :], code2.to(tl.uint8),
-                                 mask=(t < BS)[:, None] & e_ok[None, :])
-        else:
-            s_out = s_out + i * ROWS
-            for r0 in tl.range(0, ROWS, BLOCK_R):
-                rows = r0 + r_ar
-                c_row, _h = _cache_rows(rows, stride_n, stride_h, H, EV, ALIGN16)
-                off = c_row[:, None] + d_ar[None, :]
-                mv = (rows < row_lim)[:, None] & d_ok[None, :]
-                x = _load_f32(cache + off, mv, IN_KIND)
-                am = tl.max(_abs_bits(x), axis=1)
-                if D_TAIL > 0:
-                    mv2 = (rows < row_lim)[:, None] & e_ok[None, :]
-                    x2 = _load_f32(cache + c_row[:, None] + e_ar[None, :], mv2, IN_KIND)
-                    am = tl.maximum(am, tl.max(_abs_bits(x2), axis=1))
-                s = _scale_from_amax_bits(am)
-                f, sf, rc = _recip(s)
-                code = _code_of(_quotient(x, s[:, None], f[:, None], sf[:, None], rc[:, None], FMA_DIV), HW_CVT)
-                q_row = _staging_rows(rows, D, ALIGN16)
-                tl.store(q_out + q_row[:, None] + d_ar[None, :], code.to(tl.uint8),
-                         mask=(rows < ROWS)[:, None] & d_ok[None, :])
-                if D_TAIL > 0:
-                    code2 = _code_of(_quotient(x2, s[:, None], f[:, None], sf[:, None], rc[:, None], FMA_DIV), HW_CVT)
-                    tl.store(q_out + q_row[:, None] + e_ar[None, :], code2.to(tl.uint8),
-                             mask=(rows < ROWS)[:, None] & e_ok[None, :])
-                s_st = tl.where(rows < row_lim, s, 0.0).to(tl.int32, bitcast=True)
-                tl.store(s_out + rows, s_st, mask=rows < ROWS)
+                                 mask=(rows < row_end)[:, None] & e_ok[None, :])
+                    s_st = tl.where(rows < row_lim, s, 0.0).to(tl.int32, bitcast=True)
+                    tl.store(s_out + rows, s_st, mask=rows < row_end)
+            i32 = i32 + 1
+            wrap = i32 == n
+            i32 = tl.where(wrap, 0, i32)
+            jc = tl.where(wrap, jc + 1, jc)
 
 
 @functools.lru_cache(maxsize=None)
@@ -252,9 +312,12 @@ def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor,
 
     ``block_ids`` int32/int64 ``[n]`` and ``err`` int32 ``[1]`` on the cache device; ``max_ctas``
     caps the grid (0 = one program per work item). Section gaps and region padding are zeroed.
-    ``_probe``: kernel variants for bench/fp8_tuning.py only (``HW_CVT``, ``FMA_DIV``,
-    ``num_warps``, ``tile_elems``, ``split_d``: False pads a head dim that is not a power of two
-    to one tile instead of the default power-of-two tile plus a tail tile).
+    ``_probe``: kernel variants for bench/fp8_tuning.py only (``HW_CVT``, ``FMA_DIV`` — 2: the
+    same quotient with one instruction less, ``num_warps``, ``tile_elems``, ``split_d``: False
+    pads a head dim that is not a power of two to one tile instead of the default power-of-two
+    tile plus a tail tile, ``items``: work items per program step, ``tail_fix``: 2 keeps the
+    split tiles in their load layouts, ``maxnreg``: Triton's register cap). All variants write
+    the same bytes (tests/test_quant.py); which are faster is for the GPU bench to say.
     """
     n = fmt.num_blocks
     if n == 0 or fmt.num_regions == 0:
@@ -279,13 +342,18 @@ def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor,
     if probe.pop("split_d", True) and D & (D - 1):
         block_r, block_d = tile_rows(rows, D, tile, block_d=1 << (D.bit_length() - 1))
         d_tail = triton.next_power_of_2(D - block_d)
+    items = int(probe.pop("items", 1))
+    tail_fix = int(probe.pop("tail_fix", 0))
+    if items > 1:  # groups of `items` consecutive work items per program step
+        groups = -(-num_items // items)
+        grid = (groups if max_ctas <= 0 else min(groups, max_ctas),)
     _quant_gather_kernel[grid](
         tab, block_ids, stage, stage.view(torch.int32), err,
         n, layout.num_blocks, num_items, sb, sn, sh,
         fmt.region_nbytes, fmt.q_entry_nbytes, fmt.num_kv * fmt.q_entry_nbytes, fmt.scale_entry_nbytes,
         C=fmt.num_kv, H=layout.num_heads, BS=layout.block_size, D=layout.head_dim, IN_KIND=kind,
         PER_BLOCK=per_block, BLOCK_R=block_r, BLOCK_D=block_d, ALIGN16=align16(layout, stage), HW_CVT=hw_cvt, FMA_DIV=fma_div,
-        D_TAIL=d_tail,
+        D_TAIL=d_tail, ITEMS=items, TAIL_FIX=tail_fix if d_tail else 0,
         num_warps=warps, **probe,
     )
     regions = stage.view(fmt.num_regions, fmt.region_nbytes)
