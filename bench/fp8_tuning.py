@@ -122,6 +122,9 @@ def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_r
             common.progress(rows[-1])
         lay = ids = ref = out = None  # noqa: F841 - frees the cache before the next model
         torch.cuda.empty_cache()
+        # written after every model: a run cut off by a time cap keeps the finished ones (the
+        # variants grew from 6 to 13 in the twelfth session)
+        common.write_results(rows, meta, out_dir, "fp8_tuning")
     paths = common.write_results(rows, meta, out_dir, "fp8_tuning")
     print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['date']}  d2d {peak:.0f} GB/s")
     print(common.format_table(rows, ["model", "chunk_kb", "granularity", "variant", "ms", "gbps", "pct_peak",
