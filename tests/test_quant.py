@@ -652,6 +652,29 @@ def test_fp8_gather_variants_give_the_same_bytes(probe, granularity):
                 assert int(err) == 1, (kind, probe, fma, cap)
 
 
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_fma_div_2_is_the_same_quotient_as_fma_div_1(granularity):
+    """``FMA_DIV=2`` rewrites the FMA correction (``fma(q0, -sf, xs)``, a non-finite test on
+    ``|q0|``): the same value for every input whatever the FMA rounds to, so under the interpreter
+    (whose FMA rounds twice: both differ from torch there) the two forms must agree byte for byte,
+    on random cache bytes (NaN, inf, subnormals, -0 among them); on the GPU both equal torch's
+    bytes (test above)."""
+    from kvkernels.triton_ops.quant_gather import quant_gather_triton
+
+    if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel on CPU needs TRITON_INTERPRET=1")
+    lay = cache("vllm-nhd", dtype=torch.bfloat16, head_dim=64, heads=2, block_size=8, blocks=6, layers=2, seed=11)
+    ids = torch.tensor([4, 0, 5, 2], device=DEVICE)
+    fmt = QuantStagingFormat.for_layout(lay, len(ids), granularity=granularity)
+    outs = []
+    for fma in (True, 2):
+        out = torch.zeros(fmt.nbytes, dtype=torch.uint8, device=DEVICE)
+        quant_gather_triton(lay, ids, fmt, out, torch.zeros(1, dtype=torch.int32, device=DEVICE),
+                            _probe={"FMA_DIV": fma, "HW_CVT": False})
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
 VARIANT_PROBE = r"""
 import json, re, sys
 from kvkernels.bench.bench_resources import compile_triton_variants

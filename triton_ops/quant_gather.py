@@ -170,13 +170,13 @@ def _quant_gather_kernel(
     TAIL_W: tl.constexpr = D_TAIL if D_TAIL > 0 else 1
     e_ar = BLOCK_D + tl.arange(0, TAIL_W)  # the tail tile's columns (unused when D_TAIL == 0)
     e_ok = e_ar < D
-    num_groups = (num_items + (ITEMS - 1)) // ITEMS
+    num_groups = (num_items - 1) // ITEMS + 1  # num_items >= 1 (the launcher); no int32 overflow near 2^31
     for g in tl.range(tl.program_id(0), num_groups, tl.num_programs(0)):
         w0 = g * ITEMS
         jc = w0 // n  # int32: one division per group, then carried
         i32 = w0 - jc * n
         for k in tl.static_range(ITEMS):
-            live = (w0 + k) < num_items
+            live = k < num_items - w0  # (w0 + k could wrap in int32 near 2^31)
             jcl = tl.where(live, jc, 0)
             j = (jcl // C).to(tl.int64)
             c = (jcl - (jcl // C) * C).to(tl.int64)
@@ -184,9 +184,10 @@ def _quant_gather_kernel(
             # the table entry first (independent of the id), then the id; relaxed counter (no fence)
             addr = tl.load(ptr_tab + j * C + c)
             bid = tl.load(block_ids + i).to(tl.int64)
-            valid = (bid >= 0) & (bid < num_blocks)
-            tl.atomic_add(err_ptr, 1, mask=(((bid != -1) & (bid < 0)) | (bid >= num_blocks)) & ((w0 + k) < n) & live,
+            # an invalid id is counted once per slot: by the first n items (region 0, entry 0)
+            tl.atomic_add(err_ptr, 1, mask=(((bid != -1) & (bid < 0)) | (bid >= num_blocks)) & (k < n - w0) & live,
                           sem="relaxed")
+            valid = (bid >= 0) & (bid < num_blocks) & live  # a dead item (past the end) reads nothing
             row_lim = tl.where(valid, ROWS, 0)  # invalid id: no cache row is read, zeros are written
             tok_lim = tl.where(valid, BS, 0)
             row_end = tl.where(live, ROWS, 0)  # past the last item: nothing stored
@@ -217,11 +218,11 @@ def _quant_gather_kernel(
                         if D_TAIL > 0:
                             mv2 = (t < tok_lim)[:, None] & e_ok[None, :]
                             x2 = _load_f32(cache + c_row[:, None] + e_ar[None, :], mv2, IN_KIND)
-                            if TAIL_FIX:  # the tail's own vector: the two meet only as scalars (max is exact)
+                            if TAIL_FIX == 2:  # the tail's own vector: the two meet only as scalars (max is exact)
                                 amax2 = tl.maximum(amax2, tl.max(_abs_bits(x2), axis=1))
                             else:
                                 amax = tl.maximum(amax, tl.max(_abs_bits(x2), axis=1))
-                    if TAIL_FIX and D_TAIL > 0:
+                    if TAIL_FIX == 2 and D_TAIL > 0:
                         s = _scale_from_amax_bits(tl.maximum(tl.max(amax, axis=0), tl.max(amax2, axis=0)))
                     else:
                         s = _scale_from_amax_bits(tl.max(amax, axis=0))
@@ -344,6 +345,8 @@ def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor,
         d_tail = triton.next_power_of_2(D - block_d)
     items = int(probe.pop("items", 1))
     tail_fix = int(probe.pop("tail_fix", 0))
+    if tail_fix not in (0, 2) or items < 1:
+        raise ValueError(f"_probe: tail_fix must be 0 or 2 and items >= 1, got {tail_fix}, {items}")
     if items > 1:  # groups of `items` consecutive work items per program step
         groups = -(-num_items // items)
         grid = (groups if max_ctas <= 0 else min(groups, max_ctas),)
