@@ -193,6 +193,13 @@ class _DmaPlan:
     def __init__(self, ids: np.ndarray, block_stride: int, chunk_nbytes: int):
         ids = np.asarray(ids, dtype=np.int64)
         self.n = int(ids.size)
+        if block_stride != chunk_nbytes and self.n and int(ids.min()) >= 0:
+            # the common case (blocks not byte-neighbours, no padding): one piece per block, no
+            # run search (a save's first layer and every start_load pay this once per request)
+            self.cache_rel = ids * block_stride
+            self.host_rel = np.arange(0, self.n * chunk_nbytes, chunk_nbytes, dtype=np.int64)
+            self.sizes = np.full(self.n, chunk_nbytes, dtype=np.int64)
+            return
         pos = np.flatnonzero(ids >= 0)
         vals = ids[pos]
         if vals.size:
