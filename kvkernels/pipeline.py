@@ -193,12 +193,20 @@ class _DmaPlan:
     def __init__(self, ids: np.ndarray, block_stride: int, chunk_nbytes: int):
         ids = np.asarray(ids, dtype=np.int64)
         self.n = int(ids.size)
-        if block_stride != chunk_nbytes and self.n and int(ids.min()) >= 0:
-            # the common case (blocks not byte-neighbours, no padding): one piece per block, no
-            # run search (a save's first layer and every start_load pay this once per request)
-            self.cache_rel = ids * block_stride
-            self.host_rel = np.arange(0, self.n * chunk_nbytes, chunk_nbytes, dtype=np.int64)
-            self.sizes = np.full(self.n, chunk_nbytes, dtype=np.int64)
+        if self.n and int(ids.min()) >= 0:
+            # no padding (a save's first layer and every start_load pay this once per request)
+            if block_stride != chunk_nbytes:  # blocks are not byte neighbours: one piece per block
+                self.cache_rel = ids * block_stride
+                self.host_rel = np.arange(0, self.n * chunk_nbytes, chunk_nbytes, dtype=np.int64)
+                self.sizes = np.full(self.n, chunk_nbytes, dtype=np.int64)
+            else:  # runs of consecutive ids (the host side is consecutive throughout)
+                brk = np.empty(self.n, dtype=bool)
+                brk[0] = True
+                np.not_equal(np.diff(ids), 1, out=brk[1:])
+                starts = np.flatnonzero(brk)
+                self.cache_rel = ids[starts] * block_stride
+                self.host_rel = starts * chunk_nbytes
+                self.sizes = np.diff(starts, append=self.n) * chunk_nbytes
             return
         pos = np.flatnonzero(ids >= 0)
         vals = ids[pos]

@@ -1370,6 +1370,39 @@ def test_dma_plan_merges_runs_only_where_both_sides_are_contiguous():
     q = _DmaPlan(np.array([4, 5, 6]), 800, 100)  # blocks 800 bytes apart (cross-layer): one piece each
     assert q.cache_rel.tolist() == [3200, 4000, 4800] and q.sizes.tolist() == [100] * 3
     assert _DmaPlan(np.array([-1, -1]), 100, 100).sizes.size == 0
+    r = _DmaPlan(np.array([4, 5, 6, 2, 3, 9]), 100, 100)  # no padding: the shorter path
+    assert (r.cache_rel.tolist(), r.host_rel.tolist(), r.sizes.tolist()) == ([400, 200, 900], [0, 300, 500],
+                                                                            [300, 200, 100])
+
+
+def test_dma_plan_matches_block_by_block_pieces_merged():
+    """Every plan (with and without padding, blocks byte neighbours or not) covers exactly the
+    pieces one per block would, merged where both sides continue: checked against that
+    definition on random id lists."""
+    import numpy as np
+
+    from kvkernels.pipeline import _DmaPlan
+
+    rng = np.random.default_rng(7)
+    for _ in range(400):
+        ids = rng.integers(-1, 12, int(rng.integers(1, 14)))
+        if rng.random() < 0.5:
+            ids = np.abs(ids)
+        if rng.random() < 0.3:
+            ids = np.sort(ids)
+        for stride, chunk in ((64, 64), (128, 64)):
+            want = []  # [cache_rel, host_rel, size]
+            for i, b in enumerate(ids.tolist()):
+                if b < 0:
+                    continue
+                if want and stride == chunk and want[-1][0] + want[-1][2] == b * stride \
+                        and want[-1][1] + want[-1][2] == i * chunk:
+                    want[-1][2] += chunk
+                else:
+                    want.append([b * stride, i * chunk, chunk])
+            p = _DmaPlan(ids, stride, chunk)
+            got = [list(t) for t in zip(p.cache_rel.tolist(), p.host_rel.tolist(), p.sizes.tolist())]
+            assert got == want, (ids.tolist(), stride)
 
 
 def test_copy_mode_is_checked(monkeypatch):
