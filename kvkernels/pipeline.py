@@ -193,34 +193,22 @@ class _DmaPlan:
     def __init__(self, ids: np.ndarray, block_stride: int, chunk_nbytes: int):
         ids = np.asarray(ids, dtype=np.int64)
         self.n = int(ids.size)
-        if self.n and int(ids.min()) >= 0:
-            # no padding (a save's first layer and every start_load pay this once per request)
-            if block_stride != chunk_nbytes:  # blocks are not byte neighbours: one piece per block
-                self.cache_rel = ids * block_stride
-                self.host_rel = np.arange(0, self.n * chunk_nbytes, chunk_nbytes, dtype=np.int64)
-                self.sizes = np.full(self.n, chunk_nbytes, dtype=np.int64)
-            else:  # runs of consecutive ids (the host side is consecutive throughout)
-                brk = np.empty(self.n, dtype=bool)
-                brk[0] = True
-                np.not_equal(np.diff(ids), 1, out=brk[1:])
-                starts = np.flatnonzero(brk)
-                self.cache_rel = ids[starts] * block_stride
-                self.host_rel = starts * chunk_nbytes
-                self.sizes = np.diff(starts, append=self.n) * chunk_nbytes
-            return
-        pos = np.flatnonzero(ids >= 0)
-        vals = ids[pos]
-        if vals.size:
-            brk = np.ones(vals.size, dtype=bool)  # a piece starts here
-            if block_stride == chunk_nbytes:  # neighbouring blocks are neighbouring bytes
-                brk[1:] = (np.diff(vals) != 1) | (np.diff(pos) != 1)
+        pad = self.n > 0 and int(ids.min()) < 0  # no padding: the ids alone (once per request per step)
+        pos = np.flatnonzero(ids >= 0) if pad else None
+        vals = ids[pos] if pad else ids
+        m = int(vals.size)
+        if m and block_stride == chunk_nbytes:  # neighbouring blocks are neighbouring bytes: runs
+            brk = np.empty(m, dtype=bool)  # a piece starts here
+            brk[0] = True
+            np.not_equal(np.diff(vals), 1, out=brk[1:])
+            if pad:  # the host side must continue too
+                brk[1:] |= np.diff(pos) != 1
             starts = np.flatnonzero(brk)
-            lens = np.diff(np.append(starts, vals.size))
         else:
-            starts = lens = np.zeros(0, dtype=np.int64)
+            starts = np.arange(m, dtype=np.int64)
         self.cache_rel = vals[starts] * block_stride
-        self.host_rel = pos[starts] * chunk_nbytes
-        self.sizes = lens.astype(np.int64) * chunk_nbytes
+        self.host_rel = (pos[starts] if pad else starts) * chunk_nbytes
+        self.sizes = np.diff(starts, append=m).astype(np.int64) * chunk_nbytes
 
     def numel(self) -> int:
         """Block ids of the request (as ``Tensor.numel`` of its ids: the entry's size)."""

@@ -558,36 +558,35 @@ def test_errors():
 
 
 # ------------------------------------------------------------------------- GPU compile (no GPU)
-PTX_PROBE = r"""
+COMPILE_PROBE = r"""
 import json, re, sys
 from kvkernels.bench.bench_resources import compile_triton_variants
-ks = compile_triton_variants(sys.argv[1] == "align16", which=("quant", "shuffle"))
-print(json.dumps({name: sorted(set(re.findall(r"(?:ld|st|div|cvt|fma)\.[\w.]*", k.asm["ptx"])))
-                  + ["ndiv=%d" % k.asm["ptx"].count("div.rn.f32")] for name, k in ks.items()}))
+ks = compile_triton_variants(sys.argv[1] == "align16", which=tuple(sys.argv[2].split(",")))
+print(json.dumps({name: {"insns": sorted(set(re.findall(r"(?:ld|st|div|cvt|fma)\.[\w.]*", k.asm["ptx"]))),
+                         "ndiv": k.asm["ptx"].count("div.rn.f32"), "shared": k.metadata.shared}
+                  for name, k in ks.items()}))
 """
 
 
-SPLIT_PROBE = r"""
-import json, re, sys
-from kvkernels.bench.bench_resources import compile_triton_variants
-ks = compile_triton_variants(True, which=("quant_split",))
-print(json.dumps({name: sorted(set(re.findall(r"(?:ld|st|div|cvt|fma)\.[\w.]*", k.asm["ptx"])))
-                  + ["ndiv=%d" % k.asm["ptx"].count("div.rn.f32")] for name, k in ks.items()}))
-"""
+def _compile_probe(align: str, which: str) -> dict:
+    """``{kernel: {"insns", "ndiv", "shared"}}`` of ``compile_triton_variants(align, which)`` for
+    sm_90, compiled in a child process without ``TRITON_INTERPRET`` (no GPU needed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", COMPILE_PROBE, align, which], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def test_split_d_probe_compiles_for_sm90():
     """The FP8 gather's split-D probe (MLA's 576-wide rows as a 512 tile plus a 64 tile; correct
     under the interpreter in the tests above only when selected, so checked here for the GPU
     compiler): sm_90 PTX with the e4m3 conversion, the FMA quotient, few divisions and 16-byte loads."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", SPLIT_PROBE], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    insns = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(insns) == 2
-    for name, ins in insns.items():
-        assert {"cvt.rn.satfinite.e4m3x2.f32", "fma.rn.f32", "ld.global.v4.b32"} <= set(ins), (name, ins)
-        assert int(ins[-1].split("=")[1]) <= 4, (name, ins[-1])
+    ks = _compile_probe("align16", "quant_split")
+    assert len(ks) == 2
+    for name, k in ks.items():
+        assert {"cvt.rn.satfinite.e4m3x2.f32", "fma.rn.f32", "ld.global.v4.b32"} <= set(k["insns"]), (name, k)
+        assert k["ndiv"] <= 4, (name, k["ndiv"])
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
@@ -675,31 +674,17 @@ def test_fma_div_2_is_the_same_quotient_as_fma_div_1(granularity):
     assert torch.equal(outs[0], outs[1])
 
 
-VARIANT_PROBE = r"""
-import json, re, sys
-from kvkernels.bench.bench_resources import compile_triton_variants
-ks = compile_triton_variants(True, which=("quant_probes",))
-print(json.dumps({name: sorted(set(re.findall(r"(?:ld|st|div|cvt|fma)\.[\w.]*", k.asm["ptx"])))
-                  + ["ndiv=%d" % k.asm["ptx"].count("div.rn.f32"), "shared=%d" % k.metadata.shared]
-                  for name, k in ks.items()}))
-"""
-
-
 def test_fp8_gather_variants_compile_for_sm90():
     """The variants compile to sm_90 PTX with the conversion instruction, the FMA quotient,
     16-byte loads and divisions per row / tile only; the MLA tail fix has no tile-sized shared
     memory round trip left (the default split kernel uses 4 KiB for it)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", VARIANT_PROBE], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    insns = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(insns) == 4
-    for name, ins in insns.items():
-        assert {"cvt.rn.satfinite.e4m3x2.f32", "fma.rn.f32", "ld.global.v4.b32"} <= set(ins), (name, ins)
-        ndiv = int(ins[-2].split("=")[1])
-        assert ndiv <= (8 if "items4" in name else 6), (name, ins[-2])  # 2 per item (scale, reciprocal)
+    ks = _compile_probe("align16", "quant_probes")
+    assert len(ks) == 4
+    for name, k in ks.items():
+        assert {"cvt.rn.satfinite.e4m3x2.f32", "fma.rn.f32", "ld.global.v4.b32"} <= set(k["insns"]), (name, k)
+        assert k["ndiv"] <= (8 if "items4" in name else 6), (name, k["ndiv"])  # 2 per item (scale, reciprocal)
         if "tailfix" in name:
-            assert int(ins[-1].split("=")[1]) <= 64, (name, ins[-1])
+            assert k["shared"] <= 64, (name, k["shared"])
 
 
 @pytest.mark.parametrize("align", ["align16", "unaligned"])
@@ -709,18 +694,16 @@ def test_kernels_compile_for_sm90(align):
     quotients are the FMA correction, fma.rn.f32); the quantizing gather's codes come from the
     saturating RNE conversion (cvt.rn.satfinite.e4m3x2, its GPU path) and no other fp8 / bf16
     conversion is used; the aligned variants use 16-byte accesses."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", PTX_PROBE, align], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    insns = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(insns) == 11
-    for name, ins in insns.items():
+    ks = _compile_probe(align, "quant,shuffle")
+    assert len(ks) == 11
+    for name, k in ks.items():
+        ins = k["insns"]
         hw = {"cvt.rn.satfinite.e4m3x2.f32"} if name.startswith("quant_gather") else set()
         assert hw <= set(ins), (name, ins)
         assert not any(("e4m3" in i or "bf16" in i) and i not in hw for i in ins), (name, ins)
         if name.startswith("quant"):
             assert "div.rn.f32" in ins and not any(i.startswith("div.full") or i.startswith("div.approx") for i in ins)
-            assert int(ins[-1].split("=")[1]) <= 4, (name, ins[-1])  # per row / tile, not per element
+            assert k["ndiv"] <= 4, (name, k["ndiv"])  # per row / tile, not per element
         if name.startswith("quant_gather"):
             assert "fma.rn.f32" in ins, (name, ins)
         if align == "align16":
