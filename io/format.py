@@ -130,6 +130,8 @@ class EntryMeta:
     def validate(self) -> "EntryMeta":
         check(isinstance(self.layers, tuple) and len(self.layers) >= 1, "meta.layers", "a non-empty tuple", self.layers)
         check(len(self.layers) <= MAX_REGIONS, "meta.layers", f"at most {MAX_REGIONS} layers", len(self.layers))
+        for l in self.layers:
+            check_int(l, "meta.layers", lo=0, hi=2**31 - 1)
         check(list(self.layers) == sorted(set(self.layers)), "meta.layers", "ascending distinct layers", self.layers)
         for name in ("num_blocks", "block_size", "num_heads", "head_dim", "element_size", "num_layers"):
             check_int(getattr(self, name), f"meta.{name}", lo=1, hi=2**31 - 1)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import functools
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -39,6 +40,8 @@ from kvkernels._validate import check, check_int, check_tensor, describe, fail
 
 from .engines import aligned_empty, make_engine
 from .format import CorruptEntryError, EntryMeta, Header, checksum_segments, key_digest
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["KVStore"]
 
@@ -148,12 +151,21 @@ class KVStore:
         if capacity_bytes is not None:
             check_int(capacity_bytes, "capacity_bytes", lo=1)
         self.paths = [os.path.abspath(p) for p in paths]
+        seen: dict[tuple[int, int], str] = {}
         for p in self.paths:
             os.makedirs(p, exist_ok=True)
+            st = os.stat(p)
+            # the same folder twice (or through a link) would make recovery see every file twice and
+            # delete it as its own duplicate
+            check((st.st_dev, st.st_ino) not in seen, "paths", "distinct directories",
+                  f"{p!r} is the same directory as {seen.get((st.st_dev, st.st_ino))!r}")
+            seen[(st.st_dev, st.st_ino)] = p
         self.capacity_bytes = capacity_bytes
         self.engine = make_engine(engine)
         self.io_threads = io_threads if io_threads is not None else config.io_threads()
         check_int(self.io_threads, "io_threads", lo=1)
+        if max_inflight_bytes is not None:
+            check_int(max_inflight_bytes, "max_inflight_bytes", lo=1)
         self.max_inflight_bytes = (max_inflight_bytes if max_inflight_bytes is not None
                                    else config.env_int("KVKERNELS_IO_INFLIGHT_BYTES", 1 << 30, lo=1))
         self.read_priority = bool(read_priority)
@@ -181,7 +193,7 @@ class KVStore:
         self._closed = False
         self._submit_lock = threading.Lock()
         self._stats = {k: 0 for k in ("puts", "put_errors", "gets", "hits", "misses", "corrupt", "replaced_reads",
-                                      "evictions", "bytes_written", "bytes_read")}
+                                      "evictions", "bytes_written", "bytes_read", "unlink_errors", "disturbed_reads")}
         self._stats.update(write_s=0.0, read_s=0.0)
         self.recovery = self._recover()
         self._workers = [threading.Thread(target=self._worker, name=f"kvk-store-{i}", daemon=True)
@@ -225,8 +237,8 @@ class KVStore:
                         h = Header.unpack(head)
                         if h.digest.hex() + _SUFFIX != name:
                             raise CorruptEntryError("file name does not match the key digest in its header")
-                        if st.st_size < h.file_nbytes - 4095:
-                            raise CorruptEntryError(f"size {st.st_size} < {h.file_nbytes - 4095} expected")
+                        if st.st_size < h.file_nbytes:  # every put pads its last region to the 4 KiB boundary
+                            raise CorruptEntryError(f"truncated: size {st.st_size} < {h.file_nbytes} expected")
                         found.append((st.st_mtime_ns, h.digest, _Entry(p, h, st.st_size)))
                     except (OSError, EOFError) as exc:
                         report["bad_files"].append((p, str(exc)))
@@ -500,12 +512,18 @@ class KVStore:
             self._used -= ent.nbytes
             if ent.readers:
                 ent.doomed = rename_to or ""
-            elif digest not in self._publishing:
+            elif not (digest in self._publishing and self._path_for(digest) == ent.path):
+                # (a put of this key being published at the same path holds the new version there;
+                # a copy under another root, from before the paths changed, is this entry's own)
                 self._unlink(ent.path, rename_to)
             return True
 
-    @staticmethod
-    def _unlink(path: str, rename_to: str | None = None) -> None:
+    def _unlink(self, path: str, rename_to: str | None = None) -> None:
+        """Delete (or rename aside) a file that has already left the index. Called with the lock
+        held from paths that must finish their bookkeeping (a commit, a drop, a reader's release),
+        so a refusal of the file system (read-only, permissions) is logged and counted
+        (``stats()["unlink_errors"]``), not raised: the index stays true and the store keeps
+        working; the file is found again by the next open's recovery."""
         try:
             if rename_to:
                 os.replace(path, path + rename_to)
@@ -513,6 +531,9 @@ class KVStore:
                 os.unlink(path)
         except FileNotFoundError:
             pass
+        except OSError as exc:
+            self._stats["unlink_errors"] += 1
+            _log.warning("kvkernels store: could not %s %s: %s", "rename" if rename_to else "delete", path, exc)
 
     # ------------------------------------------------------------------ get
     def header(self, key) -> Header | None:
@@ -568,6 +589,7 @@ class KVStore:
                     have_n = sum(t.numel() for t in segs)
                     check(have_n >= r.stored, f"out[{j}]", f"at least {r.stored} bytes (layer {r.layer})", have_n)
                     dests.append(_take(segs, r.stored))
+                _check_disjoint(dests)
             else:
                 total = len(sel) * region
                 if out is None:
@@ -593,7 +615,8 @@ class KVStore:
             self._release_reader(ent)
             raise
 
-    def _read_failed(self, digest: bytes, ent: _Entry, sel, dests, out, attempt: int, why: str) -> _Later:
+    def _read_failed(self, digest: bytes, ent: _Entry, sel, dests, out, attempt: int, why: str,
+                     bad: list[int] | None = None) -> _Later:
         """A read whose bytes failed their checksum, ended early or found no file.
 
         Either the file is corrupt (or gone), or a put of the same key replaced it while it was
@@ -603,7 +626,19 @@ class KVStore:
         ``header()`` and destinations still hold) the read is retried on it, up to
         :data:`READ_RETRIES` times; otherwise (other sizes, a version still being published, or
         none indexed any more) the get is a miss (``KeyError``).
+
+        A checksum mismatch on the indexed version (``bad``: the layers) is checked once more
+        on bytes the store reads into its own buffer: when those match, the file is sound and
+        the caller's destination changed during the read (a buffer shared by two gets, or
+        overlapping destinations): the entry is kept and the get fails with ``RuntimeError``.
         """
+        if bad and self._reads_intact(digest, ent, [r for r in sel if r.layer in set(bad)]):
+            with self._lock:
+                self._stats["disturbed_reads"] += 1
+            raise RuntimeError(
+                f"`out`: the bytes read for layer {bad[0]} of {ent.path} changed in the destination before "
+                "they were verified (the stored entry re-reads intact and is kept): was the destination "
+                "shared with another read, or written meanwhile? The destination must not be used")
         with self._lock:
             cur = self._index.get(digest)
             replaced = cur is not ent or digest in self._publishing  # ent is no longer the indexed version
@@ -722,8 +757,28 @@ class KVStore:
             return self._read_failed(digest, ent, sel, dests, out, attempt, _short_read(exc))
         if bad:
             why = f"region of layer {bad[0]}: checksum mismatch"
-            return self._read_failed(digest, ent, sel, dests, out, attempt, why)
+            return self._read_failed(digest, ent, sel, dests, out, attempt, why, bad)
         return self._got(sel, out, t0)
+
+    def _reads_intact(self, digest: bytes, ent: _Entry, regions) -> bool:
+        """True when ``regions`` of ``ent``, still the indexed version, read into a buffer of the
+        store's own match their checksums (a mismatch seen in the caller's destination was not
+        the file's). False when the file fails again, is gone or was replaced meanwhile."""
+        with self._lock:
+            if self._index.get(digest) is not ent or digest in self._publishing:
+                return False
+            ent.readers += 1
+        try:
+            for r in regions:
+                buf = aligned_empty(r.stored)
+                self.engine.read_into(ent.path, [(r.offset, [buf])])
+                if checksum_segments(_views([buf])) != r.checksum:
+                    return False
+            return True
+        except (OSError, EOFError):
+            return False
+        finally:
+            self._release_reader(ent)
 
     def _corrupt(self, digest: bytes, ent: _Entry, why: str) -> CorruptEntryError:
         """Count a corrupt entry, drop it (renamed ``*.corrupt``; only the version that was read)
@@ -866,6 +921,16 @@ def _plan_groups(sel, dests, split: int) -> list[tuple[int, list[torch.Tensor], 
             size = r.stored
         end = r.offset + r.stored if r.stored % 4096 == 0 else None
     return groups
+
+
+def _check_disjoint(dests: list[list[torch.Tensor]]) -> None:
+    """Destinations of one get must not share bytes: the second region read would overwrite the
+    first before its checksum is taken."""
+    spans = sorted((t.device.type, t.device.index or 0, t.data_ptr(), t.data_ptr() + t.numel(), j)
+                   for j, segs in enumerate(dests) for t in segs if t.numel())
+    for a, b in zip(spans, spans[1:]):
+        if a[:2] == b[:2] and b[2] < a[3]:
+            fail("out", "destinations that do not overlap", f"out[{a[4]}] and out[{b[4]}] share bytes")
 
 
 def _take(segs: list[torch.Tensor], n: int) -> list[torch.Tensor]:

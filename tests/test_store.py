@@ -147,6 +147,17 @@ def test_truncated_file_is_skipped_on_open(tmp_path):
         assert not store.contains("a") and store.stats()["recovery"]["bad_files"]
 
 
+def test_a_tail_cut_inside_the_last_4k_block_is_skipped_on_open(tmp_path):
+    _, buf, meta = staged()
+    with KVStore(tmp_path) as store:
+        store.put("a", buf, meta).result()
+    (path,) = files(tmp_path)
+    os.truncate(path, os.path.getsize(path) - 4000)  # every put pads its file to the 4 KiB boundary
+    with KVStore(tmp_path) as store:
+        assert not store.contains("a")
+        assert "truncated" in store.stats()["recovery"]["bad_files"][0][1]
+
+
 def test_lru_eviction_order(tmp_path):
     _, buf, meta = staged()
     size = 4096 + buf.numel()
@@ -273,6 +284,20 @@ def test_bad_arguments(tmp_path):
         KVStore(tmp_path, engine="nvme")
     with pytest.raises(ValueError, match="capacity_bytes"):
         KVStore(tmp_path, capacity_bytes=0)
+    for bad, exc in ((0, ValueError), (-1, ValueError), ("1GiB", TypeError)):
+        with pytest.raises(exc, match="max_inflight_bytes"):
+            KVStore(tmp_path, max_inflight_bytes=bad)
+    for layers, exc in (((-1, 0), ValueError), ((0.0, 1.0), TypeError)):
+        with pytest.raises(exc, match="meta.layers"):
+            EntryMeta(**{**meta.__dict__, "layers": layers}).validate()
+    # the same folder twice, or through a link, is refused (recovery would see each file twice
+    # and delete it as its own duplicate)
+    os.symlink(tmp_path, tmp_path / "link")
+    for paths in ([tmp_path, tmp_path], [tmp_path, tmp_path / "link"]):
+        with pytest.raises(ValueError, match="distinct directories"):
+            KVStore(paths)
+    with KVStore(tmp_path) as store:  # nothing was deleted by the refused opens
+        assert store.contains("k")
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="kvikio"):
             KVStore(tmp_path, engine="kvikio")
@@ -732,6 +757,117 @@ def test_changed_paths_leave_one_copy_per_key(tmp_path):
         assert both.remove(key)
     with KVStore([a, b]) as again:
         assert not again.contains(key)
+
+
+def test_a_disturbed_destination_is_not_taken_for_a_corrupt_file(tmp_path):
+    """A checksum mismatch in the caller's memory (destinations that overlap, or one scratch
+    buffer shared by concurrent gets) must not drop a sound entry: overlapping destinations are
+    refused up front, and a mismatch that a re-read into the store's own buffer does not confirm
+    fails the get with RuntimeError and keeps the entry."""
+    _, buf, meta = staged()
+    fmt = meta.fmt
+    with KVStore(tmp_path) as store:
+        store.put("k", buf, meta).result()
+        x = torch.empty(fmt.region_nbytes, dtype=torch.uint8)
+        with pytest.raises(ValueError, match="do not overlap"):
+            store.get("k", out=[x] * fmt.num_regions)
+        # a destination written while the get runs: simulated by damaging the bytes after the read
+        real = KVStore._verify
+
+        def scribbled(sel, dests, js):
+            for j in js:
+                dests[j][0][0] ^= 0xFF
+            return real(sel, dests, js)
+
+        store._verify = scribbled
+        with pytest.raises(RuntimeError, match="re-reads intact"):
+            store.get("k").result()
+        del store._verify
+        st_ = store.stats()
+        assert store.contains("k") and st_["corrupt"] == 0 and st_["disturbed_reads"] == 1
+        assert torch.equal(store.get("k").result(), buf)
+        assert not [p for p in files(tmp_path) if p.endswith(".corrupt")]
+        # a real flip in the file is still corruption (the re-read confirms it)
+        (path,) = [p for p in files(tmp_path) if p.endswith(".kvk")]
+        with open(path, "r+b") as f:
+            f.seek(Header.unpack(open(path, "rb").read(4096)).regions[0].offset + 7)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 1]))
+        with pytest.raises(CorruptEntryError):
+            store.get("k").result()
+        assert not store.contains("k")
+
+
+def test_a_remove_while_a_put_publishes_under_another_root_deletes_the_old_copy(tmp_path, monkeypatch):
+    """The paths changed: a key's old copy lives under root A, a new put of it goes to root B.
+    A remove landing between that put's rename and its directory fsync must delete A's copy
+    (only a copy at B's path is the new version's), or the removed key comes back on reopen."""
+    from kvkernels.io import store as store_mod
+    from kvkernels.io.format import key_digest
+
+    _, v1, meta = staged(seed=1)
+    _, v2, _ = staged(seed=2)
+    a, b = str(tmp_path / "A"), str(tmp_path / "B")
+    with KVStore([a, b]) as probe:
+        key = next(f"k{i}" for i in range(200) if probe._path_for(key_digest(f"k{i}")).startswith(b))
+    with KVStore([a]) as one:
+        one.put(key, v1, meta).result()
+    entered, go = threading.Event(), threading.Event()
+    real = store_mod._fsync_dir
+
+    def slow(d):
+        if d.startswith(b):
+            entered.set()
+            go.wait(10)
+        real(d)
+
+    monkeypatch.setattr(store_mod, "_fsync_dir", slow)
+    with KVStore([a, b]) as two:
+        fut = two.put(key, v2, meta)
+        assert entered.wait(10)
+        assert two.remove(key)  # removes the old version (A's copy)
+        go.set()
+        fut.result()
+        assert not [p for p in files(a) if p.endswith(".kvk")]
+        assert torch.equal(two.get(key).result(), v2)
+        assert two.remove(key)
+    with KVStore([a, b]) as again:
+        assert not again.contains(key)
+
+
+def test_a_refused_unlink_of_an_old_copy_leaves_the_store_working(tmp_path, monkeypatch):
+    """Deleting a key's old copy under another root fails (e.g. that SSD went read-only): the
+    put still commits, every reservation is given back, later puts proceed, and the refusal is
+    counted."""
+    from kvkernels.io import store as store_mod
+    from kvkernels.io.format import key_digest
+
+    _, v1, meta = staged(seed=1)
+    _, v2, _ = staged(seed=2)
+    a, b = str(tmp_path / "A"), str(tmp_path / "B")
+    with KVStore([a, b]) as probe:
+        key = next(f"k{i}" for i in range(200) if probe._path_for(key_digest(f"k{i}")).startswith(b))
+    with KVStore([a]) as one:
+        one.put(key, v1, meta).result()
+    real_unlink = os.unlink
+
+    def unlink(p, *args, **kw):
+        if str(p).startswith(a):
+            raise OSError(errno.EROFS, "Read-only file system", p)
+        return real_unlink(p, *args, **kw)
+
+    size = 4096 + meta.fmt.nbytes
+    with KVStore([a, b], capacity_bytes=2 * size) as two:
+        monkeypatch.setattr(store_mod.os, "unlink", unlink)
+        two.put(key, v2, meta).result()
+        monkeypatch.setattr(store_mod.os, "unlink", real_unlink)
+        st_ = two.stats()
+        assert two.contains(key) and st_["unlink_errors"] == 1 and st_["bytes_used"] == size
+        assert two._reserved == 0 and two._inflight == 0 and not two._publishing
+        two.put("other", v1, meta).result(timeout=10)
+        two.put("other2", v1, meta).result(timeout=10)  # evicts: the capacity accounting held
+        assert torch.equal(two.get("other2").result(), v1)
 
 
 def test_requests_racing_close_are_refused_or_completed_never_stranded(tmp_path):
