@@ -820,7 +820,10 @@ class LayerPipeline:
         except ValueError as exc:
             raise ValueError(f"`{name}`: {exc}") from None
         check(host.numel() > 0, name, "at least one block id", "an empty list")
-        return host.to(torch.int64)
+        out = host.to(torch.int64)
+        if out is block_ids:  # the caller's own int64 CPU tensor: kept past this call (a restore reads
+            out = out.clone()  # it at later layers on a CPU cache), so a copy of what was checked
+        return out
 
     @staticmethod
     def _host_ids_key(block_ids):
@@ -909,18 +912,26 @@ class LayerPipeline:
         if not saves:
             return
         self._check_device()
+        # every key's ids and block count are checked before anything is issued: a bad call
+        # raises with nothing issued, and every save it names misses this layer, so each of
+        # them fails for the rest of its step (never completed from a mix of two steps)
+        checked: list[tuple[Hashable, object, object]] = []
+        try:
+            for key, block_ids in saves.items():
+                ids, host_key = self._save_ids(key, block_ids)
+                cur = self._saving.get(key)
+                if cur is not None and layer not in cur.layers_done:
+                    check(cur.fmt.num_blocks == ids.numel(), "saves",
+                          f"{cur.fmt.num_blocks} blocks for key {key!r} (as at its first layer)", ids.numel())
+                checked.append((key, ids, host_key))
+        except BaseException:
+            self._fail_call(layer, saves)
+            raise
         self._record(self._ready["save"], self._compute())  # layer's KV is final here
         todo: list[tuple[Hashable, HostEntry, object]] = []
         try:
-            for key, block_ids in saves.items():
-                try:
-                    ids, host_key = self._save_ids(key, block_ids)
-                    ent = self._entry_for_save(key, ids.numel(), layer)
-                except BaseException:  # bad ids or block count: a save under way misses this layer
-                    cur = self._saving.get(key)
-                    if cur is not None:
-                        self._fail_saves(layer, [(key, cur, None)])
-                    raise
+            for key, ids, host_key in checked:
+                ent = self._entry_for_save(key, ids.numel(), layer)
                 if ent is None:
                     continue
                 if host_key is not None:  # new host ids (even in the same tensor, on a CPU cache)
@@ -928,22 +939,40 @@ class LayerPipeline:
                     if not isinstance(ids, _DmaPlan):  # the shared gather's memo holds gather ids only
                         self._batch_ids = None
                 todo.append((key, ent, ids))
-        finally:  # a bad key raises after the keys before it are issued (as one by one), and
-            if todo:  # wait_for_save covers what was issued either way
-                dma = [t for t in todo if isinstance(t[2], _DmaPlan)]
-                gather = [t for t in todo if not isinstance(t[2], _DmaPlan)] if dma else todo
-                try:
-                    self._issue_saves(layer, todo, gather, dma)
-                except BaseException:  # a launch or DMA that could not be issued (JIT, runtime)
-                    self._fail_saves(layer, todo)
-                    raise
-                finally:
-                    if gather:
-                        self._record(self._gathered, self.pack_stream)
-                        self._save_pending = True
-                    if dma:
-                        self._record(self._dma_read, self.d2h_stream)
-                        self._dma_pending = True
+        except BaseException:  # not expected (checked above): nothing of this call is issued
+            self._fail_call(layer, saves)
+            raise
+        if not todo:
+            return
+        dma = [t for t in todo if isinstance(t[2], _DmaPlan)]
+        gather = [t for t in todo if not isinstance(t[2], _DmaPlan)] if dma else todo
+        try:
+            self._issue_saves(layer, todo, gather, dma)
+        except BaseException:  # a launch or DMA that could not be issued (JIT, runtime)
+            self._fail_saves(layer, todo)
+            raise
+        finally:
+            if gather:
+                self._record(self._gathered, self.pack_stream)
+                self._save_pending = True
+            if dma:
+                self._record(self._dma_read, self.d2h_stream)
+                self._dma_pending = True
+
+    def _fail_call(self, layer: int, keys) -> None:
+        """A ``save_layer`` call that raised before issuing: every key it names fails its save
+        (reported in ``failed_saves``; a save under way is abandoned, a save not begun is
+        ignored for the rest of its step, as one that found no host memory)."""
+        for key in keys:
+            cur = self._saving.get(key)
+            if cur is not None:
+                self._abandon_save(key, cur, f"not issued at layer {layer} (its save_layer call raised)")
+            else:
+                self._failed_saves.add(key)
+            if layer + 1 < self.layout.num_layers:
+                self._saves_failing[key] = set(range(layer + 1))
+            else:
+                self._saves_failing.pop(key, None)
 
     def _fail_saves(self, layer: int, todo) -> None:
         """The saves of ``todo`` could not be issued at ``layer``: reported in ``failed_saves``,
@@ -1090,7 +1119,10 @@ class LayerPipeline:
     def prefetch(self, key, *, num_blocks: int) -> Future:
         """Read entry ``key`` (``num_blocks`` blocks) from the SSD store into the host pool, in
         the background (vLLM: the async part of a load, before the step). The future resolves
-        to the :class:`HostEntry` (state ``ready`` or ``failed``)."""
+        to the :class:`HostEntry` (state ``ready`` or ``failed``). A key already in the pool is
+        not read again: the future gives its entry as it is (``saved``, ``ready``, ``loading``,
+        or ``saving`` while a save of it is under way; ``start_load`` restores it once complete);
+        one held there with another number of blocks is a ``ValueError``."""
         self._ensure_open()
         if self.store is None:
             fail("store", "a KVStore to prefetch from", None)
@@ -1098,6 +1130,9 @@ class LayerPipeline:
         num_layers = self.layout.num_layers
         with self._lock:
             ent = self.entries.get(key)
+            if ent is not None and ent.state != "failed":
+                check(ent.fmt.num_blocks == num_blocks, "num_blocks",
+                      f"{ent.fmt.num_blocks}, the blocks of key {key!r} in the host pool ({ent.state})", num_blocks)
             if ent is not None and (ent.state in ("saved", "ready", "loading", "saving") or ent.users):
                 fut: Future = Future()  # present (or failed and still read by a load: retry later)
                 fut.set_result(ent)
@@ -1220,19 +1255,13 @@ class LayerPipeline:
                     else self._ids(block_ids, f"loads[{key!r}]", unique=True), hks[key], block_ids)
                    for key, block_ids in loads.items()]
         self._check_distinct_destinations(checked)
-        if self._loads and (self._next_load_layer < self.layout.num_layers
-                            or self._last_waited < self.layout.num_layers - 1):
-            # a previous load not waited to the end (its last layers maybe not even issued)
-            while self._loads and self._next_load_layer < self.layout.num_layers:
-                self._issue_load_layer()  # finish issuing it
-            # its last layers' copies (scatters on the pack stream, dma copies on the H2D stream)
-            # come before the compute's next kernels and before this load's copies, which may be
-            # on the other stream (dma after gather): the compute waits for both streams, and the
-            # start event below orders both side streams after the compute
-            self._record(self._finished_off, self.pack_stream)
-            self._wait(self.h2d_stream, self._finished_off)
-            self._record(self._finished_off, self.h2d_stream)
-            self._wait(self._compute(), self._finished_off)
+        if self._loads and self._last_waited < self.layout.num_layers - 1:
+            try:
+                self._finish_issuing_loads()  # a previous load not waited to the end
+            except BaseException:  # it could not be issued (reported): this call's restores neither
+                for key, ids, hk, given in checked:
+                    self._load_errors.append(hk if hk is not None else given)
+                raise
         self._loads = []
         self._load_events = {}
         self._next_load_layer = 0
@@ -1269,6 +1298,20 @@ class LayerPipeline:
                 self._load_cat = torch.cat([ids.to(torch.int64) for _, ids, *_ in self._loads])
         for _ in range(min(self.prefetch_depth, self.layout.num_layers)):
             self._issue_load_layer()
+
+    def _finish_issuing_loads(self) -> None:
+        """Issue the current restore's layers not issued yet (a restore not waited to the end)
+        and order the compute after all of them. Its last layers' copies (scatters on the pack
+        stream, dma copies on the H2D stream) come before the compute's next kernels and before a
+        next load's copies, which may be on the other stream (dma after gather): the compute
+        waits for both streams (stream waits, no host wait)."""
+        while self._loads and self._next_load_layer < self.layout.num_layers:
+            self._issue_load_layer()
+        self._record(self._finished_off, self.pack_stream)
+        self._wait(self.h2d_stream, self._finished_off)
+        self._record(self._finished_off, self.h2d_stream)
+        self._wait(self._compute(), self._finished_off)
+        self._last_waited = self.layout.num_layers - 1
 
     def _check_distinct_destinations(self, checked) -> None:
         """Restores of one step must not share a destination block (restored together, they
@@ -1412,7 +1455,14 @@ class LayerPipeline:
         """``(saved_keys, loaded_keys)`` completed since the last call; polls events, never
         blocks (vLLM: ``get_finished``). A save is finished when its DMA (and SSD write, with a
         store) is done; keys whose save could not get host memory are reported as saved-failed
-        through :attr:`failed_saves`."""
+        through :attr:`failed_saves`. A restore whose layers were not all waited for (its last
+        layers maybe not issued) is issued to the end here, the compute stream ordered after it
+        (stream waits), so it completes and is reported."""
+        if self._loads and self._next_load_layer < self.layout.num_layers and not self._closed:
+            try:
+                self._finish_issuing_loads()
+            except Exception:  # noqa: BLE001 - a layer that could not be issued: its restores are
+                log.exception("kvkernels: finishing a restore's layers failed")  # reported as load errors
         saved = set()
         with self._lock:
             for key, ent in list(self.entries.items()):

@@ -783,6 +783,49 @@ def test_prefetch_of_a_stored_entry_of_another_size_fails_instead_of_reading_sho
         assert pipe.get_block_ids_with_load_errors() == {20, 21, 22}
 
 
+def test_prefetch_of_a_key_held_with_another_block_count_is_refused(tmp_path):
+    from kvkernels.io import KVStore
+
+    lay = cache()
+    with KVStore(tmp_path) as store, LayerPipeline(lay, host_bytes=1 << 20, store=store) as pipe:
+        pipe.save_layer(0, {"k": [5, 6]})  # a save under way: the pool holds 2 blocks of "k"
+        with pytest.raises(ValueError, match="num_blocks"):
+            pipe.prefetch("k", num_blocks=3)
+        assert pipe.prefetch("k", num_blocks=2).result(timeout=20).state == "saving"
+        for layer in range(1, L):
+            pipe.save_layer(layer, {"k": [5, 6]})
+        pipe.wait_for_save()
+        t0 = time.time()
+        while "k" not in pipe.get_finished()[0] and time.time() - t0 < 20:
+            time.sleep(0.01)
+        with pytest.raises(ValueError, match="num_blocks"):
+            pipe.prefetch("k", num_blocks=1)
+        assert pipe.prefetch("k", num_blocks=2).result(timeout=20).state == "saved"
+
+
+def test_a_start_load_whose_previous_restore_cannot_be_finished_reports_its_own(monkeypatch):
+    """Finishing the previous (unwaited) restore fails inside start_load: the call raises and its
+    own restores are reported as load errors, not lost."""
+    from kvkernels import ops
+
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20, prefetch_depth=1) as pipe:
+        run_step_saves(pipe, {"a": [1, 2], "b": [3, 4]})
+        drain(pipe)
+        pipe.start_load({"a": [10, 11]})
+        pipe.wait_for_layer_load(0)
+
+        def boom(*a, **k):
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(ops, "_scatter_from", boom)
+        with pytest.raises(RuntimeError, match="injected"):
+            pipe.start_load({"b": [20, 21]})
+        monkeypatch.undo()
+        assert pipe.get_block_ids_with_load_errors() == {10, 11, 20, 21}
+        assert drain(pipe)[1] == set()
+
+
 def test_streamed_failure_is_reported_by_the_steps_own_get_finished(monkeypatch):
     # the reading thread sets the entry's state a moment after opening the last gate; the step's
     # get_finished must still count the failure (from the gates), not report it a step late
@@ -980,17 +1023,82 @@ def test_requests_of_a_layer_share_one_launch_when_they_fit_a_slot(slot_blocks, 
 
 
 
-def test_a_bad_key_mid_save_leaves_the_issued_gathers_covered_by_wait_for_save():
-    """Keys before the bad one are issued; wait_for_save must still make the compute stream wait
-    for their gathers (their source blocks may be reused right after)."""
+def test_a_bad_key_fails_the_whole_call_and_its_saves_for_the_step():
+    """A save_layer call with one bad key raises before issuing anything; every key it names
+    fails for the rest of its step (reported in failed_saves, never completed from a mix of two
+    steps); the keys' next steps save normally."""
     lay = cache()
     with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
         pipe.save_layer(0, {"x": [1, 2], "w": [5]})
         pipe.wait_for_save()
         assert not pipe._save_pending
         with pytest.raises(ValueError, match="blocks"):
-            pipe.save_layer(1, {"x": [1, 2], "w": [5, 6]})  # w changes its block count
-        assert pipe._save_pending and 1 in pipe.entries["x"].layers_done
+            pipe.save_layer(1, {"x": [1, 2], "w": [5, 6], "y": [7]})  # w changes its block count
+        assert not pipe._save_pending  # nothing of the call was issued
+        assert "x" not in pipe.entries and "w" not in pipe.entries
+        for layer in range(2, L):  # the step goes on without the bad request
+            pipe.save_layer(layer, {"x": [1, 2], "y": [7]})
+        pipe.wait_for_save()
+        saved, _ = drain(pipe)
+        assert saved == set() and pipe.failed_saves == {"x", "w", "y"} and not pipe.entries
+        save_step_then_restore(pipe, lay, "x", ids([3, 4]), ids([20, 21]))
+        assert pipe.failed_saves == {"w", "y"}
+
+
+def test_a_save_whose_first_layer_raised_is_never_completed_by_the_next_step():
+    """A key named in a raising call at layer 0 (after a bad key) must not start its entry at
+    layer 1 and have the next step's layer 0 complete it with another step's bytes."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        with pytest.raises(ValueError, match="x"):
+            pipe.save_layer(0, {"x": [1, NB + 5], "a": [1, 2]})
+        for layer in range(1, L):
+            pipe.save_layer(layer, {"a": [1, 2]})
+        pipe.wait_for_save()
+        assert drain(pipe)[0] == set() and pipe.failed_saves == {"x", "a"} and not pipe.entries
+        save_step_then_restore(pipe, lay, "a", ids([5, 6]), ids([20, 21]))  # all layers from [5, 6]
+
+
+def test_restore_ids_are_copied_at_start_load():
+    """The caller may reuse its CPU id tensor once start_load returned (a block-table buffer):
+    later layers still go to the ids that were checked, in either copy mode."""
+    lay = cache()
+    for mode in (["gather", "dma"] if DEVICE.type == "cpu" else ["gather"]):
+        with LayerPipeline(lay, host_bytes=1 << 20, copy_mode=mode, prefetch_depth=1) as pipe:
+            expect = snapshot(lay, [1, 2])
+            run_step_saves(pipe, {"a": [1, 2]})
+            drain(pipe)
+            before = snapshot(lay, [10, 11])
+            dst = torch.tensor([20, 21])
+            pipe.start_load({"a": dst})
+            dst[:] = torch.tensor([10, 11])
+            for layer in range(L):
+                pipe.wait_for_layer_load(layer)
+            if DEVICE.type == "cuda":
+                torch.cuda.synchronize()
+            assert drain(pipe)[1] == {"a"}, mode
+            assert_blocks_hold(lay, [20, 21], expect)
+            assert_blocks_hold(lay, [10, 11], before)
+
+
+def test_a_restore_not_waited_to_the_end_completes_at_get_finished():
+    """Layers past the last waited one are issued by get_finished, so the restore completes, is
+    reported once and its entry becomes evictable (it stayed pinned until the next start_load)."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20, prefetch_depth=1) as pipe:
+        expect = snapshot(lay, [1, 2])
+        run_step_saves(pipe, {"a": [1, 2]})
+        drain(pipe)
+        pipe.start_load({"a": ids([20, 21])})
+        pipe.wait_for_layer_load(0)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert drain(pipe)[1] == {"a"} and pipe.get_block_ids_with_load_errors() == set()
+        assert drain(pipe)[1] == set()  # once
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert_blocks_hold(lay, [20, 21], expect)
+        assert pipe.evict("a")
 
 
 def test_shared_gather_follows_host_ids_changed_in_place():
@@ -1194,12 +1302,12 @@ def test_a_bad_id_part_way_through_a_save_fails_that_save_only_until_the_next_st
         pipe.save_layer(0, {"a": [1, 2], "b": [3, 4]})
         with pytest.raises(ValueError, match=r"saves\['a'\]"):
             pipe.save_layer(1, {"b": [3, 4], "a": [1, 99]})
-        for layer in range(2, L):
-            pipe.save_layer(layer, {"a": [1, 2], "b": [3, 4]})  # "a" stays failed for this step
+        for layer in range(2, L):  # both saves of the raising call stay failed for this step
+            pipe.save_layer(layer, {"a": [1, 2], "b": [3, 4]})
         saved, _ = drain(pipe)
-        assert saved == {"b"} and "a" in pipe.failed_saves and "a" not in pipe.entries
+        assert saved == set() and pipe.failed_saves == {"a", "b"} and not pipe.entries
         save_step_then_restore(pipe, lay, "a", [5, 6], [20, 21])  # the next step: a new save of "a"
-        assert pipe.failed_saves == set()  # the latest save of each key
+        assert pipe.failed_saves == {"b"}  # the latest save of each key
 
 
 def test_a_save_stopped_without_an_error_is_replaced_by_the_next_one():
