@@ -629,6 +629,27 @@ def test_lmcache_eviction_recovers_from_entries_the_store_evicted_itself(l1, tmp
         a.close()
 
 
+def test_a_key_stored_again_after_the_store_evicted_it_is_counted_once(l1, tmp_path):
+    # LMCache was told of the key at its first store; the store's LRU dropped it; LMCache stored
+    # it again: its old size must be taken back, or LMCache's usage never returns to zero
+    one = 69632  # a 64 KiB object's entry (plus its header)
+    a = _make(l1, tmp_path / "kv", capacity_bytes=int(2.5 * one))
+    try:
+        objs = l1.alloc(3, seed=3)
+        size = objs[0].get_size()
+        keys = [_key(300 + i) for i in range(3)]
+        for k, o in zip(keys, objs):
+            assert _store(a, [k], [o]).is_successful()
+        assert not a.store.contains(object_key_string(keys[0]))  # the store's own eviction
+        assert a.get_usage().total_bytes_used == 3 * size
+        assert _store(a, [keys[0]], [objs[0]]).is_successful()
+        assert a.get_usage().total_bytes_used == 3 * size  # not 4
+        a.delete(keys)
+        assert a.get_usage().total_bytes_used == 0 and len(a.store) == 0
+    finally:
+        a.close()
+
+
 def test_byteshuffle_setting_stores_fp32_objects_unshuffled(l1, tmp_path):
     from lmcache.v1.distributed.api import MemoryLayoutDesc
 

@@ -891,3 +891,104 @@ def test_byteshuffle_setting_stores_non_16bit_chunks_unshuffled(tmp_path, dtype)
         back.ref_count_down()
     finally:
         m.close()
+
+
+# ------------------------------------------------ regressions found by review (2026-11-23, 13th session)
+def test_a_multi_group_chunk_is_skipped_not_raised_into_lmcache(mgr):
+    s1, s2 = torch.Size([2, 2, T, H * D]), torch.Size([2, 2, T, 2 * H * D])
+    obj = mgr.cpu.allocate([s1, s2], [torch.bfloat16, torch.bfloat16], MemoryFormat.KV_2LTD)
+    assert obj is not None and len(obj.metadata.shapes) == 2
+    before = obj.get_ref_count()
+    assert mgr.plugin.batched_submit_put_task([_key(1)], [obj]) == []
+    assert obj.get_ref_count() == before and not mgr.plugin.contains(_key(1))
+    assert mgr.plugin.counters["put_skipped"] == 1
+    obj.ref_count_down()
+
+
+def test_sync_layerwise_retrieve_of_a_corrupt_layer_fails_instead_of_a_short_list(tmp_path):
+    # LMCache's synchronous layer-wise retrieve pairs objects with token ranges by position after
+    # marking every chunk retrieved: a short list would leave tokens unwritten but reported loaded
+    from lmcache.utils import LayerCacheEngineKey
+    from kvkernels.io.format import key_digest
+
+    m = Manager(tmp_path / "kv", lmcache_options={"use_layerwise": True}, fsync=False)
+    try:
+        keys = [[LayerCacheEngineKey(MODEL, 1, 0, h, torch.bfloat16, layer_id=l) for l in range(L)] for h in (1, 2)]
+        for ks in keys:
+            objs = [m.sm.allocate(torch.Size((T, 2, H * D)), torch.bfloat16, MemoryFormat.KV_T2D) for _ in ks]
+            for o in objs:
+                o.tensor.normal_()
+            m.put(ks, objs)
+        ent = m.plugin.store._index[key_digest(key_string(keys[1][2]))]  # the second chunk, layer 2
+        with open(ent.path, "r+b") as f:
+            f.seek(ent.header.regions[0].offset + 5)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+        layer_major = [list(row) for row in zip(*keys)]
+        for l, task in enumerate(m.sm.layerwise_batched_get(layer_major, location="kvkernels")):
+            if l == 2:
+                with pytest.raises(RuntimeError, match="1 of 2 chunks"):
+                    task.result(30)
+                break
+            got = task.result(30)
+            assert len(got) == 2
+            for o in got:
+                o.ref_count_down()
+        assert m.plugin.counters["get_errors"] == 1
+        # the async prefetch path keeps its prefix semantics: the leading chunk only
+        got = m.run(m.plugin.batched_get_non_blocking("req-1", layer_major[2]))
+        assert len(got) == 1
+        for o in got:
+            o.ref_count_down()
+    finally:
+        m.close()
+
+
+def test_keys_lmcache_keeps_apart_never_share_an_entry():
+    a = CacheEngineKey(MODEL, 1, 0, 0x1234, torch.bfloat16, request_configs={"lmcache.tag.user": "alice@b%c"})
+    b = CacheEngineKey(MODEL, 1, 0, 0x1234, torch.bfloat16,
+                       request_configs={"lmcache.tag.user": "alice", "lmcache.tag.b": "c"})
+    c = CacheEngineKey(MODEL, 1, 0, 0x1234, torch.bfloat16, request_configs={"lmcache.tag.user": 7})
+    d = CacheEngineKey(MODEL, 1, 0, 0x1234, torch.bfloat16, request_configs={"lmcache.tag.user": "7"})
+    assert a.to_string() == b.to_string() and c.to_string() == d.to_string()  # LMCache's own strings collide
+    assert a != b and c != d
+    assert key_string(a) != key_string(b) and key_string(c) != key_string(d)
+    e = CacheEngineKey(MODEL, 1, 0, 0x1234, torch.bfloat16, request_configs={"lmcache.tag.user": 7})
+    assert c == e and key_string(c) == key_string(e)
+
+
+def test_pending_puts_hold_at_most_max_inflight_bytes_of_lmcache_memory(tmp_path):
+    m = Manager(tmp_path / "kv", fsync=False, max_inflight_bytes=4096, put_threads=2)  # one chunk: 4096 B
+    try:
+        eng = m.plugin.store.engine
+        orig = eng.write_file
+        release = threading.Event()
+
+        def slow(*a, **k):
+            release.wait(10)
+            return orig(*a, **k)
+
+        eng.write_file = slow
+        objs = [m.chunk(i)[0] for i in range(6)]
+        futs = m.plugin.batched_submit_put_task([_key(i) for i in range(6)], objs)
+        for o in objs:
+            o.ref_count_down()  # what StorageManager.batched_put does
+        held = [o for o in objs if o.get_ref_count() > 0]
+        assert len(futs) == 1 and len(held) == 1 and m.plugin.counters["put_dropped_busy"] == 5
+        release.set()
+        m.plugin.flush(timeout=30)
+        assert all(o.get_ref_count() == 0 for o in objs) and m.plugin._held == 0
+        assert m.plugin.contains(_key(0)) and not m.plugin.contains(_key(1))
+        eng.write_file = orig
+        m.put([_key(1)], [m.chunk(1)[0]])  # drained: accepted again
+        assert m.plugin.contains(_key(1))
+    finally:
+        m.close()
+
+
+def test_refused_in_lmcache_scheduler_role(tmp_path):
+    meta = _metadata()
+    meta.role = "scheduler"
+    with pytest.raises(PluginConfigError, match="scheduler"):
+        KVKernelsBackend(config=_config(tmp_path / "kv"), metadata=meta)

@@ -26,6 +26,7 @@ Contract with LMCache 0.5.6 (``StoragePluginInterface``, read from its storage m
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 from collections import Counter, defaultdict
@@ -54,20 +55,32 @@ _FORMATS = {("LTD", 2): MemoryFormat.KV_2LTD, ("LTD", 1): MemoryFormat.KV_MLA_FM
 # (MemoryFormat, tensor dims) of a chunk LMCache hands over -> its order
 _ORDER_OF = {(MemoryFormat.KV_2LTD, 4): "LTD", (MemoryFormat.KV_MLA_FMT, 4): "LTD", (MemoryFormat.KV_MLA_FMT, 2): "TD",
              (MemoryFormat.KV_T2D, 3): "T2D", (MemoryFormat.KV_2TD, 3): "2TD"}
+# the lookup id LMCache's synchronous layer-wise retrieve passes to batched_get_non_blocking
+# (lmcache 0.5.6 storage_manager.py, layerwise_batched_get): every key it names must come back
+_SYNC_LOOKUP_ID = "fake_lookup_id"
 # reads kept in flight per batched get: store queue depth x 4 (bounded staging memory for the
 # reads that need a staging buffer; in-place reads use LMCache's own buffers)
 _READ_WINDOW_PER_THREAD = 4
 
 
 def key_string(key) -> str:
-    """Store key of an LMCache key: ``lmcache:<model>@<world>@<worker>@<hash>@<dtype>[@layer][@tags]``.
+    """Store key of an LMCache key: ``lmcache/2:`` + a JSON list of every field of LMCache's key
+    equality — model name, world size, worker id, chunk hash, dtype, the layer id of a
+    ``LayerCacheEngineKey`` (null otherwise) and the tags, each tag value with its type name.
 
-    ``CacheEngineKey.to_string`` carries every field of LMCache's key equality (model name,
-    world size, worker id, chunk hash, dtype, tags; the layer id for ``LayerCacheEngineKey``),
-    so two keys map to the same entry exactly when LMCache considers them equal. The store hashes
-    this string into the file name: a key never names a path.
+    ``CacheEngineKey.to_string`` is not used: its ``@`` / ``%`` separators are ambiguous (tags
+    ``{user: "alice@b%c"}`` and ``{user: "alice", b: "c"}`` print alike, as do the tag values
+    ``7`` and ``"7"``), so two keys LMCache keeps apart — two tenants, say — could share an
+    entry. JSON quotes every string, so two keys map to the same entry exactly when LMCache
+    considers them equal. The store hashes this string into the file name: a key never names a
+    path.
     """
-    return "lmcache:" + key.to_string()
+    tags = key.tags
+    enc = None if tags is None else [[k, type(v).__name__, v if v is None or isinstance(v, (str, int, float)) else repr(v)]
+                                     for k, v in tags]
+    fields = [key.model_name, key.world_size, key.worker_id, key.chunk_hash, str(key.dtype),
+              getattr(key, "layer_id", None), enc]
+    return "lmcache/2:" + json.dumps(fields, separators=(",", ":"), ensure_ascii=False)
 
 
 class KVKernelsBackend(StoragePluginInterface):
@@ -91,6 +104,15 @@ class KVKernelsBackend(StoragePluginInterface):
                  loop: Optional[asyncio.AbstractEventLoop] = None):
         super().__init__(dst_device=dst_device, config=config, metadata=metadata,
                          local_cpu_backend=local_cpu_backend, loop=loop)
+        if getattr(metadata, "role", None) == "scheduler":
+            # LMCache launches plugins in its scheduler process too (enable_scheduler_bypass_lookup):
+            # a KVStore is one process per folder, so the scheduler's copy would answer lookups
+            # from an index frozen at its start while the worker stores and evicts
+            msg = ("kvkernels LMCache plugin: not supported in LMCache's scheduler role "
+                   "(enable_scheduler_bypass_lookup): its store is owned by the worker process, and a "
+                   "second process would answer lookups from a stale index; disable bypass lookup")
+            log.error(msg)
+            raise PluginConfigError(msg)
         try:
             extra = getattr(config, "extra_config", None) if config is not None else None
             self.settings: PluginSettings = parse_extra_config(extra)
@@ -115,6 +137,7 @@ class KVKernelsBackend(StoragePluginInterface):
         self._metas: dict = {}
         self._lock = threading.Lock()
         self._put_tasks: dict[str, int] = {}
+        self._held = 0  # bytes of LMCache chunks referenced by pending puts (bounded by max_inflight_bytes)
         self._pins: dict[str, int] = defaultdict(int)
         self._lookup_pins: dict[str, Counter] = {}  # lookup id -> pins its batched_async_contains took
         self._store_pins = hasattr(self.store, "pin") and hasattr(self.store, "unpin")
@@ -136,7 +159,7 @@ class KVKernelsBackend(StoragePluginInterface):
 
             local_cpu_backend.close = close_after_kvkernels
         self.counters = {k: 0 for k in ("puts", "put_skipped", "put_errors", "gets", "hits", "misses", "corrupt",
-                                        "alloc_failures")}
+                                        "alloc_failures", "get_errors", "put_dropped_busy")}
         log.info("kvkernels LMCache plugin: store %s, engine %s, capacity %s, %d entries recovered",
                  self.store.paths, self.store.engine.name, self.settings.capacity_bytes, len(self.store))
 
@@ -323,29 +346,56 @@ class KVKernelsBackend(StoragePluginInterface):
             if self.store.contains(ks):
                 self._count("put_skipped")
                 continue
-            t = obj.tensor  # LMCache builds a new view on every access: once per object
+            shapes = getattr(obj.metadata, "shapes", None)
+            if shapes is not None and len(shapes) > 1:  # .tensor raises for a multi-group object
+                self._chunk_shape(obj, None)  # logs once why it is not stored
+                self._count("put_skipped")
+                continue
+            try:
+                t = obj.tensor  # LMCache builds a new view on every access: once per object
+            except Exception as exc:  # noqa: BLE001 - an object we cannot view is skipped, never raised into LMCache
+                self._warn_once(f"tensor-{type(exc).__name__}", "kvkernels LMCache plugin: a chunk's tensor cannot "
+                                "be read (%s: %s); such chunks are not stored", type(exc).__name__, exc)
+                self._count("put_skipped")
+                continue
             shape = self._chunk_shape(obj, t)
             if shape is None:
                 self._count("put_skipped")
                 continue
+            nbytes = t.numel() * t.element_size()
             with self._lock:
                 if ks in self._put_tasks:
                     self.counters["put_skipped"] += 1
                     continue
-                self._put_tasks[ks] = 1
+                if self._held and self._held + nbytes > self.store.max_inflight_bytes:
+                    # LMCache memory referenced by pending puts is bounded: a chunk beyond it is
+                    # not stored (a cache may drop a write; a later lookup misses), not queued
+                    self.counters["put_dropped_busy"] += 1
+                    busy = True
+                else:
+                    self._put_tasks[ks] = 1
+                    self._held += nbytes
+                    busy = False
+            if busy:
+                self._warn_once("busy", "kvkernels LMCache plugin: pending puts hold %d bytes of LMCache memory "
+                                "(kvkernels.max_inflight_bytes = %d): further chunks are not stored until they drain "
+                                "(counted in put_dropped_busy)", self._held, self.store.max_inflight_bytes)
+                continue
             obj.ref_count_up()
             fut: Future = Future()
             try:
-                self._put_pool.submit(self._put_one, key, ks, obj, t, shape, on_complete_callback, fut)
+                self._put_pool.submit(self._put_one, key, ks, obj, t, shape, on_complete_callback, fut, nbytes)
             except BaseException:
                 obj.ref_count_down()
                 with self._lock:
                     self._put_tasks.pop(ks, None)
+                    self._held -= nbytes
                 raise
             futures.append(fut)
         return futures
 
-    def _put_one(self, key, ks: str, obj: MemoryObj, t: torch.Tensor, shape: ChunkShape, callback, fut: Future) -> None:
+    def _put_one(self, key, ks: str, obj: MemoryObj, t: torch.Tensor, shape: ChunkShape, callback, fut: Future,
+                 nbytes: int) -> None:
         """Submit one chunk to the store (on a plugin thread: the store's back pressure may block).
 
         Raw chunks are written in place (our reference is held until the bytes are on disk);
@@ -354,19 +404,23 @@ class KVKernelsBackend(StoragePluginInterface):
         try:
             sfut, holds = self.io.put(ks, t, shape, self._meta_for(shape))
         except BaseException as exc:
-            self._put_done(key, ks, obj, callback, fut, None, exc)
+            self._put_done(key, ks, obj, callback, fut, None, exc, nbytes)
             return
         if not holds:
             obj.ref_count_down()
-        sfut.add_done_callback(lambda f: self._put_done(key, ks, obj if holds else None, callback, fut, f, None))
+            with self._lock:
+                self._held -= nbytes
+        sfut.add_done_callback(lambda f: self._put_done(key, ks, obj if holds else None, callback, fut, f, None,
+                                                        nbytes if holds else 0))
 
-    def _put_done(self, key, ks: str, obj, callback, fut: Future, sfut: Optional[Future], exc) -> None:
+    def _put_done(self, key, ks: str, obj, callback, fut: Future, sfut: Optional[Future], exc, nbytes: int) -> None:
         """The store finished a put (or it failed before reaching the store): release, count, call back."""
         if exc is None and sfut is not None:
             exc = sfut.exception()
         if obj is not None:
             obj.ref_count_down()
         with self._lock:
+            self._held -= nbytes
             self._put_tasks.pop(ks, None)
         if exc is not None:
             self._count("put_errors")
@@ -497,6 +551,16 @@ class KVKernelsBackend(StoragePluginInterface):
                     obj.ref_count_down()
                 else:
                     result.append(obj)
+            if lookup_id == _SYNC_LOOKUP_ID and len(result) < len(keys):
+                # LMCache's synchronous layer-wise retrieve has already marked every chunk of the
+                # layer as retrieved and pairs objects with token ranges by position: a short
+                # list would leave the missing chunks' tokens unwritten yet reported loaded
+                for obj in result:
+                    obj.ref_count_down()
+                self._count("get_errors")
+                raise RuntimeError(f"kvkernels LMCache plugin: {len(result)} of {len(keys)} chunks of a layer-wise "
+                                   f"retrieve could be read (first failing: {kss[len(result)]}); the entry is missing "
+                                   "or corrupt, so the retrieve fails instead of restoring part of the layer")
             return result
         finally:
             with self._lock:

@@ -413,8 +413,16 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         self._count("stored", len(stored))
         if stored:
             with self._lock:  # what LMCache counts for each key, to take back on delete
+                # a key LMCache was told of before (the store evicted it on its own, LMCache stored
+                # it again): its old size is taken back first, or LMCache would count it twice
+                again = [(key, self._told[ks]) for key in stored if (ks := object_key_string(key)) in self._told]
                 for key, nbytes in zip(stored, sizes):
                     self._told[object_key_string(key)] = nbytes
+            if again:
+                try:
+                    self._notify_keys_deleted([k for k, _ in again], [n for _, n in again])
+                except Exception as exc:  # noqa: BLE001 - as for the stored notice below
+                    log.warning("kvkernels L2 adapter: delete listeners failed: %s", exc)
             try:
                 self._notify_keys_stored(stored, sizes)
             except Exception as exc:  # a listener's failure must not lose the completion
