@@ -1104,8 +1104,17 @@ class LayerPipeline:
     def wait_for_save(self) -> None:
         """Make the compute stream wait until every issued gather has *read* the cache (so the
         blocks may be reused by later kernels); a stream wait, not a host wait (vLLM:
-        ``wait_for_save``). DMA and SSD completion are reported by :meth:`get_finished`."""
+        ``wait_for_save``). DMA and SSD completion are reported by :meth:`get_finished`.
+
+        It ends the step, as in vLLM: a save that has not had all its layers by now (its step
+        stopped part way: an exception in the forward) is abandoned and reported in
+        :attr:`failed_saves` — otherwise its host region stayed held (a save under way is never
+        evicted) until a save of the same key, which an aborted request never makes."""
         self._check_device()
+        for key, ent in list(self._saving.items()):
+            self._abandon_save(key, ent, f"incomplete when its step ended ({len(ent.layers_done)} of "
+                               f"{self.layout.num_layers} layers saved before wait_for_save)")
+        self._saves_failing.clear()  # a failed save's later layers belong to the step just ended
         if self._save_pending or self._dma_pending:
             compute = self._compute()
             if self._save_pending:  # the pack stream runs in order: its last gather's event covers all

@@ -1030,11 +1030,12 @@ def test_a_bad_key_fails_the_whole_call_and_its_saves_for_the_step():
     lay = cache()
     with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
         pipe.save_layer(0, {"x": [1, 2], "w": [5]})
-        pipe.wait_for_save()
-        assert not pipe._save_pending
+        issued = []
+        real = pipe._issue_saves
+        pipe._issue_saves = lambda layer, todo, *a: (issued.append(layer), real(layer, todo, *a))
         with pytest.raises(ValueError, match="blocks"):
             pipe.save_layer(1, {"x": [1, 2], "w": [5, 6], "y": [7]})  # w changes its block count
-        assert not pipe._save_pending  # nothing of the call was issued
+        assert issued == []  # nothing of the call was issued
         assert "x" not in pipe.entries and "w" not in pipe.entries
         for layer in range(2, L):  # the step goes on without the bad request
             pipe.save_layer(layer, {"x": [1, 2], "y": [7]})
@@ -1079,6 +1080,23 @@ def test_restore_ids_are_copied_at_start_load():
             assert drain(pipe)[1] == {"a"}, mode
             assert_blocks_hold(lay, [20, 21], expect)
             assert_blocks_hold(lay, [10, 11], before)
+
+
+def test_a_save_left_incomplete_when_its_step_ends_is_failed_and_its_region_freed():
+    """The forward stopped after layer 1 (an exception above the pipeline) and the request is
+    gone: wait_for_save ends the step, so the save is reported failed and its host region goes
+    back to the pool instead of being held as "saving" for ever."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        free = pipe.pool.free_bytes
+        pipe.save_layer(0, {"gone": [1, 2]})
+        pipe.save_layer(1, {"gone": [1, 2]})
+        pipe.wait_for_save()
+        saved, _ = drain(pipe)
+        assert saved == set() and pipe.failed_saves == {"gone"} and "gone" not in pipe.entries
+        pipe._reap()
+        assert pipe.pool.free_bytes == free
+        save_step_then_restore(pipe, lay, "gone", [5, 6], [20, 21])  # a later save of the key works
 
 
 def test_a_restore_not_waited_to_the_end_completes_at_get_finished():
