@@ -25,8 +25,40 @@ ARCHS = ("80", "90", "90a")
 
 
 def nvcc() -> str | None:
-    return shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
-                                    if os.environ.get("CUDA_HOME") else None)
+    """nvcc on PATH, else ``$CUDA_HOME/bin/nvcc`` when that file exists (a runtime-only CUDA_HOME
+    has none), else None."""
+    exe = shutil.which("nvcc")
+    if exe is None and os.environ.get("CUDA_HOME"):
+        exe = os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
+        exe = exe if os.path.isfile(exe) else None
+    return exe
+
+
+def source_key() -> str:
+    """A short hash of what a build depends on: every source under csrc/kernels and csrc/bindings,
+    this script, the nvcc found (path, size, modification time) and the CUTLASS include folder
+    found. The just-in-time cache folder is named after it (kvkernels/_cuda.py)."""
+    import hashlib
+
+    h = hashlib.sha1()
+    files = [os.path.abspath(__file__)]
+    for sub in ("kernels", "bindings"):
+        d = os.path.join(HERE, sub)
+        files += sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith((".cu", ".cuh", ".h", ".hpp")))
+    for f in files:
+        h.update(os.path.relpath(f, HERE).encode() + b"\0")
+        with open(f, "rb") as fh:
+            h.update(fh.read())
+    exe = nvcc()
+    if exe is not None:
+        st = os.stat(exe)
+        h.update(f"{os.path.realpath(exe)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    try:
+        inc = cutlass_include()
+    except RuntimeError:
+        inc = "invalid"
+    h.update(f"|{inc}|{','.join(ARCHS)}".encode())
+    return h.hexdigest()[:12]
 
 
 def cutlass_include() -> str | None:
@@ -76,4 +108,7 @@ def build(out_dir: str, archs=ARCHS, verbose: bool = False, extra=()) -> str:
 
 
 if __name__ == "__main__":
-    print(build(sys.argv[1] if len(sys.argv) > 1 else ".", verbose=True))
+    try:
+        print(build(sys.argv[1] if len(sys.argv) > 1 else ".", verbose=True))
+    except RuntimeError as exc:
+        sys.exit(f"csrc/build.py: {exc}")

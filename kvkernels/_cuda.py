@@ -1,9 +1,11 @@
 """Loader and launchers of the CUDA C++ backend (csrc/, a C ABI loaded with ctypes).
 
-The library is found, in order: ``KVKERNELS_CUDA_LIB`` (a path), the copy shipped in the package
+The library is found, in order: ``KVKERNELS_CUDA_LIB`` (a path: then only it), the copy shipped in the package
 (``KVKERNELS_BUILD_CUDA=1 pip install .``), the cache directory (``KVKERNELS_CACHE_DIR``). When
 none exists and CUDA plus nvcc are present, it is built just in time into the cache directory
-(a message says so; ~3 s). Everything is lazy and cached; :func:`available` never raises.
+(a message says so; ~3 s), in a folder keyed by a hash of the sources, nvcc and the CUTLASS
+headers. ``KVKERNELS_CUDA_LIB``, when set, is the only library tried. Everything is lazy and
+cached; :func:`available` never raises.
 """
 
 from __future__ import annotations
@@ -20,22 +22,9 @@ from . import config
 log = logging.getLogger("kvkernels")
 LIB = "libkvkernels_cuda.so"
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-# csrc/bindings/capi.cu kvk_abi_version(): 2 added the fp8 / shuffle entry points, 3 the SM90 bulk copy
-ABI_VERSION = 3
-
-
-def _jit_dir() -> str:
-    """Just-in-time builds go to a folder per ABI version: a build of older sources is never picked up."""
-    return os.path.join(config.cache_dir(), f"cuda-abi{ABI_VERSION}")
-
-
-def _candidates() -> list[str]:
-    out = []
-    if os.environ.get("KVKERNELS_CUDA_LIB"):
-        out.append(os.environ["KVKERNELS_CUDA_LIB"])
-    out.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib", LIB))
-    out.append(os.path.join(_jit_dir(), LIB))
-    return out
+# csrc/bindings/capi.cu kvk_abi_version(): 2 added the fp8 / shuffle entry points, 3 the SM90 bulk
+# copy, 4 kvk_probe (the runtime it links can run here)
+ABI_VERSION = 4
 
 
 def _csrc_dir() -> str | None:
@@ -47,19 +36,52 @@ def _csrc_dir() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
+def _build_module():
+    """csrc/build.py as a module, or None where the sources are not shipped."""
+    src = _csrc_dir()
+    if src is None:
+        return None
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvk_csrc_build", os.path.join(src, "build.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _jit_dir() -> str | None:
+    """Just-in-time builds go to a folder named after the C-ABI version and a hash of what the
+    build depends on (the sources under csrc/, nvcc, the CUTLASS headers found): a build of older
+    sources, another toolkit or without CUTLASS is never picked up. None without the sources."""
+    mod = _build_module()
+    if mod is None:
+        return None
+    return os.path.join(config.cache_dir(), f"cuda-abi{ABI_VERSION}-{mod.source_key()}")
+
+
+def _candidates() -> list[str]:
+    out = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib", LIB)]
+    jit = _jit_dir()
+    if jit is not None:
+        out.append(os.path.join(jit, LIB))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
 def _load() -> tuple[object | None, str]:
     if not torch.cuda.is_available():
         return None, "no CUDA device"
-    path = next((p for p in _candidates() if os.path.isfile(p)), None)
+    env = os.environ.get("KVKERNELS_CUDA_LIB")
+    if env:  # asked for by path: that library or none (never silently another one)
+        if not os.path.isfile(env):
+            return None, f"`KVKERNELS_CUDA_LIB`: {env!r} is not a file"
+        path = env
+    else:
+        path = next((p for p in _candidates() if os.path.isfile(p)), None)
     if path is None:
-        src = _csrc_dir()
-        if src is None:
+        mod = _build_module()
+        if mod is None:
             return None, "the library is not built and csrc/ is not available to build it"
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("kvk_csrc_build", os.path.join(src, "build.py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
         if mod.nvcc() is None:
             return None, "the library is not built and nvcc is not available"
         log.warning("kvkernels: building the CUDA backend into %s (first use)", _jit_dir())
@@ -69,18 +91,25 @@ def _load() -> tuple[object | None, str]:
             return None, f"build failed: {exc}"
     try:
         lib = ctypes.CDLL(path)
+        version = lib.kvk_abi_version()
     except OSError as exc:
         return None, f"cannot load {path}: {exc}"
-    if lib.kvk_abi_version() != ABI_VERSION:
-        return None, (f"{path}: ABI version {lib.kvk_abi_version()}, expected {ABI_VERSION} "
+    except AttributeError:
+        return None, f"{path}: not a kvkernels CUDA library (no kvk_abi_version)"
+    if version != ABI_VERSION:
+        return None, (f"{path}: ABI version {version}, expected {ABI_VERSION} "
                       "(a stale build: delete it or rebuild with python csrc/build.py)")
     _declare(lib)
+    if lib.kvk_probe() != 0:  # e.g. built with a newer toolkit than the driver supports
+        return None, f"{path}: its CUDA runtime cannot run here: {lib.kvk_last_error().decode()}"
     return lib, path
 
 
 def _declare(lib) -> None:
     """ctypes signatures of the C ABI (csrc/bindings/capi.cu)."""
     lib.kvk_last_error.restype = ctypes.c_char_p
+    lib.kvk_probe.restype = _int
+    lib.kvk_probe.argtypes = []
     lib.kvk_paged_copy.restype = _int
     lib.kvk_paged_copy.argtypes = [_int, _ptr, _ptr, _int, _ptr, _ptr] + [_i64] * 14 + [_int, ctypes.c_size_t]
     lib.kvk_bulk_copy.restype = _int

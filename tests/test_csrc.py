@@ -14,6 +14,7 @@ import shutil
 import subprocess
 
 import ctypes
+import ctypes.util
 
 import pytest
 import torch
@@ -43,7 +44,7 @@ def test_compiles_for_all_targets_with_warnings_as_errors(tmp_path):
     nm = subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True, check=True).stdout
     syms = set(re.findall(r"\bkvk_\w+", nm))
     assert {"kvk_abi_version", "kvk_last_error", "kvk_paged_copy", "kvk_quant_gather", "kvk_dequant_scatter",
-            "kvk_shuffle_copy", "kvk_bulk_copy", "kvk_features"} <= syms
+            "kvk_shuffle_copy", "kvk_bulk_copy", "kvk_features", "kvk_probe"} <= syms
     # no C++ symbol (and so no torch ABI) crosses the boundary
     assert not [s for s in re.findall(r" T (\S+)", nm) if s.startswith("_Z") and "kvk" not in s and "paged" in s]
 
@@ -884,3 +885,107 @@ def test_capi_shuffle_rejects_bad_sections(capi):
     assert capi.kvk_shuffle_copy(*base, 32768, 16000, 1, 0, 0, 0) != 0 and "two byte planes" in _last_error(capi)
     assert capi.kvk_shuffle_copy(*base, 16384, 16384, 1, 0, 0, 0) != 0 and "C * entry_bytes" in _last_error(capi)
     assert capi.kvk_shuffle_copy(*base, 32768, 16384, 1, -2, 0, 0) != 0 and "max_ctas" in _last_error(capi)
+
+
+# ------------------------------------------------ review fixes (2026-11-23, 13th session)
+@needs_nvcc
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the GPU-less answers (on a GPU the device query passes)")
+def test_capi_size_checks_do_not_wrap(capi):
+    # n = 2^41 chunks of 2^23 bytes: the product 2^64 wraps to 0 in int64, which passed the check
+    big = _copy_args(n=1 << 41, H=1, rows=1, row_bytes=1 << 23, entry_bytes=16, region_bytes=32,
+                     stride_b=1 << 23, stride_n=16, stride_h=16)
+    assert capi.kvk_paged_copy(*big, 16, 0, 0, 0) != 0 and "smaller than the payload" in _last_error(capi)
+    assert capi.kvk_bulk_copy(*big, 0, 0, 0) != 0
+    assert "smaller than the payload" in _last_error(capi) or "CUTLASS" in _last_error(capi)
+    # the fp8 sections: 4 * n * scales wraps for n = 2^62
+    fp8 = list(_FP8_OK)
+    fp8[_FP8_IDX["n"]] = 1 << 62
+    assert capi.kvk_quant_gather(*fp8, 0, 0, 1, 0, 0, 0) != 0 and "smaller than" in _last_error(capi)
+
+
+def _cudart_of(lib_path: str):
+    """The libcudart instance the library at ``lib_path`` resolved to (already loaded: same handle)."""
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+    assert paths, "libcudart not mapped"
+    return ctypes.CDLL(sorted(paths)[0])
+
+
+@needs_nvcc
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the GPU-less answers (on a GPU the device query passes)")
+def test_capi_probe_explains_why_the_runtime_cannot_run(capi):
+    # (without a driver every runtime call, cudaGetLastError too, answers "insufficient driver":
+    # the clearing of a stale error is checked on the GPU, test_capi_clears_a_failed_call_on_the_gpu)
+    assert capi.kvk_probe() != 0 and _last_error(capi).startswith("cudaGetDeviceCount")
+
+
+@pytest.mark.gpu
+def test_capi_clears_a_failed_call_on_the_gpu():
+    """A failed runtime call inside the library (an invalid device ordinal) is reported and cleared
+    from the thread's last error: the runtime instance is shared, so torch's next launch check and
+    the library's next launch (which reads cudaGetLastError) would otherwise fail on it."""
+    from kvkernels import _cuda
+
+    lib, _ = _cuda._load()
+    assert lib is not None, _cuda.reason()
+    assert lib.kvk_probe() == 0
+    t = torch.zeros(64, dtype=torch.int64, device=DEVICE)
+    rc = lib.kvk_paged_copy(1, t.data_ptr(), t.data_ptr(), 1, t.data_ptr(), t.data_ptr(), 1, 1, 2, 1, 1, 1, 16,
+                            16, 16, 16, 4096, 16, 16, 0, 999, 0)  # device 999
+    assert rc != 0 and b"cudaSetDevice" in lib.kvk_last_error()
+    rt = _cudart_of(lib._name)
+    rt.cudaGetLastError.restype = ctypes.c_int
+    assert rt.cudaGetLastError() == 0
+    lay = make_cache("vllm-nhd", num_layers=2, num_blocks=8, block_size=4, num_heads=2, head_dim=64, device=DEVICE)
+    ref = kvkernels.gather(lay, [3, 1], backend="torch")
+    assert torch.equal(kvkernels.gather(lay, [3, 1], backend="cuda"), ref)
+
+
+def test_cuda_loader_reports_instead_of_raising_or_substituting(monkeypatch, tmp_path):
+    from kvkernels import _cuda
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _cuda._load.cache_clear()
+    try:
+        monkeypatch.setenv("KVKERNELS_CUDA_LIB", str(tmp_path / "missing.so"))
+        assert not _cuda.available() and "is not a file" in _cuda.reason()  # no other library tried
+        _cuda._load.cache_clear()
+        libm = ctypes.util.find_library("m")
+        if libm:
+            import glob
+
+            path = next(iter(glob.glob(f"/lib/x86_64-linux-gnu/{libm}") + glob.glob(f"/usr/lib*/{libm}")), None)
+            if path:
+                monkeypatch.setenv("KVKERNELS_CUDA_LIB", path)
+                assert not _cuda.available() and "not a kvkernels CUDA library" in _cuda.reason()
+                _cuda._load.cache_clear()
+        if build.nvcc() is not None:  # a real build whose runtime cannot run on this GPU-less host
+            monkeypatch.setenv("KVKERNELS_CUDA_LIB", build.build(str(tmp_path / "lib")))
+            assert not _cuda.available() and "cannot run here" in _cuda.reason()
+    finally:
+        _cuda._load.cache_clear()
+
+
+def test_jit_cache_folder_follows_the_sources(tmp_path, monkeypatch):
+    import shutil
+
+    tree = tmp_path / "csrc"
+    shutil.copytree(os.path.join(ROOT, "csrc"), tree, ignore=shutil.ignore_patterns("__pycache__", "tests"))
+
+    def key():
+        spec_ = importlib.util.spec_from_file_location("kvk_csrc_build_copy", tree / "build.py")
+        mod = importlib.util.module_from_spec(spec_)
+        spec_.loader.exec_module(mod)
+        return mod.source_key()
+
+    k0 = key()
+    assert k0 == key() and k0 == build.source_key()  # the same sources, the same folder
+    with open(tree / "kernels" / "paged_copy.cuh", "a") as f:
+        f.write("// changed\n")
+    assert key() != k0  # a changed kernel never loads an older build
+    from kvkernels import _cuda
+
+    assert _cuda._jit_dir().endswith(f"cuda-abi{_cuda.ABI_VERSION}-{build.source_key()}")
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "runtime-only"))
+    assert build.nvcc() is None  # a CUDA_HOME without bin/nvcc is no nvcc

@@ -19,13 +19,35 @@ int fail(const char* msg) {
   return -1;
 }
 
+// A failed runtime call: reported through kvk_last_error(), and cleared from the thread's last
+// error, which the same runtime instance (one libcudart.so.13 per process) also shows torch's next
+// launch check and every other library.
 int cuda_fail(const char* what, cudaError_t e) {
   std::snprintf(g_err, sizeof(g_err), "%s: %s", what, cudaGetErrorString(e));
+  (void)cudaGetLastError();
   return static_cast<int>(e);
 }
 
+// A product of non-negative sizes, or -1 when it does not fit in int64: the checks below compare a
+// size against it, and a wrapped product (2^41 chunks of 2^23 bytes is 2^64 = 0) must not pass.
+int64_t prod(int64_t a, int64_t b, int64_t c = 1, int64_t d = 1, int64_t e = 1) {
+  int64_t r = 1;
+  for (int64_t x : {a, b, c, d, e})
+    if (x < 0 || __builtin_mul_overflow(r, x, &r)) return -1;
+  return r;
+}
+
+// `size` holds `need` bytes (a product from prod(); -1, an overflow, never fits).
+bool holds(int64_t size, int64_t need) { return need >= 0 && size >= need; }
+
+// The launch status is read with cudaGetLastError(), which also returns an error left by an earlier
+// runtime call of this thread (a failed cudaSetDevice, another library sharing the runtime): cleared
+// right before each launch, so a launch reports its own status only.
+void clear_last_error() { (void)cudaGetLastError(); }
+
 template <typename Word>
 cudaError_t launch(bool to_staging, const kvk::PagedCopyParams& p, int grid, cudaStream_t s) {
+  clear_last_error();
   if (to_staging) {
     kvk::paged_copy_kernel<Word, true><<<grid, 256, 0, s>>>(p);
   } else {
@@ -98,10 +120,13 @@ int check_fp8_format(const uint8_t* staging, int64_t n, int64_t C, int64_t H, in
   if (reinterpret_cast<uintptr_t>(staging) % 16) return fail("staging: expected a 16-byte aligned address");
   const int64_t rows = block_size * H;
   const int64_t scales = per_block ? H : rows;
-  if (q_entry_bytes < n * rows * head_dim) return fail("q_entry_bytes: smaller than n * block_size * H * head_dim");
-  if (scale_entry_bytes < 4 * n * scales) return fail("scale_entry_bytes: smaller than 4 * n * scales per block");
-  if (scale_base_bytes < C * q_entry_bytes) return fail("scale_base_bytes: expected >= C * q_entry_bytes");
-  if (region_bytes < scale_base_bytes + C * scale_entry_bytes)
+  if (!holds(q_entry_bytes, prod(n, rows, head_dim)))
+    return fail("q_entry_bytes: smaller than n * block_size * H * head_dim");
+  if (!holds(scale_entry_bytes, prod(4, n, scales)))
+    return fail("scale_entry_bytes: smaller than 4 * n * scales per block");
+  if (!holds(scale_base_bytes, prod(C, q_entry_bytes))) return fail("scale_base_bytes: expected >= C * q_entry_bytes");
+  int64_t payload = prod(C, scale_entry_bytes);
+  if (payload < 0 || __builtin_add_overflow(payload, scale_base_bytes, &payload) || !holds(region_bytes, payload))
     return fail("region_bytes: smaller than the payload it must hold");
   if (q_entry_bytes % 16 || scale_base_bytes % 16 || scale_entry_bytes % 16 || region_bytes % 16)
     return fail("region_bytes, q_entry_bytes, scale_base_bytes, scale_entry_bytes: expected multiples of 16");
@@ -112,6 +137,7 @@ template <int kKind>
 cudaError_t launch_fp8(bool gather, bool per_block, bool vec, const kvk::QuantCopyParams& p, int64_t max_ctas,
                        cudaStream_t s) {
   const int grid = grid_size(p.num_items, max_ctas);
+  clear_last_error();
   if (gather) {
     if (per_block) {
       if (vec) {
@@ -226,6 +252,7 @@ cudaError_t launch_bulk(bool gather, const kvk::PagedCopyParams& p, int64_t piec
   if (e != cudaSuccess) return e;
   const int grid = grid_size(units, max_ctas > 0 ? max_ctas : persistent);
   const size_t smem = static_cast<size_t>(S * piece);
+  clear_last_error();
   if (gather) {
     kvk::bulk_copy_kernel<S, true><<<grid, kvk::kBulkThreads, smem, s>>>(p, piece);
   } else {
@@ -237,8 +264,19 @@ cudaError_t launch_bulk(bool gather, const kvk::PagedCopyParams& p, int64_t piec
 
 extern "C" {
 
-// 3: kvk_bulk_copy, kvk_features
-int kvk_abi_version(void) { return 3; }
+// 3: kvk_bulk_copy, kvk_features; 4: kvk_probe
+int kvk_abi_version(void) { return 4; }
+
+// 0 when the CUDA runtime this library links can run here (a driver new enough, a device); else
+// its status, with kvk_last_error() saying why. The loader calls it once: a library built with a
+// newer toolkit than the driver supports is refused at load, not at every call.
+int kvk_probe(void) {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) return cuda_fail("cudaGetDeviceCount", e);
+  if (count == 0) return fail("no CUDA device");
+  return 0;
+}
 
 // Bit 0: the SM90 bulk-copy path is compiled in (built with the CUTLASS headers).
 int kvk_features(void) {
@@ -264,7 +302,7 @@ int kvk_paged_copy(int to_staging, const int64_t* ptr_tab, const void* block_ids
   if (row_bytes % word || stride_b % word || stride_n % word || stride_h % word || region_bytes % word ||
       entry_bytes % word || reinterpret_cast<uintptr_t>(staging) % word)
     return fail("word: does not divide every stride, size and the staging address");
-  if (entry_bytes < n * rows * row_bytes || region_bytes < C * entry_bytes)
+  if (!holds(entry_bytes, prod(n, rows, row_bytes)) || !holds(region_bytes, prod(C, entry_bytes)))
     return fail("entry_bytes, region_bytes: smaller than the payload they must hold");
   if (max_ctas < 0) return fail("max_ctas: expected >= 0");
 
@@ -330,9 +368,9 @@ int kvk_shuffle_copy(int to_staging, const int64_t* ptr_tab, const void* block_i
   int rc = check_common(ptr_tab, block_ids, staging, err, n, C, num_regions, H, block_size, head_dim, 2, stride_b,
                         stride_n, stride_h, vec16, max_ctas);
   if (rc) return rc;
-  if (entry_bytes != 2 * n * block_size * H * head_dim)
+  if (entry_bytes != prod(2, n, block_size, H, head_dim))
     return fail("entry_bytes: expected 2 * n * block_size * H * head_dim (two byte planes)");
-  if (region_bytes < C * entry_bytes) return fail("region_bytes: smaller than C * entry_bytes");
+  if (!holds(region_bytes, prod(C, entry_bytes))) return fail("region_bytes: smaller than C * entry_bytes");
   if (vec16 && (region_bytes % 16 || entry_bytes % 32))
     return fail("vec16: region_bytes and entry_bytes / 2 must be multiples of 16");
   DeviceGuard guard(device);
@@ -342,6 +380,7 @@ int kvk_shuffle_copy(int to_staging, const int64_t* ptr_tab, const void* block_i
                          region_bytes, entry_bytes, 0, 0, ids_64 != 0, 0};
   const int g = grid_size(p.num_items, max_ctas);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  clear_last_error();
   if (to_staging) {
     if (vec16) {
       kvk::shuffle_copy_kernel<true, true><<<g, kvk::kThreads, 0, s>>>(p);
@@ -374,7 +413,7 @@ int kvk_bulk_copy(int to_staging, const int64_t* ptr_tab, const void* block_ids,
     return fail("row_bytes, stride_b, region_bytes, entry_bytes, staging: expected multiples of 16");
   if ((H > 1 && stride_h != row_bytes) || (rows > H && stride_n != H * row_bytes))
     return fail("stride_n, stride_h: a (block, entry) chunk is not contiguous in the cache");
-  if (entry_bytes < n * rows * row_bytes || region_bytes < C * entry_bytes)
+  if (!holds(entry_bytes, prod(n, rows, row_bytes)) || !holds(region_bytes, prod(C, entry_bytes)))
     return fail("entry_bytes, region_bytes: smaller than the payload they must hold");
   if (max_ctas < 0) return fail("max_ctas: expected >= 0");
   DeviceGuard guard(device);

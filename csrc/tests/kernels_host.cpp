@@ -122,7 +122,9 @@ int run(int mode, const kvk::QuantCopyParams& p, int kind, bool per_block, bool 
 // unchanged), minus its precondition checks and device / stream handling.
 extern "C" {
 
-int kvk_abi_version(void) { return 3; }
+int kvk_abi_version(void) { return 4; }
+
+int kvk_probe(void) { return 0; }
 
 int kvk_features(void) { return 1; }
 
