@@ -221,22 +221,34 @@ class CompressedStaging:
 
     @property
     def scheme(self) -> str:
-        """The store header's ``scheme``: how the *decompressed* staging must be restored.
+        """The store header's ``scheme``: what the *stored* payload bytes are.
 
-        ``"fp8-token"`` / ``"fp8-block"`` for FP8 staging (``scatter_quant(quant="fp8",
-        granularity=...)``); ``"shuffle"`` when the stored bytes are byte planes (a staging
-        gathered with ``shuffle=True``, or planes split here with ``byteshuffle=True``: the bytes
-        are the same); ``"raw"`` otherwise. :func:`kvkernels.quant.scheme_args` maps it back."""
+        ``"fp8-token"`` / ``"fp8-block"`` for FP8 staging; ``"shuffle"`` when the stored bytes
+        are byte planes (a staging gathered with ``shuffle=True``, or planes split here with
+        ``byteshuffle=True``: the bytes are the same); ``"raw"`` otherwise. To restore the
+        output of :func:`decompress_regions`, use :attr:`restore_scheme`: the decoder rejoins
+        planes it split itself."""
         if self.staging_scheme.startswith("fp8"):
             return self.staging_scheme
         return "shuffle" if self.byteshuffle or self.staging_scheme == "shuffle" else "raw"
 
+    @property
+    def restore_scheme(self) -> str:
+        """How the staging :func:`decompress_regions` returns must be scattered
+        (``scatter_quant(..., scheme=...)``, :func:`kvkernels.quant.scheme_args` maps it back):
+        the staging's own scheme — byte planes split by ``byteshuffle=True`` are rejoined by
+        the decoder, so they are ``"raw"`` again; a staging gathered with ``shuffle=True`` stays
+        ``"shuffle"``."""
+        return self.staging_scheme
+
     @classmethod
     def from_buffer(cls, buf: torch.Tensor, fmt: StagingFormat, stored_nbytes, codec: str, *,
-                    byteshuffle: bool = False) -> "CompressedStaging":
+                    byteshuffle: bool = False, scheme: str | None = None) -> "CompressedStaging":
         """Wrap regions read back from a store: region ``j`` at ``buf[j * fmt.region_nbytes:]``.
 
         ``stored_nbytes`` comes from the store header (``[r.stored for r in header.regions]``).
+        ``scheme``: the header's scheme, optional; with it, :attr:`restore_scheme` is right for a
+        ``shuffle`` entry decoded without ``byteshuffle`` (the planes stay: ``"shuffle"``).
         """
         check_tensor(buf, "buf")
         check(buf.dtype == torch.uint8 and buf.dim() == 1, "buf", "a 1-D uint8 tensor", describe(buf), TypeError)
@@ -248,12 +260,17 @@ class CompressedStaging:
         need = (fmt.num_regions - 1) * fmt.region_nbytes + stored[-1] if stored else 0
         check(buf.numel() >= need, "buf", f"at least {need} bytes (all stored regions)", f"{buf.numel()} bytes")
         check(isinstance(byteshuffle, bool), "byteshuffle", "a bool", type(byteshuffle).__name__, TypeError)
-        if byteshuffle:  # as compress_regions: planes of 16/32-bit elements only
+        if byteshuffle:  # as compress_regions: planes of 16-bit elements only
             _check_planes(_esize(fmt))
         regions = [buf[j * fmt.region_nbytes: j * fmt.region_nbytes + s] for j, s in enumerate(stored)]
-        scheme = store_scheme(quant="fp8", granularity=fmt.granularity) if _is_fp8(fmt) else "raw"
+        own = store_scheme(quant="fp8", granularity=fmt.granularity) if _is_fp8(fmt) else "raw"
+        if scheme is not None:
+            allowed = (own,) if _is_fp8(fmt) else ("raw", "shuffle")
+            check(scheme in allowed, "scheme", f"one of {allowed} for this staging format", repr(scheme))
+            if scheme == "shuffle" and not byteshuffle:  # decoded as stored: the planes stay
+                own = "shuffle"
         return cls(fmt, codec, regions, stored, (fmt.payload_nbytes,) * fmt.num_regions, byteshuffle,
-                   staging_scheme=scheme)
+                   staging_scheme=own)
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -479,10 +496,17 @@ def _zstd_decompress_cpu(region: torch.Tensor, raw: int, dst: torch.Tensor, j: i
     local = threading.local()
 
     def dec(frame, want: int) -> bytes:
+        # the frame's own content size is checked before anything is allocated: zstandard trusts
+        # it over max_output_size, so a damaged or hostile header (one bit) could claim exabytes
+        claimed = zstandard.frame_content_size(frame)  # -1: not recorded (then max_output_size bounds it)
+        if claimed != -1 and claimed != want:
+            raise ValueError(f"compressed region {j}: a zstd frame header claims {claimed} bytes, "
+                             f"the frame table {want}")
         d = getattr(local, "d", None)  # a ZstdDecompressor is not thread-safe: one per thread
         if d is None:
             d = local.d = zstandard.ZstdDecompressor()
-        return d.decompress(frame, max_output_size=want)
+        # bytes after the frame are damage (a cleared checksum flag leaves its 4 bytes there)
+        return d.decompress(frame, max_output_size=want, allow_extra_data=False)
 
     futs = []
     o = off
@@ -736,7 +760,7 @@ def compress_regions(
         compressed sizes, and (nvCOMP codecs) after writing the region headers; the regions
         are complete when this returns.
     byteshuffle : bool
-        Split payloads into byte planes first (16/32-bit elements only).
+        Split payloads into byte planes first (16-bit elements only).
     chunk_nbytes : int
         Uncompressed bytes per zstd frame / nvCOMP chunk (default 64 KiB, multiple of 4096).
     level : int, optional

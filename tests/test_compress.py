@@ -845,3 +845,93 @@ def test_bench_ssd_rows_count_each_variant_s_own_tokens(tmp_path, monkeypatch):
         assert r["tokens_per_s"] * r["ms"] / 1e3 == pytest.approx(tokens)
         assert r["effective_gbps"] == pytest.approx(tokens * per_token / (r["ms"] / 1e3) / 1e9)
     assert by["fp8"]["speedup_vs_raw"] == pytest.approx(by["fp8"]["tokens_per_s"] / by["raw"]["tokens_per_s"])
+
+
+# ------------------------------------------------ review fixes (2026-11-23, 13th session)
+def _frames_of(region):
+    """(table bytes, [(frame bytes, raw)]) of a zstd region written by compress_regions."""
+    from kvkernels.compress import _TABLE_HEAD
+
+    b = bytes(region.numpy())
+    head = _TABLE_HEAD.unpack_from(b)
+    nf = head[-1]
+    flat = struct.unpack_from(f"<{2 * nf}I", b, _TABLE_HEAD.size)
+    off = _TABLE_HEAD.size + 8 * nf
+    frames = []
+    for c, r in zip(flat[0::2], flat[1::2]):
+        frames.append((b[off: off + c], r))
+        off += c
+    return head, frames
+
+
+def _region_of(head, frames):
+    from kvkernels.compress import _frame_table
+
+    chunk, raw = head[4], head[5]
+    blob = _frame_table(chunk, raw, [(len(f), r) for f, r in frames]) + b"".join(f for f, _ in frames)
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+
+def test_a_zstd_frame_claiming_another_size_is_refused_before_decoding():
+    """zstandard trusts a frame's content size over max_output_size: a header claiming 64 MiB (a
+    run-length bomb, or one flipped bit) must be a ValueError before anything is decoded (the
+    message says the header was read, not the output measured)."""
+    staging, fmt, _, _ = kv_like(SHAPES[3], torch.bfloat16)
+    packed = compress_regions(staging, fmt, "zstd", chunk_nbytes=4096)
+    head, frames = _frames_of(packed.regions[0])
+    want = frames[0][1]
+    bomb = zstandard.ZstdCompressor(write_content_size=True).compress(bytes(1 << 26))  # ~2 KB, claims 64 MiB
+    assert zstandard.frame_content_size(bomb) == 1 << 26 and len(bomb) < 8192
+    bad = _with_region(packed, 0, _region_of(head, [(bomb, want)] + frames[1:]))
+    with pytest.raises(ValueError, match=f"claims {1 << 26} bytes, the frame table {want}"):
+        decompress_regions(bad)
+
+
+def test_bytes_after_a_zstd_frame_are_damage():
+    """Clearing a frame's checksum flag leaves its 4 checksum bytes behind the frame; a second frame
+    behind the first is damage too: both refused (zstandard ignores them by default)."""
+    staging, fmt, _, _ = kv_like(SHAPES[1], torch.bfloat16)
+    packed = compress_regions(staging, fmt, "zstd", chunk_nbytes=4096)
+    head, frames = _frames_of(packed.regions[0])
+    f0, r0 = frames[0]
+    fhd = bytearray(f0)
+    assert fhd[4] & 0x04  # Content_Checksum_flag of the frame header descriptor
+    fhd[4] &= ~0x04
+    with pytest.raises(ValueError, match="compressed region 0: zstd frame 0 is corrupted"):
+        decompress_regions(_with_region(packed, 0, _region_of(head, [(bytes(fhd), r0)] + frames[1:])))
+    two = f0 + frames[1][0]
+    with pytest.raises(ValueError, match="compressed region 0"):
+        decompress_regions(_with_region(packed, 0, _region_of(head, [(two, r0)] + frames[1:])))
+
+
+@pytest.mark.parametrize("how", ["byteshuffle", "gathered", "from_buffer-joined", "from_buffer-planes"])
+def test_restore_scheme_says_how_to_scatter_what_decompress_returns(how):
+    from kvkernels.models import make_cache
+    from kvkernels.quant import gather_quant, scatter_quant
+
+    lay = make_cache("vllm-nhd", num_layers=2, num_blocks=8, block_size=4, num_heads=2, head_dim=64,
+                     dtype=torch.bfloat16, fill="random", seed=5)
+    fmt = kvkernels.StagingFormat.for_layout(lay, 3)
+    raw = kvkernels.gather(lay, [5, 1, 6], backend="torch")
+    if how == "byteshuffle" or how.startswith("from_buffer"):
+        packed = compress_regions(raw, fmt, "zstd", byteshuffle=True)
+    else:
+        packed = compress_regions(gather_quant(lay, [5, 1, 6], shuffle=True, backend="torch"), fmt, "zstd",
+                                  staging_shuffled=True)
+    assert packed.scheme == "shuffle"  # what the stored bytes are (the store header's scheme)
+    if how.startswith("from_buffer"):
+        buf = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+        for j, r in enumerate(packed.regions):
+            buf[j * fmt.region_nbytes: j * fmt.region_nbytes + r.numel()] = r
+        packed = CompressedStaging.from_buffer(buf, fmt, packed.stored_nbytes, "zstd", scheme="shuffle",
+                                               byteshuffle=how.endswith("joined"))
+    want = {"byteshuffle": "raw", "gathered": "shuffle", "from_buffer-joined": "raw",
+            "from_buffer-planes": "shuffle"}[how]
+    assert packed.restore_scheme == want
+    dst = make_cache("vllm-nhd", num_layers=2, num_blocks=8, block_size=4, num_heads=2, head_dim=64,
+                     dtype=torch.bfloat16, fill="zero")
+    scatter_quant(decompress_regions(packed), dst, [5, 1, 6], scheme=packed.restore_scheme, backend="torch")
+    assert torch.equal(kvkernels.gather(dst, [5, 1, 6], backend="torch"), raw)
+    with pytest.raises(ValueError, match="scheme"):
+        CompressedStaging.from_buffer(torch.zeros(fmt.nbytes, dtype=torch.uint8), fmt, packed.stored_nbytes, "zstd",
+                                      scheme="fp8-token")
