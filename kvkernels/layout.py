@@ -94,6 +94,43 @@ def _check_layout(kind: str, layout: str) -> str:
     return layout.upper()
 
 
+def _strides_hit(delta: int, dims, row: int) -> bool:
+    """Whether two views with the same nested strides whose first bytes are ``delta`` apart share a
+    byte: ``delta`` = sum of d_i * stride_i + e with |d_i| < n_i and |e| < ``row`` (``dims``: (byte
+    stride, size), largest stride first; nested strides leave two candidates per level)."""
+    if not dims:
+        return -row < delta < row
+    (st, n), rest = dims[0], dims[1:]
+    q = delta // st
+    return any(-n < d < n and _strides_hit(delta - d * st, rest, row) for d in (q, q + 1))
+
+
+def _check_no_aliasing(out, name) -> None:
+    """No two slots (block, token, head rows) of the layout share memory: within a view each of
+    its block / token / head strides steps past everything inside it, and no two views (K and V,
+    layers — they share strides) overlap. A scatter into aliased slots writes one place from
+    several (the result depended on the backend and on ``max_ctas``)."""
+    v0 = out[0][0]
+    esz = v0.element_size()
+    row = v0.shape[3] * esz  # the head dim is contiguous (checked above)
+    dims = sorted((st * esz, n) for n, st in zip(v0.shape[:3], v0.stride()[:3]) if n > 1)
+    extent = row
+    for st, n in dims:
+        if st < extent:
+            fail(name(0, 0), "slots that do not share memory (each of the block / token / head strides must step "
+                 "past the dims inside it)", describe(v0))
+        extent += (n - 1) * st
+    desc = dims[::-1]
+    views = sorted((v.data_ptr(), li, ci) for li, r in enumerate(out) for ci, v in enumerate(r))
+    for i, (a, la, ca) in enumerate(views):
+        for b, lb, cb in views[i + 1:]:
+            if b - a >= extent:  # sorted by address: no later view starts inside this one's footprint
+                break
+            if _strides_hit(b - a, desc, row):
+                what = "the same memory as" if a == b else "memory shared with"
+                fail(name(lb, cb), f"memory of its own (it is {what} {name(la, ca)})", describe(out[lb][cb]))
+
+
 @dataclass(frozen=True, eq=False)
 class PagedLayout:
     """A paged KV cache described by strided views (no copy).
@@ -179,13 +216,7 @@ class PagedLayout:
             if out:
                 check(len(row) == len(out[0]), f"views[{li}]", f"{len(out[0])} entries like views[0]", len(row))
             out.append(tuple(row))
-        seen: dict[int, str] = {}  # same strides everywhere: two views at one address are the same memory
-        for li, row in enumerate(out):
-            for ci, v in enumerate(row):
-                nm = name(li, ci)
-                if v.data_ptr() in seen:
-                    fail(nm, f"memory of its own (it is the same memory as {seen[v.data_ptr()]})", describe(v))
-                seen[v.data_ptr()] = nm
+        _check_no_aliasing(out, name)
         return cls(views=tuple(out), kind=kind)
 
     @classmethod

@@ -422,6 +422,28 @@ def test_layouts_whose_views_share_memory_are_refused():
         kvkernels.PagedLayout.from_views([[k], [k]])
 
 
+def test_layouts_whose_views_partly_share_memory_are_refused():
+    """Aliasing at different addresses (review, 2026-11-23): K and V shifted by one element of
+    one tensor, a view whose blocks overlap, from_strides with V inside K's block — a scatter's
+    bytes then depended on max_ctas. Interleaved layouts that do not alias stay accepted."""
+    t = torch.zeros(3, 2, 1, 5)
+    with pytest.raises(ValueError, match=r"`views\[0\]\[1\]`: expected memory of its own .*shared with views\[0\]\[0\]"):
+        kvkernels.PagedLayout.from_views([[t[..., 0:4], t[..., 1:5]]])
+    flat = torch.zeros(16)
+    with pytest.raises(ValueError, match="slots that do not share memory"):
+        kvkernels.PagedLayout.from_views([[flat.as_strided((3, 2, 1, 4), (4, 4, 4, 1))]])
+    with pytest.raises(ValueError, match="memory of its own"):
+        kvkernels.PagedLayout.from_strides([torch.zeros(64)], block_size=2, num_heads=1, head_dim=4, strides=(8, 4, 4),
+                                           kv_offset=4, num_blocks=3)
+    # V right after K's rows inside each block (packed), K|V split per token, layers interleaved
+    # block-major: adjacent, never overlapping
+    kvkernels.PagedLayout.from_strides([torch.zeros(64)], block_size=2, num_heads=1, head_dim=4, strides=(16, 4, 4),
+                                       kv_offset=8, num_blocks=3)
+    kvkernels.PagedLayout.from_views([[t[..., 0:2], t[..., 2:4]]])
+    for name in ("cross-layer", "cross-layer-hnd", "vllm-packed-bhlnc", "mla-cross-layer", "sglang"):
+        make_cache(name, num_layers=3, num_blocks=5, block_size=4, num_heads=2, head_dim=8)
+
+
 def test_packed_per_layer_tensors_follow_the_order_given():
     L, B, N, H, D = 2, 4, 4, 2, 8
     phys = torch.randn(L, B, N, H, 2 * D)  # physical LBNHC
