@@ -1,8 +1,8 @@
 """Benchmark: compression ratio and GB/s per codec on a real model's KV.
 
 Input: the real-KV sample written by ``bench/real_kv.py`` (SmolLM2-135M-Instruct, bf16, staging
-format; created on first use when missing and the model is installed), or ``--synthetic`` bf16
-with per-channel scales. Variants: ``raw`` (bf16 as gathered), ``shuffled`` (hi-byte plane then
+format; created on first use when missing and the model is installed), or with ``--tiny`` a small
+synthetic bf16 staging buffer with per-channel scales. Variants: ``raw`` (bf16 as gathered), ``shuffled`` (hi-byte plane then
 lo-byte plane per region), ``fp8`` (e4m3 per token-head + fp32 scales, from ``kvkernels.quant``
 when it exists, else the plain-PyTorch reference). Codecs: zstd everywhere; ANS / GDeflate / LZ4
 / nvCOMP-zstd on a CUDA GPU with nvCOMP. GB/s counts uncompressed payload bytes. Then the
@@ -49,7 +49,10 @@ def load_input(sample: str | None, tiny: bool):
     if tiny:
         return synthetic(), "synthetic-tiny"
     path = sample or DEFAULT_SAMPLE
-    from bench import real_kv
+    try:  # installed as kvkernels.bench (kvkernels bench compress), or run as a script
+        from . import real_kv
+    except ImportError:  # pragma: no cover
+        from bench import real_kv  # type: ignore
 
     if not os.path.exists(path):
         real_kv.dump_sample(path)
@@ -84,6 +87,8 @@ def fp8_variant(staging: torch.Tensor, fmt, dtype):
 
 def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool = False, reps: int = 5,
         codecs=None, plot: bool = True) -> dict:
+    if reps < 1:  # zero repetitions left the SSD restore buffer unwritten: a false "bytes differ"
+        raise ValueError(f"`reps`: expected a positive integer, got {reps}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     (staging, fmt, dtype), name = load_input(sample, tiny)
     staging = staging.to(device)
@@ -267,12 +272,12 @@ def _ver(dist: str):
         return None
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--sample", default=None, help=f"real-KV sample (default {DEFAULT_SAMPLE}; made if missing)")
     p.add_argument("--out", default="bench_results", help="directory for CSV/JSON/PNG")
     p.add_argument("--codecs", nargs="*", choices=["ans", "zstd", "gdeflate", "lz4"])
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=common.positive_int, default=5)
     p.add_argument("--tiny", action="store_true", help="tiny synthetic input (CI smoke)")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)

@@ -1,7 +1,8 @@
 """Benchmark: the kvkernels LMCache plugin against LMCache's built-in LocalDiskBackend, same disk.
 
 Both backends are created by LMCache's own ``CreateStorageBackends`` from a config, in the same
-process, on sibling directories of ``--dir``; chunks are real ``MemoryObj`` (``KV_2LTD``) from
+process, on sibling directories of a new ``kvk-bench-lmcache-*`` folder inside ``--dir`` (removed at
+the end; nothing else in ``--dir`` is touched); chunks are real ``MemoryObj`` (``KV_2LTD``) from
 LMCache's ``LocalCPUBackend`` allocator, llama3-8b-shaped by default: 32 layers, 8 kv heads,
 head_dim 128, bf16, 256-token chunks (32 MiB each).
 
@@ -282,11 +283,16 @@ class _DD:
 
 @contextlib.contextmanager
 def _session(directory, reps: int, shape):
-    """Directory (a temp one is removed afterwards), LMCache's event loop on a thread, run metadata,
-    and a list the caller fills with benches (all closed on exit)."""
-    own = directory is None
-    directory = directory or tempfile.mkdtemp(prefix="kvk-bench-lmcache-", dir=os.environ.get("KVKERNELS_BENCH_DIR"))
-    os.makedirs(directory, exist_ok=True)
+    """A fresh ``kvk-bench-lmcache-*`` folder inside ``directory`` (default ``KVKERNELS_BENCH_DIR``,
+    else the system temp dir; removed afterwards, nothing else in ``directory`` is touched),
+    LMCache's event loop on a thread, run metadata, and a list the caller fills with benches (all
+    closed on exit)."""
+    base = directory if directory is not None else os.environ.get("KVKERNELS_BENCH_DIR")
+    if base is not None:
+        if os.path.exists(base) and not os.path.isdir(base):
+            raise NotADirectoryError(f"bench lmcache: {base!r} is not a directory")
+        os.makedirs(base, exist_ok=True)
+    directory = tempfile.mkdtemp(prefix="kvk-bench-lmcache-", dir=base)
     logging.getLogger("lmcache").setLevel(logging.WARNING)
     L, T, H, D, _ = shape
     meta = common.env_record()
@@ -308,8 +314,7 @@ def _session(directory, reps: int, shape):
             b.close()
         loop.call_soon_threadsafe(loop.stop)
         th.join(5)
-        if own:
-            shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(directory, ignore_errors=True)  # only the folder this run made
 
 
 def _rounds(benches: list, reps: int, step) -> None:
@@ -475,29 +480,37 @@ def run_restore(*, directory=None, chunks=32, reps=8, out_dir="bench_results", t
                      out_dir=out_dir, tiny=tiny, tiny_chunks=4, backends=backends)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
-    p.add_argument("--chunks", type=int, default=32, help="256-token chunks per batch (32 = 8192 tokens, 1 GiB)")
-    p.add_argument("--reps", type=int, default=3)
+def main(argv=None, prog: str | None = None) -> int:
+    """Exit code (0); the rows are :func:`run`'s (and ``run_layerwise`` / ``run_restore``'s) result."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    p.add_argument("--dir", default=None,
+                   help="directory on the disk to measure (default: a temp dir); the bench writes only into a "
+                        "new kvk-bench-lmcache-* folder inside it and removes that folder")
+    p.add_argument("--chunks", type=common.positive_int, default=None,
+                   help="256-token chunks per batch (default 32 = 8192 tokens, 1 GiB; 8 with --layerwise)")
+    p.add_argument("--reps", type=common.positive_int, default=3)
     p.add_argument("--out", default="bench_results")
     p.add_argument("--tiny", action="store_true", help="a few small chunks (CI)")
     p.add_argument("--no-dd", action="store_true", help="skip the dd ceiling")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--restore", action="store_true",
-                   help="only the restore of KV stored once (cold reads, rounds rotate over the backends)")
-    p.add_argument("--layerwise", action="store_true",
-                   help="layer-wise mode: one KV_T2D object per (chunk, layer), --chunks 8 by default")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--restore", action="store_true",
+                      help="only the restore of KV stored once (cold reads, rounds rotate over the backends)")
+    mode.add_argument("--layerwise", action="store_true",
+                      help="layer-wise mode: one KV_T2D object per (chunk, layer), --chunks 8 by default")
     a = p.parse_args(argv)
+    common.bench_dir_arg(p, a.dir)
     if a.layerwise:
-        return run_layerwise(directory=a.dir, chunks=a.chunks if a.chunks != 32 else 8, reps=a.reps, out_dir=a.out,
-                             tiny=a.tiny)
-    if a.restore:
-        return run_restore(directory=a.dir, chunks=a.chunks, reps=a.reps, out_dir=a.out, tiny=a.tiny)
-    return run(directory=a.dir, chunks=a.chunks, reps=a.reps, out_dir=a.out, tiny=a.tiny, dd=not a.no_dd,
-               plot=not a.no_plot)
+        run_layerwise(directory=a.dir, chunks=8 if a.chunks is None else a.chunks, reps=a.reps,
+                      out_dir=a.out, tiny=a.tiny)
+    elif a.restore:
+        run_restore(directory=a.dir, chunks=32 if a.chunks is None else a.chunks, reps=a.reps,
+                    out_dir=a.out, tiny=a.tiny)
+    else:
+        run(directory=a.dir, chunks=32 if a.chunks is None else a.chunks, reps=a.reps,
+            out_dir=a.out, tiny=a.tiny, dd=not a.no_dd, plot=not a.no_plot)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
-    sys.exit(0)
+    sys.exit(main())

@@ -167,13 +167,13 @@ def triton_rows(align: bool = True) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None, help="directory for kernel_resources.json")
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        return subprocess.run([sys.executable, "-m", "kvkernels.bench.bench_resources", *(argv or sys.argv[1:])],
+        return subprocess.run([sys.executable, "-m", "kvkernels.bench.bench_resources", *(sys.argv[1:] if argv is None else argv)],
                               env=env).returncode
     rows = triton_rows()
     print(f"{'backend':7s} {'arch':7s} {'regs':>4s} {'smem':>6s} {'stack':>5s} {'local':>5s}  kernel")

@@ -10,7 +10,9 @@
   read priority (reported: read GB/s, which priority should protect);
 * ``restore``: tokens/s of whole-entry cold reads (tokens = blocks x block_size).
 
-Reads and the ceiling are medians of ``--reps`` runs (virtual disks are noisy).
+Reads and the ceiling are medians of ``--reps`` runs (virtual disks are noisy). Everything is
+written into a new ``kvk-bench-store-*`` folder inside ``--dir``, removed at the end: nothing else
+in ``--dir`` is touched.
 
 Targets (issue 3): >= 90 % of the dd ceiling for large entries with both engines.
 
@@ -64,8 +66,20 @@ def dd_ceiling(directory: str, nbytes: int, settle_s: float = 3.0, threads: int 
     with one stream (``dd``) and with ``threads`` streams at separate offsets (the store reads and
     writes with several workers: a one-stream ceiling is not a ceiling for it; on the H100 VM the
     store's QD-1 get already read faster than one-stream ``dd``). ``dd_*_gbps`` is the better of
-    the two; both are reported. Bytes are counted as moved (whole ``PIECE`` s)."""
-    path = os.path.join(directory, "dd.bin")
+    the two; both are reported. Bytes are counted as moved (whole ``PIECE`` s). The file is a new
+    one with a unique name in ``directory`` (never a user's file there), removed afterwards."""
+    fd, path = tempfile.mkstemp(prefix="kvk-dd-", suffix=".bin", dir=directory)
+    os.close(fd)
+    try:
+        return _dd_ceiling(path, nbytes, settle_s, threads)
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _dd_ceiling(path: str, nbytes: int, settle_s: float, threads: int) -> dict:
     pieces = max(1, -(-nbytes // PIECE))
     moved = pieces * PIECE
     bufs = []
@@ -119,7 +133,6 @@ def dd_ceiling(directory: str, nbytes: int, settle_s: float = 3.0, threads: int 
     wn = run(True, n) if n > 1 else w1
     settle()
     rn = run(False, n) if n > 1 else r1
-    os.unlink(path)
     return {"dd_write_gbps": max(w1, wn), "dd_read_gbps": max(r1, rn), "dd_write_qd1_gbps": w1, "dd_read_qd1_gbps": r1,
             f"dd_write_qd{n}_gbps": wn, f"dd_read_qd{n}_gbps": rn, "o_direct": direct}
 
@@ -137,35 +150,44 @@ def _entry(blocks: int, tiny: bool):
 
 def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd_bytes: int = 2 << 30,
         out_dir: str = "bench_results", tiny: bool = False, plot: bool = True, reps: int = 3) -> dict:
+    """``directory``: where to measure (default: ``KVKERNELS_BENCH_DIR``, else the system temp
+    dir). Everything is written into a fresh temporary folder inside it (``kvk-bench-store-*``),
+    removed at the end: nothing already in ``directory`` is touched."""
+    for name, v in (("blocks", blocks), ("entries", entries), ("dd_bytes", dd_bytes), ("reps", reps)):
+        if v < 1:
+            raise ValueError(f"`{name}`: expected a positive integer, got {v}")
     if tiny:
         blocks, entries, dd_bytes = 8, 4, 32 << 20
-    own = directory is None
-    directory = directory or tempfile.mkdtemp(prefix="kvk-bench-store-", dir=os.environ.get("KVKERNELS_BENCH_DIR"))
-    os.makedirs(directory, exist_ok=True)
+    base = directory if directory is not None else os.environ.get("KVKERNELS_BENCH_DIR")
+    if base is not None:
+        if os.path.exists(base) and not os.path.isdir(base):
+            raise NotADirectoryError(f"bench store: {base!r} is not a directory")
+        os.makedirs(base, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="kvk-bench-store-", dir=base)  # ours alone: removed at the end
     meta = common.env_record()
-    meta["directory"] = directory
-    dd_streams = config.io_threads()  # the store's queue depth: the ceiling reads as wide
-    runs = [dd_ceiling(directory, dd_bytes, settle_s=0.0 if tiny else 3.0, threads=dd_streams) for _ in range(reps)]  # median of reps: virtual disks are noisy
-    ceil = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k.endswith("_gbps")}
-    ceil["o_direct"] = runs[0]["o_direct"]
-    meta["ceiling"] = ceil
-    # printed now, not only with the table: a run cut off by its time cap still shows its ceiling
-    common.progress({"ceiling": {k: round(v, 3) if isinstance(v, float) else v for k, v in ceil.items()},
-                     "streams": dd_streams, "reps": reps})
-    lay, buf, emeta = _entry(blocks, tiny)
-    nbytes = buf.numel()
-    tokens = blocks * 16
+    meta["directory"] = work
     rows: list[dict] = []
-
-    def add(method, gbps, peak_key, **extra):
-        peak = ceil[peak_key]
-        rows.append({"method": method, "entry_mb": round(nbytes / 1e6, 2), "gbps": gbps,
-                     "pct_dd": 100.0 * gbps / peak if peak else None, "ceiling": peak_key, **extra})
-        common.progress(rows[-1])
-
-    root = os.path.join(directory, "store")
-    outs = [aligned_empty(nbytes).fill_(0) for _ in range(entries)]  # pre-faulted, like a pinned pool
     try:
+        dd_streams = config.io_threads()  # the store's queue depth: the ceiling reads as wide
+        runs = [dd_ceiling(work, dd_bytes, settle_s=0.0 if tiny else 3.0, threads=dd_streams) for _ in range(reps)]  # median of reps: virtual disks are noisy
+        ceil = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k.endswith("_gbps")}
+        ceil["o_direct"] = runs[0]["o_direct"]
+        meta["ceiling"] = ceil
+        # printed now, not only with the table: a run cut off by its time cap still shows its ceiling
+        common.progress({"ceiling": {k: round(v, 3) if isinstance(v, float) else v for k, v in ceil.items()},
+                         "streams": dd_streams, "reps": reps})
+        lay, buf, emeta = _entry(blocks, tiny)
+        nbytes = buf.numel()
+        tokens = blocks * 16
+
+        def add(method, gbps, peak_key, **extra):
+            peak = ceil[peak_key]
+            rows.append({"method": method, "entry_mb": round(nbytes / 1e6, 2), "gbps": gbps,
+                         "pct_dd": 100.0 * gbps / peak if peak else None, "ceiling": peak_key, **extra})
+            common.progress(rows[-1])
+
+        root = os.path.join(work, "store")
+        outs = [aligned_empty(nbytes).fill_(0) for _ in range(entries)]  # pre-faulted, like a pinned pool
         engines = available_engines()  # kvikio (when importable) and posix: the target is for both
         meta["engine"] = engines[0]
         meta["engines"] = engines
@@ -237,10 +259,9 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
                 mixed_total_gbps=2 * entries * nbytes / total / 1e9)
             shutil.rmtree(root, ignore_errors=True)
     finally:
-        if own:
-            shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)  # only the folder this run made
     paths = common.write_results(rows, meta, out_dir, "store")
-    print(f"# {meta['device']}  {meta['date']}  dir={directory}  engine={meta.get('engine')}")
+    print(f"# {meta['device']}  {meta['date']}  dir={work} (removed)  engine={meta.get('engine')}")
     print(f"# ceiling (O_DIRECT={ceil['o_direct']}, best of 1 and {dd_streams} streams): write {ceil['dd_write_gbps']:.2f} GB/s "
           f"(1 stream {ceil['dd_write_qd1_gbps']:.2f}), read {ceil['dd_read_gbps']:.2f} GB/s (1 stream {ceil['dd_read_qd1_gbps']:.2f})")
     print(common.format_table(rows, ["method", "entry_mb", "gbps", "pct_dd", "tokens_per_s", "mixed_total_gbps"]))
@@ -250,17 +271,21 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
                          value="pct_dd", ylabel="% of dd ceiling", title="SSD store vs dd")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
-    p.add_argument("--blocks", type=int, default=512, help="blocks per llama3-8b entry (512 = 8192 tokens, 1 GiB)")
-    p.add_argument("--entries", type=int, default=8)
-    p.add_argument("--dd-bytes", type=int, default=2 << 30)
+def main(argv=None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    p.add_argument("--dir", default=None,
+                   help="directory on the disk to measure (default: a temp dir); the bench writes only into a "
+                        "new kvk-bench-store-* folder inside it and removes that folder")
+    p.add_argument("--blocks", type=common.positive_int, default=512,
+                   help="blocks per llama3-8b entry (512 = 8192 tokens, 1 GiB)")
+    p.add_argument("--entries", type=common.positive_int, default=8)
+    p.add_argument("--dd-bytes", type=common.positive_int, default=2 << 30)
     p.add_argument("--out", default="bench_results")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=common.positive_int, default=3)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
+    common.bench_dir_arg(p, a.dir)
     run(directory=a.dir, blocks=a.blocks, entries=a.entries, dd_bytes=a.dd_bytes, out_dir=a.out, tiny=a.tiny,
         plot=not a.no_plot, reps=a.reps)
     return 0

@@ -7,6 +7,7 @@ Every "% of peak" is against peaks measured in the *same run* (:func:`measure_pe
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime as _dt
 import importlib.metadata as md
@@ -23,6 +24,35 @@ import torch
 
 
 _T0 = time.perf_counter()
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=`` for counts and sizes (``--reps``, ``--chunks``, ``--blocks``, ...): an
+    integer >= 1. Zero or a negative count is meaningless to every bench (``--reps 0`` used to
+    report a false corruption in ``bench compress`` and an ``IndexError`` in ``bench store``)."""
+    try:
+        val = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if val < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer (>= 1), got {val}")
+    return val
+
+
+def bench_dir_arg(parser: argparse.ArgumentParser, directory: str | None) -> None:
+    """Check a bench's ``--dir``: a directory (created when missing) this process can write in;
+    else ``parser.error`` (usage + one line, exit 2) instead of a traceback mid-run. The benches
+    write only into a fresh temporary folder inside it (and remove only that folder)."""
+    if directory is None:
+        return
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        parser.error(f"argument --dir: {directory!r} is not a directory")
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"argument --dir: cannot create {directory!r}: {exc.strerror or exc}")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        parser.error(f"argument --dir: {directory!r} is not writable")
 
 
 def progress(row: dict) -> None:

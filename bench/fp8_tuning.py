@@ -136,7 +136,7 @@ def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_r
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["llama3-8b", "llama3-70b-tp8", "deepseek-v3-mla"])
-    p.add_argument("--blocks", type=int, default=2048)
+    p.add_argument("--blocks", type=common.positive_int, default=2048)
     p.add_argument("--out", default="bench_results")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():

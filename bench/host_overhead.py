@@ -111,9 +111,19 @@ def run(calls: int = 3000) -> dict:
     return res
 
 
+
+def _positive_int():
+    """bench/common.py's argparse type for counts (imported lazily: this script also runs alone)."""
+    try:
+        from . import common
+    except ImportError:
+        import common  # type: ignore
+    return common.positive_int
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--calls", type=int, default=3000)
+    p.add_argument("--calls", type=_positive_int(), default=3000)
     a = p.parse_args(argv)
     for k, v in run(a.calls).items():
         print(f"{k:72s} {v:8.1f} us")

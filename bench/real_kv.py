@@ -353,12 +353,22 @@ def load_sample(path: str):
     return rec["staging"], kvkernels.StagingFormat(**f), getattr(torch, rec["dtype"])
 
 
+
+def _positive_int():
+    """bench/common.py's argparse type for counts (imported lazily: this script also runs alone)."""
+    try:
+        from . import common
+    except ImportError:
+        import common  # type: ignore
+    return common.positive_int
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_results/real_kv_smollm2.pt")
-    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--tokens", type=_positive_int(), default=256)
     ap.add_argument("--fp8", action="store_true", help="also print the torch-FP8 agreement measurement")
-    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--steps", type=_positive_int(), default=64)
     a = ap.parse_args(argv)
     rec = dump_sample(a.out, a.tokens)
     print(f"wrote {a.out}: {rec['staging'].numel()} bytes, {rec['tokens']} tokens")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
 
@@ -39,18 +40,49 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def demo_device(device: str | torch.device | None = None) -> torch.device:
+    """The demo's device: ``device`` (``cuda[:N]`` or ``cpu``), default cuda when available.
+    ``ValueError`` for another kind, ``RuntimeError`` for cuda on a machine without one."""
+    try:
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:  # torch's message lists every device type it knows
+        raise ValueError(f"`device`: expected cuda or cpu, got {str(device)!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"`device`: expected cuda or cpu, got {str(device)!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        why = "torch is a CPU-only build" if torch.version.cuda is None else "no CUDA device is visible"
+        raise RuntimeError(f"`device`: {str(device)!r} is not available ({why})")
+    return dev
+
+
+def demo_sizes(dev: torch.device) -> tuple[int, int]:
+    """``(pool, default blocks)`` of the demo on ``dev``: 256 and 64 on CPU (scaled down), 4096 and
+    2048 on a GPU. ``blocks`` must lie in ``1..pool``."""
+    return (256, 64) if dev.type == "cpu" else (4096, 2048)
+
+
 def demo(model: str = "llama3-8b", *, blocks: int | None = None, layout: str = "vllm-nhd", dest_layout: str = "flashinfer-hnd",
          backend: str = "auto", device: str | None = None, seed: int = 0, store_dir: str | None = None, quiet: bool = False) -> dict:
     """Build a paged cache of ``model``'s shape, gather random blocks, scatter them into *other*
     blocks of a cache in ``dest_layout``, verify bit-exactly; through the SSD store when
-    ``kvkernels.io.KVStore`` is available and ``store_dir`` is given. Returns the measurements."""
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    ``kvkernels.io.KVStore`` is available and ``store_dir`` is given. Returns the measurements.
+
+    ``blocks``: how many distinct blocks move; ``None`` is the default of :func:`demo_sizes`,
+    anything else must be in ``1..pool`` (``ValueError`` otherwise)."""
+    dev = demo_device(device)
     shape = get_model(model)
+    pool, n = demo_sizes(dev)
+    if blocks is not None:
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks <= pool:
+            raise ValueError(f"`blocks`: expected an integer in 1..{pool} (the demo's pool on {dev.type}), got {blocks!r}")
+        n = blocks
+    from . import backends
+
+    backends.resolve(backend, dev)  # an unavailable backend fails here, before any work
+    if store_dir is not None and os.path.exists(store_dir) and not os.path.isdir(store_dir):
+        raise NotADirectoryError(f"`store_dir` (--store): {store_dir!r} is not a directory")
     if dev.type == "cpu":  # scaled down on CPU: keep head_dim and block size, cut layers/heads/pool
         shape = shape.scaled(num_layers=min(shape.num_layers, 4), num_kv_heads=min(shape.num_kv_heads, 2))
-        pool, n = 256, blocks or 64
-    else:
-        pool, n = 4096, blocks or 2048
     if shape.mla:
         layout, dest_layout = "mla", "mla-cross-layer"
     say = (lambda *a: None) if quiet else print
@@ -110,29 +142,84 @@ def demo(model: str = "llama3-8b", *, blocks: int | None = None, layout: str = "
     return res
 
 
-def _cmd_demo(args) -> int:
+# what the demo turns into one line and exit code 2 (the machine or the arguments, not a bug):
+# ValueError (arguments), RuntimeError (backend or device unavailable), OSError (the --store
+# directory), and torch's "Torch not compiled with CUDA enabled" AssertionError
+_DEMO_ERRORS = (ValueError, RuntimeError, OSError, AssertionError)
+
+
+def _user_error(exc: BaseException) -> bool:
+    return not isinstance(exc, AssertionError) or "compiled with CUDA" in str(exc)
+
+
+def _cmd_demo(args, parser) -> int:
     import shutil
     import tempfile
 
+    try:
+        dev = demo_device(args.device)
+    except _DEMO_ERRORS as exc:
+        if not _user_error(exc):
+            raise
+        print(f"kvkernels demo: error: {exc}", file=sys.stderr)
+        return 2
+    pool, default = demo_sizes(dev)
+    if args.blocks is not None and not 1 <= args.blocks <= pool:
+        parser.error(f"argument --blocks: expected 1 <= N <= {pool} (the demo's pool on {dev.type}; "
+                     f"default {default}), got {args.blocks}")
     tmp = None
     store = args.store
     if store is None and not args.no_store:
         tmp = store = tempfile.mkdtemp(prefix="kvkernels-demo-")
     try:
         res = demo(args.model, blocks=args.blocks, backend=args.backend, device=args.device, store_dir=store)
+    except _DEMO_ERRORS as exc:
+        if not _user_error(exc):
+            raise
+        print(f"kvkernels demo: error: {exc}", file=sys.stderr)
+        return 2
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return 0 if res["verified"] else 1
 
 
-def _cmd_bench(args, rest) -> int:
+def _bench_list() -> str:
+    """``NAME  first line of its docstring`` per bench, read from the source (nothing imported)."""
+    import ast
+    import importlib.util
+
+    lines = []
+    for name in BENCHES:
+        doc = ""
+        try:
+            spec = importlib.util.find_spec(f"kvkernels.bench.bench_{name}")
+            if spec is not None and spec.origin:
+                with open(spec.origin, encoding="utf-8") as f:
+                    doc = (ast.get_docstring(ast.parse(f.read())) or "").split("\n")[0]
+        except (ImportError, OSError, SyntaxError):
+            doc = "(not in this build)"
+        lines.append(f"  {name.ljust(10)} {doc}")
+    return "\n".join(lines)
+
+
+def _cmd_bench(args, rest, parser) -> int:
+    if args.name is None:
+        help_ = any(a in ("-h", "--help") for a in rest)
+        out = sys.stdout if help_ else sys.stderr
+        print(f"usage: {parser.prog} NAME [its arguments; NAME --help lists them]\n\nbenchmarks:\n{_bench_list()}",
+              file=out)
+        if not help_:
+            print(f"{parser.prog}: error: the following arguments are required: NAME", file=sys.stderr)
+        return 0 if help_ else 2
     try:
         mod = importlib.import_module(f"kvkernels.bench.bench_{args.name}")
     except ModuleNotFoundError as exc:
         print(f"kvkernels bench: no benchmark {args.name!r} in this build ({exc})", file=sys.stderr)
         return 2
-    return int(mod.main(rest) or 0)
+    res = mod.main(rest, prog=f"{parser.prog} {args.name}")
+    # an exit code; anything else (None, or a result object from an older bench) is success
+    return res if isinstance(res, int) else 0
 
 
 def main(argv=None) -> int:
@@ -142,21 +229,25 @@ def main(argv=None) -> int:
     pi.add_argument("--json", action="store_true")
     pd = sub.add_parser("demo", help="cache -> gather -> (store) -> scatter into other blocks -> verify")
     pd.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
-    pd.add_argument("--blocks", type=int, default=None, help="blocks to move (default 2048 GPU, 64 CPU)")
+    pd.add_argument("--blocks", type=int, default=None,
+                    help="blocks to move, 1 to the pool size (pool 4096 on a GPU, 256 on CPU; default 2048 GPU, 64 CPU)")
     pd.add_argument("--backend", default="auto", choices=["auto", "triton", "cuda", "torch"])
     pd.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    pd.add_argument("--store", default=None, metavar="DIR",
-                    help="SSD store directory for the round trip (default: a temporary directory, removed after)")
-    pd.add_argument("--no-store", action="store_true", help="skip the SSD store step")
+    where = pd.add_mutually_exclusive_group()
+    where.add_argument("--store", default=None, metavar="DIR",
+                       help="SSD store directory for the round trip (default: a temporary directory, removed after)")
+    where.add_argument("--no-store", action="store_true", help="skip the SSD store step")
     pb = sub.add_parser("bench", add_help=False,
                         help="run a benchmark: kvkernels bench NAME [its arguments, --help for them]")
-    pb.add_argument("name", choices=BENCHES)
+    pb.add_argument("name", nargs="?", choices=BENCHES, metavar="NAME")
     args, rest = p.parse_known_args(argv)
     if args.cmd == "bench":
-        return _cmd_bench(args, rest)
+        return _cmd_bench(args, rest, pb)
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
-    return {"info": _cmd_info, "demo": _cmd_demo}[args.cmd](args)
+    if args.cmd == "demo":
+        return _cmd_demo(args, pd)
+    return _cmd_info(args)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,9 @@
-"""Every tunable is a ``KVKERNELS_*`` environment variable, read here (documented in docs/config.md).
+"""Every tunable is a ``KVKERNELS_*`` environment variable; docs/config.md lists all of them with
+their defaults. Most are read here; a few are read where they are used: ``KVKERNELS_CUDA_LIB``
+(``kvkernels/_cuda.py``), ``KVKERNELS_NVCOMP_ALLOCATOR`` (``kvkernels/compress.py``),
+``KVKERNELS_IO_INFLIGHT_BYTES`` (``io/store.py``, through :func:`env_int`),
+``KVKERNELS_CUTLASS_INCLUDE`` (``csrc/build.py``), ``KVKERNELS_BUILD_CUDA`` (``setup.py``, at
+install) and ``KVKERNELS_BENCH_DIR`` (the benchmarks).
 
 Values are read when asked for (not cached at import), so tests and servers may set them at any
 time before the call that uses them. A malformed value raises ``ValueError`` naming the variable.

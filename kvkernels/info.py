@@ -26,6 +26,15 @@ def _probe(module: str) -> tuple[bool, str]:
         return False, f"{type(exc).__name__}: {exc}"
 
 
+def _field(fn):
+    """``fn()``, or the text of the configuration error it raises (``ValueError`` for a malformed
+    ``KVKERNELS_*`` value, ``RuntimeError`` for one this machine cannot honour)."""
+    try:
+        return fn()
+    except (ValueError, RuntimeError) as exc:
+        return f"error: {exc}"
+
+
 def info() -> dict:
     """A dict describing versions, the GPU, the usable backends and the I/O / compression stack."""
     import kvkernels
@@ -49,12 +58,15 @@ def info() -> dict:
         "cuda": backends.cuda_ext_available(),
         "torch": True,
     }
-    d["backend_auto"] = backends.resolve("auto", dev)
+    # what auto resolves to under KVKERNELS_BACKEND; a value that cannot run here (triton on a CPU
+    # without TRITON_INTERPRET, cuda without the library) or is malformed is reported, not raised:
+    # info is the command that diagnoses that configuration
+    d["backend_auto"] = _field(lambda: backends.resolve("auto", dev))
     if d["backends"]["cuda"]:
         from . import _cuda
 
         d["cuda_lib"] = _cuda.reason()  # the library's path
-        d["cuda_bulk"] = {"built": _cuda.bulk_supported(), "enabled": config.cuda_bulk()}
+        d["cuda_bulk"] = {"built": _cuda.bulk_supported(), "enabled": _field(config.cuda_bulk)}
     kv_ok, kv_msg = _probe("kvikio")
     d["kvikio"] = (_version("kvikio-cu13") or _version("kvikio")) if kv_ok else None
     d["kvikio_status"] = kv_msg
