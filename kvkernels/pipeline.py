@@ -1308,19 +1308,28 @@ class LayerPipeline:
         for _ in range(min(self.prefetch_depth, self.layout.num_layers)):
             self._issue_load_layer()
 
-    def _finish_issuing_loads(self) -> None:
+    def _finish_issuing_loads(self, *, wait_reads: bool = True) -> None:
         """Issue the current restore's layers not issued yet (a restore not waited to the end)
-        and order the compute after all of them. Its last layers' copies (scatters on the pack
-        stream, dma copies on the H2D stream) come before the compute's next kernels and before a
-        next load's copies, which may be on the other stream (dma after gather): the compute
-        waits for both streams (stream waits, no host wait)."""
+        and order the compute after them. Its last layers' copies (scatters on the pack stream,
+        dma copies on the H2D stream) come before the compute's next kernels and before a next
+        load's copies, which may be on the other stream (dma after gather): the compute waits for
+        both streams (stream waits, no host wait). ``wait_reads=False`` (``get_finished``, which
+        never blocks): a streamed layer whose SSD read is not in yet and that only a host wait
+        could gate (CPU, or no ``cuStreamWaitValue32``) is left with the rest for a later call."""
+        issued = False
         while self._loads and self._next_load_layer < self.layout.num_layers:
+            if not wait_reads and not self._gpu_gates and any(
+                    streamed and not ent.layer_read[self._next_load_layer].is_set()
+                    for ent, _, streamed, _ in self._loads):
+                break
             self._issue_load_layer()
-        self._record(self._finished_off, self.pack_stream)
-        self._wait(self.h2d_stream, self._finished_off)
-        self._record(self._finished_off, self.h2d_stream)
-        self._wait(self._compute(), self._finished_off)
-        self._last_waited = self.layout.num_layers - 1
+            issued = True
+        if issued or wait_reads:
+            self._record(self._finished_off, self.pack_stream)
+            self._wait(self.h2d_stream, self._finished_off)
+            self._record(self._finished_off, self.h2d_stream)
+            self._wait(self._compute(), self._finished_off)
+            self._last_waited = max(self._last_waited, self._next_load_layer - 1)
 
     def _check_distinct_destinations(self, checked) -> None:
         """Restores of one step must not share a destination block (restored together, they
@@ -1466,10 +1475,13 @@ class LayerPipeline:
         store) is done; keys whose save could not get host memory are reported as saved-failed
         through :attr:`failed_saves`. A restore whose layers were not all waited for (its last
         layers maybe not issued) is issued to the end here, the compute stream ordered after it
-        (stream waits), so it completes and is reported."""
+        (stream waits), so it completes and is reported — up to a streamed layer whose SSD read
+        is not in yet where only a host wait could gate it (CPU, no ``cuStreamWaitValue32``):
+        those are issued by a later call (or by the next ``start_load``), never waited for here."""
         if self._loads and self._next_load_layer < self.layout.num_layers and not self._closed:
+            self._check_device()  # the issuing below may call the runtime directly (cudart, dma)
             try:
-                self._finish_issuing_loads()
+                self._finish_issuing_loads(wait_reads=False)
             except Exception:  # noqa: BLE001 - a layer that could not be issued: its restores are
                 log.exception("kvkernels: finishing a restore's layers failed")  # reported as load errors
         saved = set()

@@ -1082,6 +1082,64 @@ def test_restore_ids_are_copied_at_start_load():
             assert_blocks_hold(lay, [10, 11], before)
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the host-gate path: a GPU with cuStreamWaitValue32 gates on the GPU")
+def test_get_finished_never_waits_for_a_streamed_read():
+    """A streamed restore waited only at layer 0, its SSD reads still coming in: get_finished
+    issues what has been read and returns at once; once every read is in, a later call
+    completes and reports the restore."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    release = threading.Event()
+
+    class SlowStore:
+        def __init__(self):
+            self.data, self.pool = {}, ThreadPoolExecutor(2)
+
+        def put(self, key, staging, meta):
+            f = Future()
+            self.data[key] = staging.clone()
+            f.set_result(None)
+            return f
+
+        def get(self, key, out=None, layers=None):
+            def run():
+                if layers[0] > 2:  # layers 0-2 (what wait_for_layer_load(0) issues) read at once
+                    release.wait(10)
+                _copy_regions(self.data[key], out, layers)
+                return out
+            return self.pool.submit(run)
+
+    lay = make_cache("vllm-nhd", num_layers=8, num_blocks=NB, block_size=BS, num_heads=H, head_dim=D, device=DEVICE,
+                     seed=4)
+    with LayerPipeline(lay, host_bytes=1 << 20, store=SlowStore()) as pipe:
+        pipe.store.header = lambda key: None
+        expect = [[lay.views[l][c][[1, 2]].clone() for c in range(lay.num_kv)] for l in range(8)]
+        for layer in range(8):
+            pipe.save_layer(layer, {"k": [1, 2]})
+        pipe.wait_for_save()
+        t0 = time.time()
+        while "k" not in pipe.get_finished()[0] and time.time() - t0 < 10:
+            time.sleep(0.01)
+        assert pipe.evict("k")
+        pipe.prefetch("k", num_blocks=2)
+        pipe.start_load({"k": [5, 6]})
+        pipe.wait_for_layer_load(0)  # layers 0-2 are read; the others wait for `release`
+        t0 = time.perf_counter()
+        assert pipe.get_finished() == (set(), set())
+        assert time.perf_counter() - t0 < 0.2 and pipe._next_load_layer < 8
+        release.set()
+        t0 = time.time()
+        loaded = set()
+        while not loaded and time.time() - t0 < 10:
+            loaded = pipe.get_finished()[1]
+            time.sleep(0.01)
+        assert loaded == {"k"}
+        for l in range(8):
+            for c in range(lay.num_kv):
+                assert bytes_equal(lay.views[l][c][[5, 6]], expect[l][c])
+
+
 def test_a_save_left_incomplete_when_its_step_ends_is_failed_and_its_region_freed():
     """The forward stopped after layer 1 (an exception above the pipeline) and the request is
     gone: wait_for_save ends the step, so the save is reported failed and its host region goes
