@@ -35,9 +35,10 @@ def nvcc() -> str | None:
 
 
 def source_key() -> str:
-    """A short hash of what a build depends on: every source under csrc/kernels and csrc/bindings,
-    this script, the nvcc found (path, size, modification time) and the CUTLASS include folder
-    found. The just-in-time cache folder is named after it (kvkernels/_cuda.py)."""
+    """A short hash of the sources a build is made of: every file under csrc/kernels and
+    csrc/bindings, this script, the target archs. The just-in-time cache folder is named after
+    it (kvkernels/_cuda.py), so a build of other sources is never loaded; it does not depend on
+    the toolkit found, so a process without nvcc still finds a build made by one that had it."""
     import hashlib
 
     h = hashlib.sha1()
@@ -49,16 +50,27 @@ def source_key() -> str:
         h.update(os.path.relpath(f, HERE).encode() + b"\0")
         with open(f, "rb") as fh:
             h.update(fh.read())
+    h.update(",".join(ARCHS).encode())
+    return h.hexdigest()[:12]
+
+
+def toolchain_key() -> str:
+    """What else a build depends on: the nvcc found (path, size, modification time) and the
+    CUTLASS include folder found. Written beside a build (``STAMP``): a process that has nvcc
+    rebuilds when it differs (another toolkit, CUTLASS installed since)."""
     exe = nvcc()
+    parts = ["nvcc=none"]
     if exe is not None:
         st = os.stat(exe)
-        h.update(f"{os.path.realpath(exe)}:{st.st_size}:{st.st_mtime_ns}".encode())
+        parts = [f"nvcc={os.path.realpath(exe)}:{st.st_size}:{st.st_mtime_ns}"]
     try:
-        inc = cutlass_include()
+        parts.append(f"cutlass={cutlass_include()}")
     except RuntimeError:
-        inc = "invalid"
-    h.update(f"|{inc}|{','.join(ARCHS)}".encode())
-    return h.hexdigest()[:12]
+        parts.append("cutlass=invalid")
+    return ";".join(parts)
+
+
+STAMP = "build.stamp"
 
 
 def cutlass_include() -> str | None:
@@ -104,6 +116,8 @@ def build(out_dir: str, archs=ARCHS, verbose: bool = False, extra=()) -> str:
     if r.returncode:
         raise RuntimeError(f"nvcc failed ({r.returncode}):\n{r.stderr[-4000:]}")
     os.replace(tmp, out)
+    with open(os.path.join(out_dir, STAMP), "w") as f:
+        f.write(toolchain_key())
     return out
 
 

@@ -3,8 +3,8 @@
 The library is found, in order: ``KVKERNELS_CUDA_LIB`` (a path: then only it), the copy shipped in the package
 (``KVKERNELS_BUILD_CUDA=1 pip install .``), the cache directory (``KVKERNELS_CACHE_DIR``). When
 none exists and CUDA plus nvcc are present, it is built just in time into the cache directory
-(a message says so; ~3 s), in a folder keyed by a hash of the sources, nvcc and the CUTLASS
-headers. ``KVKERNELS_CUDA_LIB``, when set, is the only library tried. Everything is lazy and
+(a message says so; ~3 s), in a folder keyed by a hash of the sources (the toolchain it was
+built with is stamped beside it: a process with nvcc rebuilds when that differs). ``KVKERNELS_CUDA_LIB``, when set, is the only library tried. Everything is lazy and
 cached; :func:`available` never raises.
 """
 
@@ -50,9 +50,10 @@ def _build_module():
 
 
 def _jit_dir() -> str | None:
-    """Just-in-time builds go to a folder named after the C-ABI version and a hash of what the
-    build depends on (the sources under csrc/, nvcc, the CUTLASS headers found): a build of older
-    sources, another toolkit or without CUTLASS is never picked up. None without the sources."""
+    """Just-in-time builds go to a folder named after the C-ABI version and a hash of the sources
+    (csrc/build.py ``source_key``): a build of older sources is never picked up. The toolchain it
+    was built with is stamped beside it; a process with nvcc rebuilds when that differs (another
+    toolkit, CUTLASS installed since). None without the sources."""
     mod = _build_module()
     if mod is None:
         return None
@@ -78,6 +79,17 @@ def _load() -> tuple[object | None, str]:
         path = env
     else:
         path = next((p for p in _candidates() if os.path.isfile(p)), None)
+        jit = _jit_dir()
+        if path is not None and jit is not None and os.path.dirname(path) == jit:
+            mod = _build_module()
+            try:
+                with open(os.path.join(jit, mod.STAMP)) as f:
+                    stamp = f.read()
+            except OSError:
+                stamp = None
+            if mod.nvcc() is not None and stamp != mod.toolchain_key():
+                log.warning("kvkernels: the cached CUDA backend in %s was built with another toolchain; rebuilding", jit)
+                path = None
     if path is None:
         mod = _build_module()
         if mod is None:

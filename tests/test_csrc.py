@@ -41,6 +41,8 @@ needs_nvcc = pytest.mark.skipif(build.nvcc() is None, reason="nvcc not installed
 @needs_nvcc
 def test_compiles_for_all_targets_with_warnings_as_errors(tmp_path):
     lib = build.build(str(tmp_path))
+    with open(os.path.join(str(tmp_path), build.STAMP)) as f:  # the toolchain it was built with
+        assert f.read() == build.toolchain_key()
     nm = subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True, check=True).stdout
     syms = set(re.findall(r"\bkvk_\w+", nm))
     assert {"kvk_abi_version", "kvk_last_error", "kvk_paged_copy", "kvk_quant_gather", "kvk_dequant_scatter",
@@ -986,6 +988,47 @@ def test_jit_cache_folder_follows_the_sources(tmp_path, monkeypatch):
     from kvkernels import _cuda
 
     assert _cuda._jit_dir().endswith(f"cuda-abi{_cuda.ABI_VERSION}-{build.source_key()}")
+    tool = build.toolchain_key()
     monkeypatch.setattr(build.shutil, "which", lambda name: None)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "runtime-only"))
     assert build.nvcc() is None  # a CUDA_HOME without bin/nvcc is no nvcc
+    # a process without nvcc looks in the same folder as the one that built (the toolchain is
+    # a stamp beside the build, not part of the folder name)
+    assert build.source_key() == k0 and build.toolchain_key() != tool
+
+
+@needs_nvcc
+def test_jit_build_is_rebuilt_when_its_toolchain_stamp_differs(tmp_path, monkeypatch):
+    from kvkernels import _cuda, config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("KVKERNELS_CUDA_LIB", raising=False)
+    monkeypatch.setattr(config, "cache_dir", lambda: str(tmp_path))
+    jit = _cuda._jit_dir()
+    built = []
+
+    def counting(out_dir, *a, **k):  # what build() leaves: the library and the toolchain stamp
+        built.append(out_dir)
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, build.LIB), "wb"):
+            pass
+        with open(os.path.join(out_dir, build.STAMP), "w") as f:
+            f.write(build.toolchain_key())
+        return os.path.join(out_dir, build.LIB)
+
+    mod = _cuda._build_module()
+    monkeypatch.setattr(mod, "build", counting)
+    _cuda._load.cache_clear()
+    try:
+        _cuda._load()  # first use: built (an empty stand-in library: it does not load)
+        assert built == [jit] and os.path.isfile(os.path.join(jit, mod.STAMP))
+        _cuda._load.cache_clear()
+        _cuda._load()  # the same toolchain: reused
+        assert built == [jit]
+        with open(os.path.join(jit, mod.STAMP), "w") as f:
+            f.write("nvcc=/old/toolkit/bin/nvcc:1:1;cutlass=None")
+        _cuda._load.cache_clear()
+        _cuda._load()  # another toolchain: rebuilt
+        assert built == [jit, jit]
+    finally:
+        _cuda._load.cache_clear()
