@@ -121,8 +121,8 @@ def test_created_by_lmcache_launcher_from_config(tmp_path):
         plugin = backends["kvkernels"]
         assert isinstance(plugin, KVKernelsBackend)
         assert plugin.get_allocator_backend() is backends["LocalCPUBackend"]
-        # one store per worker process: <path>/worker<id>of<world>
-        assert plugin.store.paths == [str(tmp_path / "kv" / "worker0of1")]
+        # one store per worker process: <path>/worker<id>of<world>.v2 (".v2": the JSON keys)
+        assert plugin.store.paths == [str(tmp_path / "kv" / "worker0of1.v2")]
     finally:
         for b in reversed(list(backends.values())):
             b.close()
@@ -756,15 +756,22 @@ def test_entry_that_does_not_decode_is_removed_not_a_miss_forever(tmp_path):
 def test_bench_tiny(tmp_path):
     from kvkernels.bench import bench_lmcache
 
-    rows = bench_lmcache.main(["--tiny", "--dir", str(tmp_path / "bench"), "--out", str(tmp_path / "out")])
+    import json
+
+    def rows_of(stem):
+        with open(tmp_path / "out" / f"{stem}.json") as f:
+            return json.load(f)["rows"]
+
+    assert bench_lmcache.main(["--tiny", "--dir", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    rows = rows_of("bench_lmcache")
     assert [r["backend"] for r in rows] == list(bench_lmcache.BACKENDS)
     assert all(r["store_gbps"] > 0 and r["retrieve_gbps"] > 0 for r in rows)
     assert os.path.exists(tmp_path / "out" / "bench_lmcache.csv")
-    rows = bench_lmcache.main(["--tiny", "--restore", "--dir", str(tmp_path / "b2"), "--out", str(tmp_path / "out")])
-    assert all(r["retrieve_gbps"] > 0 for r in rows) and os.path.exists(tmp_path / "out" / "bench_lmcache_restore.json")
-    rows = bench_lmcache.main(["--tiny", "--layerwise", "--dir", str(tmp_path / "b3"), "--out", str(tmp_path / "out")])
+    assert bench_lmcache.main(["--tiny", "--restore", "--dir", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    assert all(r["retrieve_gbps"] > 0 for r in rows_of("bench_lmcache_restore"))
+    assert bench_lmcache.main(["--tiny", "--layerwise", "--dir", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    rows = rows_of("bench_lmcache_layerwise")
     assert all(r["store_gbps"] > 0 and r["retrieve_gbps"] > 0 for r in rows) and len(rows) == 4
-    assert os.path.exists(tmp_path / "out" / "bench_lmcache_layerwise.json")
 
 
 def test_foreign_entry_under_a_key_is_a_miss(mgr):
@@ -958,8 +965,20 @@ def test_keys_lmcache_keeps_apart_never_share_an_entry():
     assert c == e and key_string(c) == key_string(e)
 
 
-def test_pending_puts_hold_at_most_max_inflight_bytes_of_lmcache_memory(tmp_path):
-    m = Manager(tmp_path / "kv", fsync=False, max_inflight_bytes=4096, put_threads=2)  # one chunk: 4096 B
+def test_a_batch_larger_than_max_inflight_bytes_is_stored_whole_by_default(tmp_path):
+    # the store's back pressure bounds the bytes in flight to the disk; it must not drop the tail
+    # of a batch (the first version of the bound kept 2 of 6 chunks on an idle disk)
+    m = Manager(tmp_path / "kv", fsync=False, max_inflight_bytes=8192)  # two chunks of 4096 B
+    try:
+        objs = [m.chunk(i)[0] for i in range(6)]
+        m.put([_key(i) for i in range(6)], objs)
+        assert all(m.plugin.contains(_key(i)) for i in range(6)) and m.plugin.counters["put_dropped_busy"] == 0
+    finally:
+        m.close()
+
+
+def test_pending_puts_hold_at_most_max_pending_bytes_of_lmcache_memory(tmp_path):
+    m = Manager(tmp_path / "kv", fsync=False, max_pending_bytes=4096, put_threads=2)  # one chunk: 4096 B
     try:
         eng = m.plugin.store.engine
         orig = eng.write_file

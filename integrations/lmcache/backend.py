@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections import Counter, defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, List, Optional, Sequence
@@ -58,6 +59,8 @@ _ORDER_OF = {(MemoryFormat.KV_2LTD, 4): "LTD", (MemoryFormat.KV_MLA_FMT, 4): "LT
 # the lookup id LMCache's synchronous layer-wise retrieve passes to batched_get_non_blocking
 # (lmcache 0.5.6 storage_manager.py, layerwise_batched_get): every key it names must come back
 _SYNC_LOOKUP_ID = "fake_lookup_id"
+# how long that path waits for room in LMCache's CPU pool before it fails the retrieve
+_SYNC_ALLOC_WAIT_S = 2.0
 # reads kept in flight per batched get: store queue depth x 4 (bounded staging memory for the
 # reads that need a staging buffer; in-place reads use LMCache's own buffers)
 _READ_WINDOW_PER_THREAD = 4
@@ -137,7 +140,7 @@ class KVKernelsBackend(StoragePluginInterface):
         self._metas: dict = {}
         self._lock = threading.Lock()
         self._put_tasks: dict[str, int] = {}
-        self._held = 0  # bytes of LMCache chunks referenced by pending puts (bounded by max_inflight_bytes)
+        self._held = 0  # bytes of LMCache chunks referenced by pending puts (bounded by max_pending_bytes when set)
         self._pins: dict[str, int] = defaultdict(int)
         self._lookup_pins: dict[str, Counter] = {}  # lookup id -> pins its batched_async_contains took
         self._store_pins = hasattr(self.store, "pin") and hasattr(self.store, "unpin")
@@ -367,9 +370,10 @@ class KVKernelsBackend(StoragePluginInterface):
                 if ks in self._put_tasks:
                     self.counters["put_skipped"] += 1
                     continue
-                if self._held and self._held + nbytes > self.store.max_inflight_bytes:
-                    # LMCache memory referenced by pending puts is bounded: a chunk beyond it is
-                    # not stored (a cache may drop a write; a later lookup misses), not queued
+                bound = self.settings.max_pending_bytes
+                if bound is not None and self._held and self._held + nbytes > bound:
+                    # LMCache memory referenced by pending puts is bounded when asked: a chunk
+                    # beyond it is not stored (a cache may drop a write; a later lookup misses)
                     self.counters["put_dropped_busy"] += 1
                     busy = True
                 else:
@@ -378,8 +382,8 @@ class KVKernelsBackend(StoragePluginInterface):
                     busy = False
             if busy:
                 self._warn_once("busy", "kvkernels LMCache plugin: pending puts hold %d bytes of LMCache memory "
-                                "(kvkernels.max_inflight_bytes = %d): further chunks are not stored until they drain "
-                                "(counted in put_dropped_busy)", self._held, self.store.max_inflight_bytes)
+                                "(kvkernels.max_pending_bytes = %d): further chunks are not stored until they drain "
+                                "(counted in put_dropped_busy)", self._held, bound)
                 continue
             obj.ref_count_up()
             fut: Future = Future()
@@ -436,15 +440,28 @@ class KVKernelsBackend(StoragePluginInterface):
         fut.set_result(sfut.result())
 
     # ------------------------------------------------------------------ gets
-    def _allocate(self, shape: ChunkShape, mfmt: MemoryFormat, busy_loop: bool = True) -> Optional[MemoryObj]:
+    def _allocate(self, shape: ChunkShape, mfmt: MemoryFormat, busy_loop: bool = True,
+                  count: bool = True) -> Optional[MemoryObj]:
         if self.local_cpu_backend is None:
             self._warn_once("no-alloc", "kvkernels LMCache plugin: no LocalCPUBackend to allocate from "
                             "(max_local_cpu_size must be > 0); gets return None")
             return None
         obj = self.local_cpu_backend.allocate(shape.torch_shape, shape.dtype, mfmt, busy_loop=busy_loop)
-        if obj is None:
+        if obj is None and count:
             self._count("alloc_failures")
         return obj
+
+    def _allocate_patiently(self, shape: ChunkShape, mfmt: MemoryFormat) -> Optional[MemoryObj]:
+        """Allocate on a plugin thread, retrying for up to :data:`_SYNC_ALLOC_WAIT_S` while
+        LMCache's pool is full (bounded: the caller's earlier layers may hold what would free it)."""
+        end = time.monotonic() + _SYNC_ALLOC_WAIT_S
+        while True:
+            obj = self._allocate(shape, mfmt, busy_loop=False, count=False)
+            if obj is not None or time.monotonic() >= end or self._closed:
+                if obj is None:
+                    self._count("alloc_failures")
+                return obj
+            time.sleep(0.005)
 
     def _finish_read(self, ks: str, pending, out: torch.Tensor) -> bool:
         """Wait for a read and decode it into ``out``; False (and no bytes trusted) on any failure."""
@@ -526,6 +543,9 @@ class KVKernelsBackend(StoragePluginInterface):
             kss = [key_string(k) for k in keys]
             objs: list = []
             orders: list = []
+            sync = lookup_id == _SYNC_LOOKUP_ID
+            loop = asyncio.get_running_loop()
+            no_room = False
             for key, ks in zip(keys, kss):
                 header = self.store.header(ks)
                 if header is None:
@@ -534,14 +554,18 @@ class KVKernelsBackend(StoragePluginInterface):
                     shape, mfmt = self._read_shape(key, header)
                 except ValueError:
                     break
-                obj = self._allocate(shape, mfmt, busy_loop=False)  # never spin on the event loop
+                obj = self._allocate(shape, mfmt, busy_loop=False, count=not sync)  # never spin on the event loop
+                if obj is None and sync:
+                    # the synchronous layer-wise retrieve must get every chunk: wait a little for
+                    # room, on a plugin thread (the event loop keeps running)
+                    obj = await loop.run_in_executor(self._read_pool, self._allocate_patiently, shape, mfmt)
                 if obj is None:
+                    no_room = True
                     log.error("kvkernels LMCache plugin: CPU staging pool exhausted during prefetch of %s; "
                               "returning %d of %d chunks", lookup_id, len(objs), len(keys))
                     break
                 objs.append(obj)
                 orders.append(shape.order)
-            loop = asyncio.get_running_loop()
             ok = await loop.run_in_executor(self._read_pool, self._read_many, kss[: len(objs)], objs, orders)
             result: list[MemoryObj] = []
             broken = False
@@ -551,16 +575,18 @@ class KVKernelsBackend(StoragePluginInterface):
                     obj.ref_count_down()
                 else:
                     result.append(obj)
-            if lookup_id == _SYNC_LOOKUP_ID and len(result) < len(keys):
+            if sync and len(result) < len(keys):
                 # LMCache's synchronous layer-wise retrieve has already marked every chunk of the
                 # layer as retrieved and pairs objects with token ranges by position: a short
                 # list would leave the missing chunks' tokens unwritten yet reported loaded
                 for obj in result:
                     obj.ref_count_down()
                 self._count("get_errors")
+                why = (f"LMCache's CPU pool had no room for it within {_SYNC_ALLOC_WAIT_S:g} s"
+                       if no_room and len(result) == len(objs) else "its entry is missing or corrupt")
                 raise RuntimeError(f"kvkernels LMCache plugin: {len(result)} of {len(keys)} chunks of a layer-wise "
-                                   f"retrieve could be read (first failing: {kss[len(result)]}); the entry is missing "
-                                   "or corrupt, so the retrieve fails instead of restoring part of the layer")
+                                   f"retrieve could be read (first failing: {kss[len(result)]}: {why}), so the "
+                                   "retrieve fails instead of restoring part of the layer")
             return result
         finally:
             with self._lock:

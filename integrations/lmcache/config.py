@@ -26,6 +26,8 @@ KEYS = {
     "engine": ("str", "auto", "auto | posix | kvikio"),
     "io_threads": ("int", None, "store worker threads = queue depth (default KVKERNELS_IO_THREADS or 4)"),
     "max_inflight_bytes": ("int", None, "bound on bytes of puts not yet written (default 1 GiB)"),
+    "max_pending_bytes": ("int", None, "bound on LMCache memory held by puts not yet on disk; chunks beyond it are "
+                                       "not stored (default unbounded, as LocalDiskBackend)"),
     "read_priority": ("bool", True, "pending reads go before pending writes"),
     "verify": ("bool", True, "verify region checksums on read (a mismatch is a miss)"),
     "fsync": ("bool", True, "fsync entry files and directories (crash safety)"),
@@ -37,7 +39,7 @@ KEYS = {
                                   "metadata in-process; in MP mode one scale per token row)"),
     "put_threads": ("int", 2, "threads submitting chunks to the store (and converting them when a copy is needed)"),
     "inplace_io": ("bool", True, "raw CPU chunks: vectored I/O straight from/into LMCache's memory (no copy)"),
-    "per_worker_subdir": ("bool", True, "store under <path>/worker<id>of<world> (one store per process)"),
+    "per_worker_subdir": ("bool", True, "store under <path>/worker<id>of<world>.v2 (one store per process)"),
 }
 
 _ENGINES = ("auto", "posix", "kvikio")
@@ -87,6 +89,7 @@ class PluginSettings:
     engine: str = "auto"
     io_threads: int | None = None
     max_inflight_bytes: int | None = None
+    max_pending_bytes: int | None = None
     read_priority: bool = True
     verify: bool = True
     fsync: bool = True
@@ -104,7 +107,9 @@ class PluginSettings:
         """Directories for this worker's store (one store per process: stores never share a folder)."""
         if not self.per_worker_subdir or worker_id is None:
             return list(self.paths)
-        sub = f"worker{int(worker_id)}of{int(world_size or 1)}"
+        # ".v2": store keys are unambiguous JSON since 2026-11-23; the folder of the earlier
+        # releases' keys (worker<id>of<world>) is no longer read and can be deleted whole
+        sub = f"worker{int(worker_id)}of{int(world_size or 1)}.v2"
         return [os.path.join(p, sub) for p in self.paths]
 
 
@@ -147,7 +152,7 @@ def parse_extra_config(extra: dict | None) -> PluginSettings:
         if not isinstance(e, str) or e.lower() not in _ENGINES:
             raise _err("engine", f"one of {_ENGINES}", e)
         kw["engine"] = e.lower()
-    for k in ("io_threads", "max_inflight_bytes", "put_threads", "num_kv_heads"):
+    for k in ("io_threads", "max_inflight_bytes", "max_pending_bytes", "put_threads", "num_kv_heads"):
         if get(k) is not None:
             kw[k] = _as_int(k, get(k))
     for k in ("read_priority", "verify", "fsync", "byteshuffle", "per_worker_subdir", "inplace_io"):

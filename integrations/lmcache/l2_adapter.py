@@ -96,7 +96,7 @@ def object_key_string(key: "ObjectKey") -> str:
     ``lmcache-mp:<model>@<kv_rank hex>@<object_group_id hex>@<chunk_hash hex>[@<cache_salt>]``:
     every field of ``ObjectKey`` equality (``@`` cannot occur in the model name or salt; LMCache
     rejects it), so two keys share an entry exactly when LMCache considers them equal. The prefix
-    keeps MP entries apart from the in-process plugin's ``lmcache:`` keys in a shared folder. The
+    keeps MP entries apart from the in-process plugin's ``lmcache/2:`` keys in a shared folder. The
     store hashes the string into the file name: a key never names a path.
 
     >>> from lmcache.v1.distributed.api import ObjectKey
