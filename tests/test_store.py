@@ -799,11 +799,9 @@ def test_a_disturbed_destination_is_not_taken_for_a_corrupt_file(tmp_path):
         assert not store.contains("k")
 
 
-def test_a_remove_while_a_put_publishes_under_another_root_deletes_the_old_copy(tmp_path, monkeypatch):
-    """The paths changed: a key's old copy lives under root A, a new put of it goes to root B.
-    A remove landing between that put's rename and its directory fsync must delete A's copy
-    (only a copy at B's path is the new version's), or the removed key comes back on reopen."""
-    from kvkernels.io import store as store_mod
+def _moved_key(tmp_path):
+    """Roots A and B, a key that maps to B once both are listed, stored under A alone (v1): the
+    paths changed between runs. Returns (a, b, key, v1, v2, meta)."""
     from kvkernels.io.format import key_digest
 
     _, v1, meta = staged(seed=1)
@@ -813,6 +811,16 @@ def test_a_remove_while_a_put_publishes_under_another_root_deletes_the_old_copy(
         key = next(f"k{i}" for i in range(200) if probe._path_for(key_digest(f"k{i}")).startswith(b))
     with KVStore([a]) as one:
         one.put(key, v1, meta).result()
+    return a, b, key, v1, v2, meta
+
+
+def test_a_remove_while_a_put_publishes_under_another_root_deletes_the_old_copy(tmp_path, monkeypatch):
+    """The paths changed: a key's old copy lives under root A, a new put of it goes to root B.
+    A remove landing between that put's rename and its directory fsync must delete A's copy
+    (only a copy at B's path is the new version's), or the removed key comes back on reopen."""
+    from kvkernels.io import store as store_mod
+
+    a, b, key, v1, v2, meta = _moved_key(tmp_path)
     entered, go = threading.Event(), threading.Event()
     real = store_mod._fsync_dir
 
@@ -841,15 +849,8 @@ def test_a_refused_unlink_of_an_old_copy_leaves_the_store_working(tmp_path, monk
     put still commits, every reservation is given back, later puts proceed, and the refusal is
     counted."""
     from kvkernels.io import store as store_mod
-    from kvkernels.io.format import key_digest
 
-    _, v1, meta = staged(seed=1)
-    _, v2, _ = staged(seed=2)
-    a, b = str(tmp_path / "A"), str(tmp_path / "B")
-    with KVStore([a, b]) as probe:
-        key = next(f"k{i}" for i in range(200) if probe._path_for(key_digest(f"k{i}")).startswith(b))
-    with KVStore([a]) as one:
-        one.put(key, v1, meta).result()
+    a, b, key, v1, v2, meta = _moved_key(tmp_path)
     real_unlink = os.unlink
 
     def unlink(p, *args, **kw):
