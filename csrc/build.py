@@ -56,8 +56,8 @@ def source_key() -> str:
 
 def toolchain_key() -> str:
     """What else a build depends on: the nvcc found (path, size, modification time) and the
-    CUTLASS include folder found. Written beside a build (``STAMP``): a process that has nvcc
-    rebuilds when it differs (another toolkit, CUTLASS installed since)."""
+    CUTLASS include folder found (kvkernels/_cuda.py names a just-in-time build after its hash,
+    :func:`jit_lib_name`)."""
     exe = nvcc()
     parts = ["nvcc=none"]
     if exe is not None:
@@ -70,7 +70,13 @@ def toolchain_key() -> str:
     return ";".join(parts)
 
 
-STAMP = "build.stamp"
+def jit_lib_name() -> str:
+    """File name of a just-in-time build in the sources' cache folder: one file per toolchain
+    (``libkvkernels_cuda.<hash>.so``), so processes with different toolkits or CUTLASS installs
+    sharing a cache never overwrite each other's build; a process without nvcc loads the newest."""
+    import hashlib
+
+    return f"libkvkernels_cuda.{hashlib.sha1(toolchain_key().encode()).hexdigest()[:12]}.so"
 
 
 def cutlass_include() -> str | None:
@@ -105,9 +111,9 @@ def command(out: str, archs=ARCHS, extra=()) -> list[str]:
             "-Werror", "all-warnings", "-cudart", "shared", *gen, *extra, *SOURCES, "-o", out]
 
 
-def build(out_dir: str, archs=ARCHS, verbose: bool = False, extra=()) -> str:
+def build(out_dir: str, archs=ARCHS, verbose: bool = False, extra=(), lib_name: str = LIB) -> str:
     os.makedirs(out_dir, exist_ok=True)
-    out = os.path.join(out_dir, LIB)
+    out = os.path.join(out_dir, lib_name)
     tmp = out + f".tmp.{os.getpid()}"
     cmd = command(tmp, archs, extra)
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -115,9 +121,7 @@ def build(out_dir: str, archs=ARCHS, verbose: bool = False, extra=()) -> str:
         sys.stderr.write(" ".join(cmd) + "\n" + r.stdout + r.stderr)
     if r.returncode:
         raise RuntimeError(f"nvcc failed ({r.returncode}):\n{r.stderr[-4000:]}")
-    os.replace(tmp, out)
-    with open(os.path.join(out_dir, STAMP), "w") as f:
-        f.write(toolchain_key())
+    os.replace(tmp, out)  # atomic: a concurrent loader sees the old file or the new one
     return out
 
 

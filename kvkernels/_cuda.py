@@ -3,8 +3,8 @@
 The library is found, in order: ``KVKERNELS_CUDA_LIB`` (a path: then only it), the copy shipped in the package
 (``KVKERNELS_BUILD_CUDA=1 pip install .``), the cache directory (``KVKERNELS_CACHE_DIR``). When
 none exists and CUDA plus nvcc are present, it is built just in time into the cache directory
-(a message says so; ~3 s), in a folder keyed by a hash of the sources (the toolchain it was
-built with is stamped beside it: a process with nvcc rebuilds when that differs). ``KVKERNELS_CUDA_LIB``, when set, is the only library tried. Everything is lazy and
+(a message says so; ~3 s), in a folder keyed by a hash of the sources, one file per toolchain
+(nvcc, CUTLASS) in it. ``KVKERNELS_CUDA_LIB``, when set, is the only library tried. Everything is lazy and
 cached; :func:`available` never raises.
 """
 
@@ -51,21 +51,25 @@ def _build_module():
 
 def _jit_dir() -> str | None:
     """Just-in-time builds go to a folder named after the C-ABI version and a hash of the sources
-    (csrc/build.py ``source_key``): a build of older sources is never picked up. The toolchain it
-    was built with is stamped beside it; a process with nvcc rebuilds when that differs (another
-    toolkit, CUTLASS installed since). None without the sources."""
+    (csrc/build.py ``source_key``): a build of older sources is never picked up. In it, one file
+    per toolchain (``jit_lib_name``): a process with nvcc loads or builds its own, one without
+    loads the newest. None without the sources."""
     mod = _build_module()
     if mod is None:
         return None
     return os.path.join(config.cache_dir(), f"cuda-abi{ABI_VERSION}-{mod.source_key()}")
 
 
-def _candidates() -> list[str]:
-    out = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib", LIB)]
-    jit = _jit_dir()
-    if jit is not None:
-        out.append(os.path.join(jit, LIB))
-    return out
+def _jit_library(mod, jit: str) -> str | None:
+    """The just-in-time build to load from ``jit``: with nvcc, this toolchain's own file (None:
+    build it); without, the newest build there (any toolchain: this process cannot build)."""
+    if mod.nvcc() is not None:
+        own = os.path.join(jit, mod.jit_lib_name())
+        return own if os.path.isfile(own) else None
+    import glob
+
+    builds = glob.glob(os.path.join(jit, "libkvkernels_cuda.*.so"))
+    return max(builds, key=os.path.getmtime) if builds else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,27 +82,20 @@ def _load() -> tuple[object | None, str]:
             return None, f"`KVKERNELS_CUDA_LIB`: {env!r} is not a file"
         path = env
     else:
-        path = next((p for p in _candidates() if os.path.isfile(p)), None)
+        shipped = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib", LIB)
+        path = shipped if os.path.isfile(shipped) else None
         jit = _jit_dir()
-        if path is not None and jit is not None and os.path.dirname(path) == jit:
-            mod = _build_module()
-            try:
-                with open(os.path.join(jit, mod.STAMP)) as f:
-                    stamp = f.read()
-            except OSError:
-                stamp = None
-            if mod.nvcc() is not None and stamp != mod.toolchain_key():
-                log.warning("kvkernels: the cached CUDA backend in %s was built with another toolchain; rebuilding", jit)
-                path = None
+        if path is None and jit is not None:
+            path = _jit_library(_build_module(), jit)
     if path is None:
         mod = _build_module()
         if mod is None:
             return None, "the library is not built and csrc/ is not available to build it"
         if mod.nvcc() is None:
             return None, "the library is not built and nvcc is not available"
-        log.warning("kvkernels: building the CUDA backend into %s (first use)", _jit_dir())
+        log.warning("kvkernels: building the CUDA backend into %s (first use with this toolchain)", _jit_dir())
         try:
-            path = mod.build(_jit_dir())
+            path = mod.build(_jit_dir(), lib_name=mod.jit_lib_name())
         except Exception as exc:
             return None, f"build failed: {exc}"
     try:

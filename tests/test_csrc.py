@@ -41,8 +41,6 @@ needs_nvcc = pytest.mark.skipif(build.nvcc() is None, reason="nvcc not installed
 @needs_nvcc
 def test_compiles_for_all_targets_with_warnings_as_errors(tmp_path):
     lib = build.build(str(tmp_path))
-    with open(os.path.join(str(tmp_path), build.STAMP)) as f:  # the toolchain it was built with
-        assert f.read() == build.toolchain_key()
     nm = subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True, check=True).stdout
     syms = set(re.findall(r"\bkvk_\w+", nm))
     assert {"kvk_abi_version", "kvk_last_error", "kvk_paged_copy", "kvk_quant_gather", "kvk_dequant_scatter",
@@ -992,13 +990,15 @@ def test_jit_cache_folder_follows_the_sources(tmp_path, monkeypatch):
     monkeypatch.setattr(build.shutil, "which", lambda name: None)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "runtime-only"))
     assert build.nvcc() is None  # a CUDA_HOME without bin/nvcc is no nvcc
-    # a process without nvcc looks in the same folder as the one that built (the toolchain is
-    # a stamp beside the build, not part of the folder name)
+    # a process without nvcc looks in the same folder as the one that built (the toolchain names
+    # the file in it, not the folder)
     assert build.source_key() == k0 and build.toolchain_key() != tool
 
 
 @needs_nvcc
-def test_jit_build_is_rebuilt_when_its_toolchain_stamp_differs(tmp_path, monkeypatch):
+def test_jit_builds_one_file_per_toolchain_and_loads_without_nvcc(tmp_path, monkeypatch):
+    """Processes with different toolchains sharing a cache each build their own file once (they
+    rebuilt each other's when one stamp decided); a process without nvcc loads the newest."""
     from kvkernels import _cuda, config
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -1007,28 +1007,40 @@ def test_jit_build_is_rebuilt_when_its_toolchain_stamp_differs(tmp_path, monkeyp
     jit = _cuda._jit_dir()
     built = []
 
-    def counting(out_dir, *a, **k):  # what build() leaves: the library and the toolchain stamp
-        built.append(out_dir)
+    def stand_in(out_dir, *a, lib_name=build.LIB, **k):  # what build() leaves: one library file
+        built.append(lib_name)
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, build.LIB), "wb"):
+        with open(os.path.join(out_dir, lib_name), "wb"):
             pass
-        with open(os.path.join(out_dir, build.STAMP), "w") as f:
-            f.write(build.toolchain_key())
-        return os.path.join(out_dir, build.LIB)
+        return os.path.join(out_dir, lib_name)
 
     mod = _cuda._build_module()
-    monkeypatch.setattr(mod, "build", counting)
-    _cuda._load.cache_clear()
+    monkeypatch.setattr(mod, "build", stand_in)
+
+    def load():
+        _cuda._load.cache_clear()
+        return _cuda._load()[1]
+
     try:
-        _cuda._load()  # first use: built (an empty stand-in library: it does not load)
-        assert built == [jit] and os.path.isfile(os.path.join(jit, mod.STAMP))
-        _cuda._load.cache_clear()
-        _cuda._load()  # the same toolchain: reused
-        assert built == [jit]
-        with open(os.path.join(jit, mod.STAMP), "w") as f:
-            f.write("nvcc=/old/toolkit/bin/nvcc:1:1;cutlass=None")
-        _cuda._load.cache_clear()
-        _cuda._load()  # another toolchain: rebuilt
-        assert built == [jit, jit]
+        a = mod.jit_lib_name()
+        load()  # first use: built (an empty stand-in library: it does not load)
+        assert built == [a] and os.path.isfile(os.path.join(jit, a))
+        load()  # the same toolchain: reused
+        assert built == [a]
+        monkeypatch.setenv("KVKERNELS_CUTLASS_INCLUDE", str(tmp_path / "other"))  # another toolchain
+        os.makedirs(tmp_path / "other" / "cute" / "arch")
+        (tmp_path / "other" / "cute" / "arch" / "copy_sm90_tma.hpp").write_text("")
+        b = mod.jit_lib_name()
+        assert b != a
+        load()
+        load()
+        assert built == [a, b]  # built once, and a's build left alone
+        monkeypatch.delenv("KVKERNELS_CUTLASS_INCLUDE")
+        load()
+        assert built == [a, b] and os.path.isfile(os.path.join(jit, a))
+        monkeypatch.setattr(mod, "nvcc", lambda: None)  # no nvcc: the newest build there
+        os.utime(os.path.join(jit, a), (1, 1))
+        assert os.path.basename(load().split(":")[0]) == b and built == [a, b]
     finally:
         _cuda._load.cache_clear()
+
