@@ -1011,3 +1011,48 @@ def test_refused_in_lmcache_scheduler_role(tmp_path):
     meta.role = "scheduler"
     with pytest.raises(PluginConfigError, match="scheduler"):
         KVKernelsBackend(config=_config(tmp_path / "kv"), metadata=meta)
+
+
+def test_sync_layerwise_get_waits_for_room_and_frees_everything_when_the_plugin_closes(tmp_path):
+    """LMCache's pool has room for one of two chunks: the synchronous layer-wise get waits for room
+    on a plugin thread (the event loop keeps running) and fails saying why; closed meanwhile
+    (LMCache's DELETE /backends/<name>), it gives back the chunk it had allocated."""
+    import time
+    from lmcache.utils import LayerCacheEngineKey
+
+    shape = torch.Size((T, 2, H * D))
+    for close in (False, True):
+        m = Manager(tmp_path / f"kv{int(close)}", lmcache_options={"use_layerwise": True}, fsync=False)
+        held = []
+        try:
+            keys = [LayerCacheEngineKey(MODEL, 1, 0, h, torch.bfloat16, layer_id=0) for h in (1, 2)]
+            m.put(keys, [m.sm.allocate(shape, torch.bfloat16, MemoryFormat.KV_T2D) for _ in keys])
+            while (o := m.cpu.allocate(shape, torch.bfloat16, MemoryFormat.KV_T2D, eviction=False,
+                                       busy_loop=False)) is not None:
+                held.append(o)
+            capacity = len(held)
+            held.pop().ref_count_down()  # room for exactly one chunk
+            if close:
+                threading.Timer(0.3, lambda: m.sm.close_backend("kvkernels")).start()
+            t0 = time.time()
+            fut = asyncio.run_coroutine_threadsafe(m.plugin.batched_get_non_blocking("fake_lookup_id", keys), m.sm.loop)
+            s = time.time()
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), m.sm.loop).result(5)
+            assert time.time() - s < 0.5  # the loop is not blocked by the wait
+            with pytest.raises(RuntimeError, match="closed" if close else "no room for it within 2 s"):
+                fut.result(10)
+            assert time.time() - t0 < (1.5 if close else 5)
+            for o in held:
+                o.ref_count_down()
+            held = []
+            again = []
+            while (o := m.cpu.allocate(shape, torch.bfloat16, MemoryFormat.KV_T2D, eviction=False,
+                                       busy_loop=False)) is not None:
+                again.append(o)
+            assert len(again) == capacity  # nothing leaked
+            for o in again:
+                o.ref_count_down()
+        finally:
+            for o in held:
+                o.ref_count_down()
+            m.close()

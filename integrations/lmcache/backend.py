@@ -555,10 +555,18 @@ class KVKernelsBackend(StoragePluginInterface):
                 except ValueError:
                     break
                 obj = self._allocate(shape, mfmt, busy_loop=False, count=not sync)  # never spin on the event loop
-                if obj is None and sync:
+                if obj is None and sync and not self._closed:
                     # the synchronous layer-wise retrieve must get every chunk: wait a little for
                     # room, on a plugin thread (the event loop keeps running)
-                    obj = await loop.run_in_executor(self._read_pool, self._allocate_patiently, shape, mfmt)
+                    try:
+                        obj = await loop.run_in_executor(self._read_pool, self._allocate_patiently, shape, mfmt)
+                    except BaseException:  # the plugin closed meanwhile: give back what was allocated
+                        for o in objs:
+                            o.ref_count_down()
+                        raise
+                    if obj is not None and self._closed:
+                        obj.ref_count_down()
+                        obj = None
                 if obj is None:
                     no_room = True
                     log.error("kvkernels LMCache plugin: CPU staging pool exhausted during prefetch of %s; "
@@ -566,7 +574,14 @@ class KVKernelsBackend(StoragePluginInterface):
                     break
                 objs.append(obj)
                 orders.append(shape.order)
-            ok = await loop.run_in_executor(self._read_pool, self._read_many, kss[: len(objs)], objs, orders)
+            try:
+                if self._closed:
+                    raise RuntimeError("KVKernelsBackend is closed")
+                ok = await loop.run_in_executor(self._read_pool, self._read_many, kss[: len(objs)], objs, orders)
+            except BaseException:  # e.g. the plugin closed while this get waited: nothing leaks
+                for o in objs:
+                    o.ref_count_down()
+                raise
             result: list[MemoryObj] = []
             broken = False
             for obj, good in zip(objs, ok):
