@@ -806,6 +806,8 @@ class LayerPipeline:
             host = self._host_ids(block_ids, name, unique=unique)
             with self._stream(self.pack_stream):
                 ids = ops._to_cache_device(host, self.layout)
+            if ids is block_ids:  # a CPU cache keeps the caller's own tensor: later layers read it
+                ids = ids.clone()  # after this call returns, so they get a copy of what was checked
         check(ids.numel() > 0, name, "at least one block id", "an empty list")
         if self.cuda:
             ids.record_stream(self.pack_stream)
@@ -820,10 +822,7 @@ class LayerPipeline:
         except ValueError as exc:
             raise ValueError(f"`{name}`: {exc}") from None
         check(host.numel() > 0, name, "at least one block id", "an empty list")
-        out = host.to(torch.int64)
-        if out is block_ids:  # the caller's own int64 CPU tensor: kept past this call (a restore reads
-            out = out.clone()  # it at later layers on a CPU cache), so a copy of what was checked
-        return out
+        return host.to(torch.int64)
 
     @staticmethod
     def _host_ids_key(block_ids):
