@@ -84,4 +84,8 @@ def resolve(backend: str, device: torch.device) -> str:
         from . import _cuda
 
         raise RuntimeError(f"`backend`: 'cuda' is not available: {_cuda.reason()}")
+    if b == "cuda" and device.type != "cuda":
+        # the C kernels take raw device pointers: a CPU tensor's address would be dereferenced on the GPU
+        raise RuntimeError(f"`backend`: 'cuda' runs on CUDA tensors only, got tensors on {device}"
+                           + (" (from KVKERNELS_BACKEND)" if backend.lower() == "auto" else ""))
     return b

@@ -21,16 +21,21 @@ def env_str(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
-def env_int(name: str, default: int, *, lo: int | None = None) -> int:
+def env_int(name: str, default: int, *, lo: int | None = None, hi: int | None = None) -> int:
     raw = os.environ.get(name)
-    if raw is None or raw == "":
+    if raw is None or raw.strip() == "":
         return default
     try:
-        val = int(raw, 0)
+        val = int(raw, 10)  # "08" is eight
     except ValueError:
-        raise ValueError(f"`{name}`: expected an integer, got {raw!r}") from None
+        try:
+            val = int(raw, 0)  # 0x10, 0o17, 0b1
+        except ValueError:
+            raise ValueError(f"`{name}`: expected an integer, got {raw!r}") from None
     if lo is not None and val < lo:
         raise ValueError(f"`{name}`: expected an integer >= {lo}, got {val}")
+    if hi is not None and val > hi:
+        raise ValueError(f"`{name}`: expected an integer <= {hi}, got {val}")
     return val
 
 
@@ -48,7 +53,7 @@ def env_bool(name: str, default: bool) -> bool:
 
 def backend() -> str:
     """``KVKERNELS_BACKEND``: default backend when a call passes ``backend="auto"`` (default auto)."""
-    val = env_str("KVKERNELS_BACKEND", "auto").lower()
+    val = env_str("KVKERNELS_BACKEND", "auto").strip().lower()
     if val not in ("auto", "triton", "cuda", "torch"):
         raise ValueError(f"`KVKERNELS_BACKEND`: expected auto|triton|cuda|torch, got {val!r}")
     return val
@@ -56,7 +61,7 @@ def backend() -> str:
 
 def max_ctas() -> int:
     """``KVKERNELS_MAX_CTAS``: default cap on the copy kernels' grid (0 = one program per chunk)."""
-    return env_int("KVKERNELS_MAX_CTAS", 0, lo=0)
+    return env_int("KVKERNELS_MAX_CTAS", 0, lo=0, hi=2**31 - 1)
 
 
 def validate_default() -> bool:

@@ -131,6 +131,60 @@ def _check_no_aliasing(out, name) -> None:
                 fail(name(lb, cb), f"memory of its own (it is {what} {name(la, ca)})", describe(out[lb][cb]))
 
 
+def _checked_views(views, _names=None) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """The checks of :meth:`PagedLayout.from_views`: ``views`` as a tuple of per-layer tuples."""
+    if isinstance(views, torch.Tensor) or not isinstance(views, (Sequence, Mapping)):
+        fail("views", "a list of per-layer [K, V] (or [latent]) tensor lists", type(views).__name__, TypeError)
+    items = list(views.values()) if isinstance(views, Mapping) else list(views)
+    # error messages name the caller's argument (a preset passes how its own inputs are named)
+    name = _names or (lambda li, ci: f"views[{li}][{ci}]")
+    check(len(items) > 0, name(0, 0).split("[")[0] if _names else "views", "at least one layer",
+          "an empty collection")
+    out: list[tuple[torch.Tensor, ...]] = []
+    ref = None
+    norm: list[list[torch.Tensor]] = []
+    for li, entry in enumerate(items):
+        if isinstance(entry, torch.Tensor):
+            fail(f"views[{li}]", "a sequence of 1 (MLA) or 2 (K, V) tensors", "a single Tensor", TypeError)
+        entry = list(entry)
+        check(len(entry) in (1, 2), f"views[{li}]", "1 (MLA) or 2 (K, V) tensors", len(entry))
+        norm.append(entry)
+    for li, entry in enumerate(norm):
+        row = []
+        for ci, v in enumerate(entry):
+            nm = name(li, ci)
+            check_tensor(v, nm)
+            check(v.dim() == 4, nm, "4 dims [num_blocks, block_size, num_heads, head_dim]", describe(v))
+            check(v.numel() > 0, nm, "a non-empty tensor", describe(v))
+            # kernels write the cache behind autograd's back (no version bump); torch's own
+            # in-place copies refuse a leaf that requires grad part way through a scatter
+            check(not v.requires_grad, nm, "a tensor that does not require grad (pass .detach())", describe(v))
+            check(v.stride(3) == 1 or v.shape[3] == 1, nm, "a contiguous head dim (stride 1)", describe(v))
+            # an expanded dim (stride 0) makes blocks / tokens / heads share memory: a scatter
+            # would write one place from several slots (the backends disagree on the result)
+            check(all(n == 1 or st != 0 for n, st in zip(v.shape, v.stride())), nm,
+                  "no dimension of size > 1 with stride 0 (expanded views alias their elements)", describe(v))
+            if ref is None:
+                ref = v
+                check(not v.is_complex() and v.dtype != torch.bool, nm, "a real dtype", v.dtype, TypeError)
+            else:
+                check(v.shape == ref.shape, nm, f"shape {tuple(ref.shape)} like {name(0, 0)}", describe(v))
+                check(v.dtype == ref.dtype, nm, f"dtype {ref.dtype} like {name(0, 0)}", v.dtype, TypeError)
+                check(same_device(v.device, ref.device), nm, f"device {ref.device} like {name(0, 0)}", v.device)
+                check(
+                    v.stride() == ref.stride(),
+                    nm,
+                    f"strides {tuple(ref.stride())} like {name(0, 0)} (layers must agree)",
+                    describe(v),
+                )
+            row.append(v)
+        if out:
+            check(len(row) == len(out[0]), f"views[{li}]", f"{len(out[0])} entries like views[0]", len(row))
+        out.append(tuple(row))
+    _check_no_aliasing(out, name)
+    return tuple(out)
+
+
 @dataclass(frozen=True, eq=False)
 class PagedLayout:
     """A paged KV cache described by strided views (no copy).
@@ -162,6 +216,19 @@ class PagedLayout:
     # the layout is immutable, and these are on every copy's path
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
+    def __post_init__(self):
+        # ``PagedLayout(views=...)`` called directly gets the same checks as every preset (the
+        # kernels trust views[0][0]'s shape and strides for all views)
+        object.__setattr__(self, "views", _checked_views(self.views))
+
+    @classmethod
+    def _trusted(cls, views: tuple, kind: str) -> "PagedLayout":
+        """A layout from views :func:`_checked_views` has already accepted (no second check)."""
+        self = object.__new__(cls)
+        for k, v in (("views", views), ("kind", kind), ("_memo", {})):
+            object.__setattr__(self, k, v)
+        return self
+
     # ------------------------------------------------------------------ generic constructors
     @classmethod
     def from_views(cls, views, *, kind: str = "custom", _names=None) -> "PagedLayout":
@@ -171,53 +238,7 @@ class PagedLayout:
         contiguous head dim (stride 1). The tensors are kept (not copied): the layout is valid as
         long as the cache memory is.
         """
-        if isinstance(views, torch.Tensor) or not isinstance(views, (Sequence, Mapping)):
-            fail("views", "a list of per-layer [K, V] (or [latent]) tensor lists", type(views).__name__, TypeError)
-        items = list(views.values()) if isinstance(views, Mapping) else list(views)
-        # error messages name the caller's argument (a preset passes how its own inputs are named)
-        name = _names or (lambda li, ci: f"views[{li}][{ci}]")
-        check(len(items) > 0, name(0, 0).split("[")[0] if _names else "views", "at least one layer",
-              "an empty collection")
-        out: list[tuple[torch.Tensor, ...]] = []
-        ref = None
-        norm: list[list[torch.Tensor]] = []
-        for li, entry in enumerate(items):
-            if isinstance(entry, torch.Tensor):
-                fail(f"views[{li}]", "a sequence of 1 (MLA) or 2 (K, V) tensors", "a single Tensor", TypeError)
-            entry = list(entry)
-            check(len(entry) in (1, 2), f"views[{li}]", "1 (MLA) or 2 (K, V) tensors", len(entry))
-            norm.append(entry)
-        for li, entry in enumerate(norm):
-            row = []
-            for ci, v in enumerate(entry):
-                nm = name(li, ci)
-                check_tensor(v, nm)
-                check(v.dim() == 4, nm, "4 dims [num_blocks, block_size, num_heads, head_dim]", describe(v))
-                check(v.numel() > 0, nm, "a non-empty tensor", describe(v))
-                check(v.stride(3) == 1 or v.shape[3] == 1, nm, "a contiguous head dim (stride 1)", describe(v))
-                # an expanded dim (stride 0) makes blocks / tokens / heads share memory: a scatter
-                # would write one place from several slots (the backends disagree on the result)
-                check(all(n == 1 or st != 0 for n, st in zip(v.shape, v.stride())), nm,
-                      "no dimension of size > 1 with stride 0 (expanded views alias their elements)", describe(v))
-                if ref is None:
-                    ref = v
-                    check(not v.is_complex() and v.dtype != torch.bool, nm, "a real dtype", v.dtype, TypeError)
-                else:
-                    check(v.shape == ref.shape, nm, f"shape {tuple(ref.shape)} like {name(0, 0)}", describe(v))
-                    check(v.dtype == ref.dtype, nm, f"dtype {ref.dtype} like {name(0, 0)}", v.dtype, TypeError)
-                    check(same_device(v.device, ref.device), nm, f"device {ref.device} like {name(0, 0)}", v.device)
-                    check(
-                        v.stride() == ref.stride(),
-                        nm,
-                        f"strides {tuple(ref.stride())} like {name(0, 0)} (layers must agree)",
-                        describe(v),
-                    )
-                row.append(v)
-            if out:
-                check(len(row) == len(out[0]), f"views[{li}]", f"{len(out[0])} entries like views[0]", len(row))
-            out.append(tuple(row))
-        _check_no_aliasing(out, name)
-        return cls(views=tuple(out), kind=kind)
+        return cls._trusted(_checked_views(views, _names), kind)
 
     @classmethod
     def from_tensor(cls, kv_cache: torch.Tensor, order: str, *, kind: str = "tensor") -> "PagedLayout":
@@ -277,24 +298,32 @@ class PagedLayout:
         check_int(num_heads, "num_heads", lo=1)
         check_int(head_dim, "head_dim", lo=1)
         check(
-            isinstance(strides, (tuple, list)) and len(strides) == 3 and all(isinstance(s, int) and s >= 0 for s in strides),
+            isinstance(strides, (tuple, list)) and len(strides) == 3
+            and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in strides),
             "strides",
             "3 non-negative ints (block, token, head)",
             strides,
         )
+        check_int(offset, "offset")
+        if kv_offset is not None:
+            check_int(kv_offset, "kv_offset")
+        if num_blocks is not None:
+            check_int(num_blocks, "num_blocks", lo=1)
         entries = [offset] if kv_offset is None else [offset, offset + kv_offset]
+        # extent of one block-shaped view, in elements, from its first element
+        inner = (block_size - 1) * strides[1] + (num_heads - 1) * strides[2] + head_dim
+        caps = []
+        for t in layers:
+            caps.append((t.untyped_storage().nbytes() // t.element_size(), t.storage_offset()))  # elements, base
+        nb = num_blocks
+        if nb is None:
+            # as many as fit in the smallest storage (every layer must have the same num_blocks)
+            check(strides[0] > 0, "strides", "a positive block stride when num_blocks is None", strides)
+            nb = min((cap - base - max(entries) - inner) // strides[0] + 1 for cap, base in caps)
+            check(nb >= 1, "tensors", "storages holding at least one block for these strides and offsets",
+                  f"room for {nb} blocks")
         views = []
-        for i, t in enumerate(layers):
-            esz = t.element_size()
-            cap = t.untyped_storage().nbytes() // esz  # elements in the storage
-            base = t.storage_offset()
-            # extent of one block-shaped view, in elements, from its first element
-            inner = (block_size - 1) * strides[1] + (num_heads - 1) * strides[2] + head_dim
-            nb = num_blocks
-            if nb is None:
-                check(strides[0] > 0, "strides", "a positive block stride when num_blocks is None", strides)
-                nb = (cap - base - max(entries) - inner) // strides[0] + 1
-            check_int(nb, "num_blocks", lo=1)
+        for i, (t, (cap, base)) in enumerate(zip(layers, caps)):
             row = []
             for off in entries:
                 last = base + off + (nb - 1) * strides[0] + inner

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ._validate import check, fail
+from ._validate import check, check_int, fail
 from .layout import PagedLayout
 
 __all__ = ["ModelShape", "MODELS", "get_model", "LAYOUTS", "make_cache", "random_fill_"]
@@ -26,10 +26,13 @@ class ModelShape:
 
     def scaled(self, *, num_layers: int | None = None, num_kv_heads: int | None = None) -> "ModelShape":
         """A smaller copy (CPU demo / tests keep head_dim, cut layers and heads)."""
+        for v, nm in ((num_layers, "num_layers"), (num_kv_heads, "num_kv_heads")):
+            if v is not None:
+                check_int(v, nm, lo=1)
         return replace(
             self,
-            num_layers=num_layers or self.num_layers,
-            num_kv_heads=(num_kv_heads or self.num_kv_heads) if not self.mla else 1,
+            num_layers=self.num_layers if num_layers is None else num_layers,
+            num_kv_heads=(self.num_kv_heads if num_kv_heads is None else num_kv_heads) if not self.mla else 1,
         )
 
     def chunk_nbytes(self, block_size: int, element_size: int = 2) -> int:
@@ -122,6 +125,10 @@ def make_cache(
     ``fill``: ``"random"`` bytes, ``"zero"``, or ``"empty"`` (uninitialised). MLA layouts ignore
     ``num_heads`` (one latent entry per token).
     """
+    check(isinstance(layout, str) and layout in LAYOUTS, "layout", f"one of {sorted(LAYOUTS)}", repr(layout))
+    for v, nm in ((num_layers, "num_layers"), (num_blocks, "num_blocks"), (block_size, "block_size"),
+                  (num_heads, "num_heads"), (head_dim, "head_dim")):
+        check_int(v, nm, lo=1)
     gen = torch.Generator().manual_seed(seed)
     L, B, N, H, D = num_layers, num_blocks, block_size, num_heads, head_dim
     a = lambda shape: _alloc(shape, dtype, device, fill, gen)  # noqa: E731

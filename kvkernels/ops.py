@@ -49,7 +49,10 @@ def check_errors(device=None) -> None:
     if device is None:
         keys = list(_ERR)
     else:  # "cuda" names the current device, whose counter is kept under "cuda:<index>"
-        want = torch.device(device)
+        try:
+            want = torch.device(device)
+        except (RuntimeError, TypeError):
+            fail("device", "a torch.device, a device string or index, or None", repr(device), TypeError)
         keys = [k for k in _ERR if same_device(torch.device(k), want)]
     for key in keys:
         t = _ERR.get(key)
@@ -72,7 +75,7 @@ def as_block_ids(block_ids, layout: PagedLayout) -> torch.Tensor:
     issued on that stream (or after it). A caller's CPU tensor may be changed right after the
     call unless it was already pinned (then it is the copy's source, as with
     ``tensor.to(device, non_blocking=True)``)."""
-    return _to_cache_device(_ids_tensor(block_ids), layout)
+    return _to_cache_device(_ids_tensor(block_ids), _check_layout(layout))
 
 
 def _ids_tensor(block_ids) -> torch.Tensor:
@@ -192,17 +195,20 @@ def _prepare(layout, block_ids, layers, validate, backend, unique):
     fmt = StagingFormat.for_layout(layout, ids.numel(), layers)
     if validate is None:
         validate = config.validate_default()
-    check(isinstance(validate, bool), "validate", "a bool", type(validate).__name__, TypeError)
+    check(isinstance(validate, bool), "validate", "a bool", repr(type(validate)), TypeError)
     b = backends.resolve(backend, layout.device)
     if validate:  # host ids are checked where they are, before their copy: no read-back sync
         _validate_ids(ids, layout, unique=unique)
     return layout, _to_cache_device(ids, layout), fmt, b
 
 
+MAX_CTAS_LIMIT = 2**31 - 1  # a CUDA grid's x limit: any larger cap means "no cap" and wrapped in the C ABI
+
+
 def _caps(max_ctas) -> int:
     if max_ctas is None:
         return config.max_ctas()
-    return check_int(max_ctas, "max_ctas", lo=0)
+    return check_int(max_ctas, "max_ctas", lo=0, hi=MAX_CTAS_LIMIT)
 
 
 def gather(
@@ -265,6 +271,7 @@ def gather(
 
         return gather_quant(layout, block_ids, quant=quant, shuffle=shuffle, granularity=granularity, out=out,
                             layers=layers, backend=backend, max_ctas=max_ctas, validate=validate)
+    check(granularity in ("token", "block"), "granularity", "'token' or 'block'", repr(granularity))  # unused raw, still a typo
     layout, ids, fmt, b = _prepare(layout, block_ids, layers, validate, backend, unique=False)
     cap = _caps(max_ctas)
     if out is None:
@@ -336,6 +343,7 @@ def scatter(
 
         return scatter_quant(staging, layout, block_ids, quant=quant, shuffle=shuffle, granularity=granularity,
                              layers=layers, backend=backend, max_ctas=max_ctas, validate=validate)
+    check(granularity in ("token", "block"), "granularity", "'token' or 'block'", repr(granularity))  # unused raw, still a typo
     layout, ids, fmt, b = _prepare(layout, block_ids, layers, validate, backend, unique=True)
     cap = _caps(max_ctas)
     _check_buffer(staging, "staging", layout, fmt.nbytes)

@@ -540,7 +540,7 @@ def _check_granularity(granularity) -> None:
 
 def _check_scheme(quant, shuffle, granularity) -> None:
     check(quant in QUANT_SCHEMES, "quant", "None or 'fp8'", repr(quant))
-    check(isinstance(shuffle, bool), "shuffle", "a bool", type(shuffle).__name__, TypeError)
+    check(isinstance(shuffle, bool), "shuffle", "a bool", repr(type(shuffle)), TypeError)
     check(not (quant == "fp8" and shuffle), "shuffle", "False with quant='fp8' (e4m3 codes are single bytes)", True)
     _check_granularity(granularity)
 
@@ -714,9 +714,11 @@ def scatter_quant(
     """
     if scheme is not None:
         want = scheme_args(scheme)
-        if (quant is not None and quant != want["quant"]) or (shuffle and not want["shuffle"]):
+        # granularity's default ("token") cannot be told from an explicit "token"; "block" can
+        if ((quant is not None and quant != want["quant"]) or (shuffle and not want["shuffle"])
+                or (granularity != "token" and granularity != want["granularity"])):
             fail("scheme", f"quant={want['quant']!r}, shuffle={want['shuffle']} for a buffer stored as {scheme!r}",
-                 f"quant={quant!r}, shuffle={shuffle}")
+                 f"quant={quant!r}, shuffle={shuffle}, granularity={granularity!r}")
         quant, shuffle, granularity = want["quant"], want["shuffle"], want["granularity"]
     _check_scheme(quant, shuffle, granularity)
     if quant is None and not shuffle:

@@ -129,6 +129,10 @@ class StagingFormat(RegionArithmetic):
             got = layout.memo_get("formats", key)
             if got is not None:
                 return got
+        from .layout import PagedLayout  # lazy: layout imports staging's users
+
+        if not isinstance(layout, PagedLayout):
+            fail("layout", "a kvkernels.PagedLayout", type(layout).__name__, TypeError)
         check_int(num_blocks, "num_blocks", lo=0)
         fmt = cls(
             layers=normalize_layers(layers, layout.num_layers),

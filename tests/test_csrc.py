@@ -298,11 +298,13 @@ def emulated_cuda(emu_lib, monkeypatch):
     checks (test_capi_* below), device guard and stream, and everything about real GPU execution."""
     from types import SimpleNamespace
 
-    from kvkernels import _cuda
+    from kvkernels import _cuda, backends
 
     lib = ctypes.CDLL(emu_lib)
     _cuda._declare(lib)
     monkeypatch.setattr(_cuda, "_load", lambda: (lib, emu_lib))
+    # CPU tensors posing as CUDA ones (resolve refuses "cuda" for a CPU cache)
+    monkeypatch.setattr(backends, "resolve", lambda backend, device: "cuda" if backend == "cuda" else "torch")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
     try:
@@ -1044,3 +1046,18 @@ def test_jit_builds_one_file_per_toolchain_and_loads_without_nvcc(tmp_path, monk
     finally:
         _cuda._load.cache_clear()
 
+
+
+def test_cuda_backend_refuses_cpu_tensors_even_when_the_library_loads(monkeypatch):
+    # with the library built, backend="cuda" (or KVKERNELS_BACKEND=cuda) on a CPU cache handed
+    # host pointers to the C kernels
+    from kvkernels import backends, ops
+    from kvkernels.models import make_cache
+
+    monkeypatch.setattr(backends, "cuda_ext_available", lambda: True)
+    lay = make_cache("vllm-nhd", num_layers=2, num_blocks=8, block_size=4, num_heads=2, head_dim=8)
+    with pytest.raises(RuntimeError, match="'cuda' runs on CUDA tensors only, got tensors on cpu$"):
+        ops.gather(lay, [1, 2], backend="cuda")
+    monkeypatch.setenv("KVKERNELS_BACKEND", "cuda")
+    with pytest.raises(RuntimeError, match=r"on cpu \(from KVKERNELS_BACKEND\)"):
+        ops.gather(lay, [1, 2])

@@ -468,3 +468,45 @@ def test_triton_staging_view_over_an_unaligned_storage_base():
     out = base[s: s + n]  # an 8-aligned address, storage offset not a multiple of 8
     assert out.data_ptr() % 8 == 0 and out.storage_offset() % 8
     assert torch.equal(kvkernels.gather(lay, ids, out=out, backend="triton"), ref)
+
+
+def test_small_input_checks_found_in_the_fourteenth_review(monkeypatch):
+    # each of these was accepted silently or failed with a raw Python/torch error
+    import numpy as np
+
+    from kvkernels import ops
+    from kvkernels.models import MODELS
+    from kvkernels.quant import scatter_quant
+
+    lay = make_cache("vllm-nhd", num_layers=2, num_blocks=8, block_size=4, num_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match="`granularity`: expected 'token' or 'block', got 'bogus'"):
+        kvkernels.gather(lay, [1], granularity="bogus")
+    with pytest.raises(ValueError, match="`granularity`"):
+        kvkernels.scatter(kvkernels.gather(lay, [1]), lay, [2], granularity="bogus")
+    st = kvkernels.gather(lay, [1, 2], quant="fp8")
+    with pytest.raises(ValueError, match="granularity='block'"):  # was overridden by the scheme
+        scatter_quant(st, lay, [3, 4], scheme="fp8-token", granularity="block")
+    with pytest.raises(TypeError, match="numpy"):  # said "expected a bool, got bool"
+        kvkernels.gather(lay, [1], validate=np.bool_(True))
+    with pytest.raises(ValueError, match="max_ctas"):  # wrapped through the C ABI's int64
+        kvkernels.gather(lay, [1], max_ctas=2**63)
+    monkeypatch.setenv("KVKERNELS_MAX_CTAS", "08")
+    assert kvkernels.config.max_ctas() == 8
+    monkeypatch.setenv("KVKERNELS_MAX_CTAS", "0x10")
+    assert kvkernels.config.max_ctas() == 16
+    monkeypatch.setenv("KVKERNELS_BACKEND", " torch ")
+    assert kvkernels.config.backend() == "torch"
+    with pytest.raises(TypeError, match="`device`"):
+        kvkernels.check_errors("bogus")
+    with pytest.raises(TypeError, match="`layout`: expected a kvkernels.PagedLayout, got str"):
+        kvkernels.staging_nbytes("x", 2)
+    with pytest.raises(TypeError, match="`layout`"):
+        ops.as_block_ids([1], "x")
+    with pytest.raises(ValueError, match="`layout`: expected one of"):
+        make_cache("vllm-packed-xyz", num_layers=1, num_blocks=2, block_size=2, num_heads=1, head_dim=4)
+    with pytest.raises(ValueError, match="`num_blocks`"):
+        make_cache("vllm-nhd", num_layers=1, num_blocks=-2, block_size=2, num_heads=1, head_dim=4)
+    shape = MODELS["llama3-8b"]
+    with pytest.raises(ValueError, match="`num_layers`"):  # 0 kept 32 layers
+        shape.scaled(num_layers=0)
+    assert shape.scaled(num_layers=2).num_layers == 2

@@ -82,6 +82,7 @@ def test_cuda_plan_gives_the_computed_arguments_and_follows_each_call(kind, bs, 
     stream = SimpleNamespace(cuda_stream=111)
     monkeypatch.setattr(_cuda, "_load", lambda: (lib, "stub"))
     monkeypatch.setattr(backends, "cuda_ext_available", lambda: True)
+    monkeypatch.setattr(backends, "resolve", lambda backend, device: "cuda")  # CPU tensors posing as CUDA ones
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     out = torch.empty(4 << 20, dtype=torch.uint8)

@@ -222,3 +222,50 @@ def test_staging_format_cache_keeps_the_checks():
         StagingFormat.for_layout(lay, 3, (1, 1))
     with pytest.raises(ValueError):
         StagingFormat.for_layout(lay, -1)
+
+
+def test_direct_constructor_gets_the_presets_checks():
+    # PagedLayout(views=...) skipped every check of from_views: K of 8 blocks with V of 2 was
+    # accepted and a Triton scatter to block 3 wrote past V's memory
+    k, v = torch.zeros(8, 4, 2, 8), torch.zeros(2, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"views\[0\]\[1\].*shape"):
+        PagedLayout(views=((k, v),))
+    with pytest.raises(ValueError, match="memory of its own"):
+        PagedLayout(views=((k, k),))
+    with pytest.raises(TypeError, match="dtype"):
+        PagedLayout(views=((k, k.clone().half()),))
+    lay = PagedLayout(views=[[k, k.clone()]], kind="direct")  # normalised like from_views
+    assert isinstance(lay.views, tuple) and all(isinstance(r, tuple) for r in lay.views)
+    assert (lay.num_layers, lay.num_kv, lay.num_blocks, lay.kind) == (1, 2, 8, "direct")
+
+
+def test_a_cache_that_requires_grad_is_refused():
+    # the Triton kernels wrote it behind autograd's back; torch's fp8 scatter raised part way
+    # through, after layer 0 was written
+    caches = [torch.zeros(2, 8, 4, 2, 8) for _ in range(2)]
+    caches[1].requires_grad_(True)
+    with pytest.raises(ValueError, match=r"does not require grad \(pass \.detach\(\)\)"):
+        PagedLayout.from_vllm(caches)
+    caches[1] = caches[1].detach()
+    assert PagedLayout.from_vllm(caches).num_layers == 2
+
+
+def test_from_strides_sizes_every_layer_from_the_smallest_storage_and_checks_offsets():
+    # num_blocks was computed per layer: two storages of different sizes gave views of different
+    # shapes and a confusing "shape ... like views[0][0]" error, though the docstring promised the
+    # smallest storage's count
+    st = (N * H * D, H * D, D)
+    small, big = torch.randn(3 * N * H * D), torch.randn(5 * N * H * D)
+    lay = PagedLayout.from_strides([big, small], block_size=N, num_heads=H, head_dim=D, strides=st)
+    assert lay.num_blocks == 3 and torch.equal(lay.views[0][0], big[: 3 * N * H * D].view(3, N, H, D))
+    kw = dict(block_size=N, num_heads=H, head_dim=D, strides=st)
+    with pytest.raises(TypeError, match="`offset`: expected an int"):
+        PagedLayout.from_strides([big], offset=1.5, **kw)
+    with pytest.raises(TypeError, match="`kv_offset`: expected an int"):
+        PagedLayout.from_strides([big], kv_offset="8", **kw)
+    with pytest.raises(ValueError, match="strides"):
+        PagedLayout.from_strides([big], block_size=N, num_heads=H, head_dim=D, strides=(N * H * D, H * D, True))
+    with pytest.raises(ValueError, match="at least one block"):
+        PagedLayout.from_strides([big, torch.randn(D)], **kw)
+    with pytest.raises(ValueError, match=r"tensors\[0\]"):
+        PagedLayout.from_strides([big], offset=-1, **kw)
