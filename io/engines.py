@@ -338,7 +338,7 @@ def make_engine(engine: str):
             raise RuntimeError("`engine`: 'kvikio' needs a CUDA driver (every kvikio I/O fails without one); use 'posix'")
         st = kvikio_status()
         if not st["importable"]:
-            raise RuntimeError(f"`engine`: 'kvikio' is not importable: {st['reason']} (pip install kvkernels[gpu])")
+            raise RuntimeError(f"`engine`: 'kvikio' is not importable: {st['reason']} (pip install kvikio-cu13, or '.[gpu]' from a kvkernels checkout)")
         return KvikioEngine()
     if torch.cuda.is_available() and kvikio_status()["importable"]:
         return KvikioEngine()

@@ -23,7 +23,7 @@ Header (little endian)::
      64     4  num_kv (2 = K, V; 1 = MLA)
      68     4  num_layers of the source cache
      72    16  dtype name, ASCII, NUL padded (e.g. "bfloat16")
-     88    16  scheme, ASCII (e.g. "raw", "fp8", "shuffle")
+     88    16  scheme, ASCII (e.g. "raw", "shuffle", "fp8-token", "fp8-block")
     104    16  codec, ASCII (e.g. "none", "zstd", "ans")
     120     8  created, unix nanoseconds
     128  40*R  region table: layer u32, pad u32, offset u64, stored u64, raw u64, xxh3_64 u64

@@ -279,7 +279,7 @@ def _nvcomp():
     try:
         import nvidia.nvcomp as nvcomp  # noqa: PLC0415
     except ImportError as exc:  # pragma: no cover - depends on the machine
-        raise RuntimeError("nvCOMP is not installed: pip install 'kvkernels[gpu]' (nvidia-nvcomp-cu13)") from exc
+        raise RuntimeError("nvCOMP is not installed: pip install nvidia-nvcomp-cu13 (or '.[gpu]' from a kvkernels checkout)") from exc
     return nvcomp
 
 
