@@ -806,3 +806,31 @@ def test_store_scheme_is_the_inverse_of_scheme_args_and_the_integrations_rule():
     assert store_scheme(shuffle=True, dtype=torch.float32) == "raw"
     with pytest.raises(ValueError, match="granularity"):
         store_scheme(quant="fp8", granularity="row")
+
+
+def test_fp8_per_block_gather_head_offsets_past_2_31_elements():
+    # heads outermost in a layer (vLLM packed LHBNC, from_strides "HBND"): h * stride_h was an
+    # int32 product in the Triton per-block gather; at (H-1) * stride_h >= 2^31 it wrapped and read
+    # 4 GiB before the head's data. The storage is one lazily allocated ~8.6 GB tensor (only the
+    # few touched pages are resident on a CPU; real memory on a GPU).
+    H, BS, D, NB = 3, 2, 16, 2
+    S = 2**30 + 64  # head stride in elements: fits in int32, so Triton types it i32
+    K0 = 2**31  # element offset of the views in the storage, so the wrapped offset stays inside it
+    inner = (BS - 1) * D + (H - 1) * S + D
+    try:
+        big = torch.empty(K0 + 128 + (NB - 1) * BS * D + inner + 64, dtype=torch.bfloat16, device=DEVICE)
+    except (RuntimeError, MemoryError) as exc:  # pragma: no cover - depends on the machine
+        pytest.skip(f"cannot reserve 8.6 GB: {exc}")
+    lay = kvkernels.PagedLayout.from_strides([big], block_size=BS, num_heads=H, head_dim=D, strides=(BS * D, D, S),
+                                             num_blocks=NB, kv_offset=NB * BS * D, offset=K0)
+    g = torch.Generator().manual_seed(0)
+    for v in lay.views[0]:
+        v.copy_(torch.randn(v.shape, generator=g).to(torch.bfloat16))
+    wrap = K0 + 2 * S - 2**32  # where the wrapped offset of head 2 pointed: a sentinel there
+    big[wrap - 64: wrap + 4 * BS * D + 64].fill_(1000.0)
+    ids = [1, 0]
+    for gran in ("token", "block"):
+        ref = kvkernels.gather(lay, ids, quant="fp8", granularity=gran, backend="torch")
+        got = kvkernels.gather(lay, ids, quant="fp8", granularity=gran, backend="triton")
+        assert bytes_equal(got, ref), gran
+    del big, lay

@@ -211,7 +211,7 @@ def _quant_gather_kernel(
                     amax2 = tl.zeros([BLOCK_R], tl.int32)
                     for t0 in tl.range(0, BS, BLOCK_R):
                         t = t0 + r_ar
-                        c_row = t.to(tl.int64) * stride_n + h * stride_h
+                        c_row = t.to(tl.int64) * stride_n + tl.cast(h, tl.int64) * stride_h  # i64: (H-1)*stride_h may pass 2^31
                         if ALIGN16:
                             c_row = tl.multiple_of(c_row, EV)
                         off = c_row[:, None] + d_ar[None, :]
@@ -233,7 +233,7 @@ def _quant_gather_kernel(
                     # pass 2: quantize (the re-read should hit L2; not measured)
                     for t0 in tl.range(0, BS, BLOCK_R):
                         t = t0 + r_ar
-                        c_row = t.to(tl.int64) * stride_n + h * stride_h
+                        c_row = t.to(tl.int64) * stride_n + tl.cast(h, tl.int64) * stride_h  # i64: (H-1)*stride_h may pass 2^31
                         if ALIGN16:
                             c_row = tl.multiple_of(c_row, EV)
                         off = c_row[:, None] + d_ar[None, :]
