@@ -834,3 +834,46 @@ def test_fp8_per_block_gather_head_offsets_past_2_31_elements():
         got = kvkernels.gather(lay, ids, quant="fp8", granularity=gran, backend="triton")
         assert bytes_equal(got, ref), gran
     del big, lay
+
+
+@pytest.mark.gpu
+def test_fp8_gather_into_pinned_host_out_keeps_the_gpu_fast_paths(monkeypatch):
+    # the fast-path switches followed `out`'s device: a pinned host staging (zero-copy) took the
+    # IEEE division and integer encoding, 22-30 % of the bound (same bytes, slower)
+    from kvkernels.triton_ops import quant_gather as qg
+
+    lay = make_cache("vllm-nhd", num_layers=2, num_blocks=8, block_size=16, num_heads=2, head_dim=64, device=DEVICE)
+    seen = {}
+    real = qg._quant_gather_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                seen.update(k)
+                return real[grid](*a, **k)
+            return launch
+
+    monkeypatch.setattr(qg, "_quant_gather_kernel", Spy())
+    fmt_bytes = kvkernels.gather(lay, [1, 2], quant="fp8").numel()
+    host = torch.empty(fmt_bytes, dtype=torch.uint8).pin_memory()
+    got = kvkernels.gather(lay, [1, 2], quant="fp8", out=host, backend="triton")
+    torch.cuda.current_stream().synchronize()
+    assert seen["FMA_DIV"] is kvkernels.config.fp8_fma_div()
+    assert seen["HW_CVT"] is (torch.cuda.get_device_capability() >= (8, 9))
+    assert bytes_equal(got, kvkernels.gather(lay, [1, 2], quant="fp8", backend="torch").cpu())
+
+
+def test_fp8_buffer_on_an_unaligned_storage_is_a_clear_error():
+    # 16-byte aligned address, but the storage starts 1-3 bytes off: torch's int32/fp32 view of it
+    # raised a bare RuntimeError from inside the launch
+    lay = kvkernels.PagedLayout.from_vllm([torch.randn(2, 4, 4, 2, 16).bfloat16()])
+    st = kvkernels.gather(lay, [1, 0], quant="fp8", backend="torch")
+    raw = bytearray(st.numel() + 64)
+    for k in (1, 2, 3):
+        base = torch.frombuffer(raw, dtype=torch.uint8, offset=k)
+        s = next(s for s in range(16) if (base.data_ptr() + s) % 16 == 0)
+        for b in [b for b in BACKENDS if b == "torch" or DEVICE.type == "cpu"]:  # a CPU cache: Triton only interpreted
+            with pytest.raises(ValueError, match="storage offset"):
+                kvkernels.gather(lay, [1, 0], quant="fp8", out=base[s:], backend=b)
+            with pytest.raises(ValueError, match="storage offset"):
+                kvkernels.scatter(base[s:], lay, [1, 0], quant="fp8", backend=b)

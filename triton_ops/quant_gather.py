@@ -331,9 +331,11 @@ def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor,
     per_block = fmt.granularity == "block"
     probe = dict(_probe or {})
     warps = probe.pop("num_warps", NUM_WARPS)
-    on_gpu = stage.is_cuda and not triton_interpret()
+    # the kernel runs on the cache's GPU even when ``out`` is pinned host memory (zero-copy): that
+    # decides the fast paths, not where the staging lives (a pinned out took the IEEE division)
+    on_gpu = layout.device.type == "cuda" and not triton_interpret()
     # Triton has fp8e4nv only from sm_89 (it refuses to compile it for an A100)
-    hw_cvt = probe.pop("HW_CVT", on_gpu and _has_fp8_cvt(stage.device.index))
+    hw_cvt = probe.pop("HW_CVT", on_gpu and _has_fp8_cvt(layout.device.index))
     fma_div = probe.pop("FMA_DIV", on_gpu and config.fp8_fma_div())
     rows = layout.block_size if per_block else layout.block_size * layout.num_heads
     tile = probe.pop("tile_elems", TILE_ELEMS)
