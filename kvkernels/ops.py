@@ -15,6 +15,7 @@ caller's next convenient sync point. Scatter duplicates are not detected with ``
 from __future__ import annotations
 
 import bisect
+import contextlib
 
 from typing import Sequence
 
@@ -202,6 +203,20 @@ def _prepare(layout, block_ids, layers, validate, backend, unique):
     return layout, _to_cache_device(ids, layout), fmt, b
 
 
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def on_cache_device(layout: PagedLayout):
+    """Context in which a Triton launch runs on the cache's GPU: Triton takes the device and stream
+    from torch's *current* device, so a cache on cuda:1 while cuda:0 is current would launch on
+    cuda:0 (refused without peer access; with it, unordered against cuda:1's stream). A no-op in
+    the usual case (the cache's device is current, or a CPU cache)."""
+    dev = layout.device
+    if dev.type != "cuda" or dev.index is None or dev.index == torch.cuda.current_device():
+        return _SAME_DEVICE
+    return torch.cuda.device(dev)
+
+
 MAX_CTAS_LIMIT = 2**31 - 1  # a CUDA grid's x limit: any larger cap means "no cap" and wrapped in the C ABI
 
 
@@ -289,7 +304,8 @@ def _gather_into(layout: PagedLayout, ids: torch.Tensor, fmt: StagingFormat, out
     if b == "triton":
         from kvkernels.triton_ops import gather_triton
 
-        return gather_triton(layout, ids, fmt, out, _err_counter(layout.device), cap)
+        with on_cache_device(layout):
+            return gather_triton(layout, ids, fmt, out, _err_counter(layout.device), cap)
     if b == "cuda":
         from ._cuda import gather_cuda
 
@@ -358,7 +374,8 @@ def _scatter_from(staging: torch.Tensor, layout: PagedLayout, ids: torch.Tensor,
     if b == "triton":
         from kvkernels.triton_ops import scatter_triton
 
-        scatter_triton(staging, layout, ids, fmt, _err_counter(layout.device), cap)
+        with on_cache_device(layout):
+            scatter_triton(staging, layout, ids, fmt, _err_counter(layout.device), cap)
         return None
     if b == "cuda":
         from ._cuda import scatter_cuda

@@ -35,7 +35,7 @@ import torch
 
 from ._validate import check, check_int, fail
 from .layout import PagedLayout
-from .ops import _caps, _check_buffer, _err_counter, _prepare
+from .ops import _caps, _check_buffer, _err_counter, _prepare, on_cache_device
 from .staging import RegionArithmetic, StagingFormat, normalize_layers
 
 __all__ = [
@@ -677,7 +677,8 @@ def gather_quant(
     err = _err_counter(layout.device)
     if b == "torch":
         err += ((ids < -1) | (ids >= layout.num_blocks)).sum().to(torch.int32)
-    _kernel("gather", quant, b)(layout, ids, fmt, out, err, cap)
+    with on_cache_device(layout):
+        _kernel("gather", quant, b)(layout, ids, fmt, out, err, cap)
     return out
 
 
@@ -738,5 +739,6 @@ def scatter_quant(
     err = _err_counter(layout.device)
     if b == "torch":
         err += ((ids < -1) | (ids >= layout.num_blocks)).sum().to(torch.int32)
-    _kernel("scatter", quant, b)(staging, layout, ids, fmt, err, cap)
+    with on_cache_device(layout):
+        _kernel("scatter", quant, b)(staging, layout, ids, fmt, err, cap)
     return None

@@ -510,3 +510,37 @@ def test_small_input_checks_found_in_the_fourteenth_review(monkeypatch):
     with pytest.raises(ValueError, match="`num_layers`"):  # 0 kept 32 layers
         shape.scaled(num_layers=0)
     assert shape.scaled(num_layers=2).num_layers == 2
+
+
+def test_triton_launches_enter_the_caches_device(monkeypatch):
+    # Triton launches on torch's current device: a cache on cuda:1 with cuda:0 current ran on the
+    # wrong GPU and stream. Every Triton/quant launch now goes through ops.on_cache_device.
+    import contextlib
+    from types import SimpleNamespace
+
+    from kvkernels import ops
+
+    entered = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: (entered.append(dev), contextlib.nullcontext())[1])
+    with ops.on_cache_device(SimpleNamespace(device=torch.device("cuda", 1))):
+        pass
+    with ops.on_cache_device(SimpleNamespace(device=torch.device("cuda", 0))):
+        pass
+    with ops.on_cache_device(SimpleNamespace(device=torch.device("cpu"))):
+        pass
+    assert entered == [torch.device("cuda", 1)]
+    if "triton" not in BACKENDS or DEVICE.type != "cpu":
+        return
+    calls = []
+    real = ops.on_cache_device
+    monkeypatch.setattr(ops, "on_cache_device", lambda lay: (calls.append(lay), real(lay))[1])
+    import kvkernels.quant as q
+
+    monkeypatch.setattr(q, "on_cache_device", ops.on_cache_device)
+    lay = make_cache("vllm-nhd", num_layers=1, num_blocks=4, block_size=2, num_heads=1, head_dim=8)
+    st = kvkernels.gather(lay, [1], backend="triton")
+    kvkernels.scatter(st, lay, [2], backend="triton")
+    st = kvkernels.gather(lay, [1], backend="triton", quant="fp8")
+    kvkernels.scatter(st, lay, [2], backend="triton", quant="fp8")
+    assert calls == [lay] * 4
