@@ -899,10 +899,27 @@ def test_capi_size_checks_do_not_wrap(capi):
     assert capi.kvk_paged_copy(*big, 16, 0, 0, 0) != 0 and "smaller than the payload" in _last_error(capi)
     assert capi.kvk_bulk_copy(*big, 0, 0, 0) != 0
     assert "smaller than the payload" in _last_error(capi) or "CUTLASS" in _last_error(capi)
-    # the fp8 sections: 4 * n * scales wraps for n = 2^62
+    # the fp8 sections: 4 * n * scales wraps for n = 2^61 (the work-item count 2 * n does not)
     fp8 = list(_FP8_OK)
-    fp8[_FP8_IDX["n"]] = 1 << 62
+    fp8[_FP8_IDX["n"]] = 1 << 61
     assert capi.kvk_quant_gather(*fp8, 0, 0, 1, 0, 0, 0) != 0 and "smaller than" in _last_error(capi)
+    # 14th review: the work-item count num_regions * C * n wrapped (2^62+1 regions x 2 x 2 = 4 items)
+    # and negative strides passed the "multiple of the word" checks
+    wrap = _copy_args(num_regions=(1 << 62) + 1)
+    assert capi.kvk_paged_copy(*wrap, 16, 0, 0, 0) != 0 and "expected < 2^63 work items" in _last_error(capi)
+    assert capi.kvk_paged_copy(*_copy_args(stride_b=-8192), 16, 0, 0, 0) != 0
+    assert "expected >= 0" in _last_error(capi)
+    if capi.kvk_features() & 1:
+        assert capi.kvk_bulk_copy(*wrap, 0, 0, 0) != 0 and "work items" in _last_error(capi)
+        assert capi.kvk_bulk_copy(*_copy_args(stride_n=-512), 0, 0, 0) != 0 and ">= 0" in _last_error(capi)
+    fp8 = list(_FP8_OK)
+    fp8[_FP8_IDX["num_regions"]] = (1 << 62) + 1
+    assert capi.kvk_quant_gather(*fp8, 0, 0, 1, 0, 0, 0) != 0 and "work items" in _last_error(capi)
+    fp8 = list(_FP8_OK)
+    fp8[_FP8_IDX["stride_h"]] = -256
+    assert capi.kvk_dequant_scatter(*fp8, 0, 0, 1, 0, 0, 0) != 0 and ">= 0" in _last_error(capi)
+    base = [1, 4096, 8192, 1, 1 << 20, 12288, 2, 8, 2, (1 << 62) + 1, 2, 16, 128, 8192, 512, 256]
+    assert capi.kvk_shuffle_copy(*base, 32768, 16384, 1, 0, 0, 0) != 0 and "work items" in _last_error(capi)
 
 
 def _cudart_of(lib_path: str):

@@ -92,6 +92,15 @@ int check_items(const int64_t* ptr_tab, const void* block_ids, const uint8_t* st
   if (err == nullptr) return fail("err: expected a device pointer, got NULL");
   if (n <= 0 || num_regions <= 0) return fail("n, num_regions: expected > 0");
   if (C != 1 && C != 2) return fail("C: expected 1 or 2");
+  // the work-item count num_regions * C * n: a wrapped product passed every size check and copied
+  // a fraction of the regions
+  if (prod(num_regions, C, n) < 0) return fail("num_regions * C * n: expected < 2^63 work items");
+  return 0;
+}
+
+// Strides are byte offsets between blocks / tokens / heads in the cache: never negative here.
+int check_strides(int64_t stride_b, int64_t stride_n, int64_t stride_h) {
+  if (stride_b < 0 || stride_n < 0 || stride_h < 0) return fail("stride_b, stride_n, stride_h: expected >= 0");
   return 0;
 }
 
@@ -100,6 +109,7 @@ int check_common(const int64_t* ptr_tab, const void* block_ids, const uint8_t* s
                  int64_t C, int64_t num_regions, int64_t H, int64_t block_size, int64_t head_dim, int64_t elem,
                  int64_t stride_b, int64_t stride_n, int64_t stride_h, int vec16, int64_t max_ctas) {
   if (int rc = check_items(ptr_tab, block_ids, staging, err, n, C, num_regions)) return rc;
+  if (int rc = check_strides(stride_b, stride_n, stride_h)) return rc;
   if (H <= 0 || block_size <= 0 || head_dim <= 0) return fail("H, block_size, head_dim: expected > 0");
   constexpr int64_t kMax32 = (int64_t{1} << 31) - 1;  // the kernels index inside a block in 32 bits
   if (H > kMax32 || block_size > kMax32 || block_size * H > kMax32 || head_dim > kMax32 / (block_size * H))
@@ -297,6 +307,7 @@ int kvk_paged_copy(int to_staging, const int64_t* ptr_tab, const void* block_ids
                    int64_t entry_bytes, int64_t word, int64_t max_ctas, int device, uintptr_t stream) {
   if (int rc = check_items(ptr_tab, block_ids, staging, err, n, C, num_regions)) return rc;
   if (H <= 0 || rows <= 0 || rows % H != 0) return fail("rows: expected a positive multiple of H");
+  if (int rc = check_strides(stride_b, stride_n, stride_h)) return rc;
   if (row_bytes <= 0) return fail("row_bytes: expected > 0");
   if (word != 1 && word != 2 && word != 4 && word != 8 && word != 16) return fail("word: expected 1, 2, 4, 8 or 16");
   if (row_bytes % word || stride_b % word || stride_n % word || stride_h % word || region_bytes % word ||
@@ -407,6 +418,7 @@ int kvk_bulk_copy(int to_staging, const int64_t* ptr_tab, const void* block_ids,
   if (!kvk_features()) return fail("bulk copy: this build has no CUTLASS headers (csrc/build.py, docs/csrc.md)");
   if (int rc = check_items(ptr_tab, block_ids, staging, err, n, C, num_regions)) return rc;
   if (H <= 0 || rows <= 0 || rows % H != 0) return fail("rows: expected a positive multiple of H");
+  if (int rc = check_strides(stride_b, stride_n, stride_h)) return rc;
   if (row_bytes <= 0) return fail("row_bytes: expected > 0");
   if (row_bytes % 16 || stride_b % 16 || region_bytes % 16 || entry_bytes % 16 ||
       reinterpret_cast<uintptr_t>(staging) % 16)
@@ -435,7 +447,11 @@ int kvk_bulk_copy(int to_staging, const int64_t* ptr_tab, const void* block_ids,
   kvk::PagedCopyParams p{ptr_tab, block_ids, staging, err, n, num_blocks, num_regions * C * n,
                          stride_b, stride_n, stride_h, region_bytes, entry_bytes, C, H, rows, row_bytes, ids_64 != 0};
   const kvk::BulkPlan plan = kvk::bulk_plan(rows * row_bytes);
-  const int64_t units = p.num_items * plan.pieces;
+  const int64_t units = prod(p.num_items, plan.pieces);
+  if (units < 0) {
+    guard.release("", cudaSuccess);
+    return fail("bulk copy: num_items * pieces: expected < 2^63 copy units");
+  }
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const bool gather = to_staging != 0;
   switch (plan.stages) {
