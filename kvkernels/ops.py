@@ -251,7 +251,9 @@ def gather(
     out : Tensor, optional
         ``[>= staging_nbytes]`` uint8, contiguous, on the cache device or (CUDA cache) pinned host
         memory (the kernel then writes through UVA: zero-copy). Written in place; allocated on
-        the cache device when ``None``.
+        the cache device when ``None``. With pinned host ``out`` the padding between regions is
+        zeroed by the host during the call while the kernel runs later on the stream: do not
+        hand in a host buffer that earlier queued work still writes (wait for that work first).
     layers : None, int or sequence of int
         Layers to pack (default all); regions come in ascending layer order.
     backend : {"auto", "triton", "cuda", "torch"}
