@@ -68,7 +68,7 @@ def run(calls: int = 3000) -> dict:
             lambda: ops._gather_into(lay, ids, fmt, out, "triton", 16), calls)
     with mock.patch.object(_cuda, "_load", lambda: (_NoLib(), "stub")), \
             mock.patch.object(backends, "cuda_ext_available", lambda: True), \
-            mock.patch.object(backends, "resolve", lambda backend, device: "cuda"), \
+            mock.patch.object(backends, "resolve", lambda b, d, real=backends.resolve: real(b, torch.device("cuda", 0))), \
             mock.patch.object(torch.cuda, "current_device", lambda: 0), \
             mock.patch.object(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0)):
         res["ops.gather[cuda] minus the C call"] = _median_us(

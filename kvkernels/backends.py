@@ -85,7 +85,11 @@ def resolve(backend: str, device: torch.device) -> str:
 
         raise RuntimeError(f"`backend`: 'cuda' is not available: {_cuda.reason()}")
     if b == "cuda" and device.type != "cuda":
-        # the C kernels take raw device pointers: a CPU tensor's address would be dereferenced on the GPU
-        raise RuntimeError(f"`backend`: 'cuda' runs on CUDA tensors only, got tensors on {device}"
-                           + (" (from KVKERNELS_BACKEND)" if backend.lower() == "auto" else ""))
+        # the C kernels take raw device pointers: a CPU tensor's address would be dereferenced on
+        # the GPU. Asked for by name: an error. Chosen by KVKERNELS_BACKEND for every call: the
+        # calls on CPU tensors (e.g. LMCache's host chunks) take the torch backend.
+        if backend.lower() == "auto":
+            log.debug("kvkernels: KVKERNELS_BACKEND=cuda -> torch on %s", device)
+            return "torch"
+        raise RuntimeError(f"`backend`: 'cuda' runs on CUDA tensors only, got tensors on {device}")
     return b

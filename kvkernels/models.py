@@ -6,6 +6,7 @@ Shapes are per tensor-parallel rank (``llama3-70b-tp8`` holds 1 of 8 KV heads).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, replace
 
 import torch
@@ -14,6 +15,17 @@ from ._validate import check, check_int, fail
 from .layout import PagedLayout
 
 __all__ = ["ModelShape", "MODELS", "get_model", "LAYOUTS", "make_cache", "random_fill_"]
+
+
+def _count(v, name: str) -> int:
+    """A size >= 1 for these helpers: an int or anything integer-like (numpy ints), not a bool."""
+    if isinstance(v, bool):
+        fail(name, "an int", "bool", TypeError)
+    try:
+        v = operator.index(v)
+    except TypeError:
+        fail(name, "an int", type(v).__name__, TypeError)
+    return check_int(v, name, lo=1)
 
 
 @dataclass(frozen=True)
@@ -26,9 +38,8 @@ class ModelShape:
 
     def scaled(self, *, num_layers: int | None = None, num_kv_heads: int | None = None) -> "ModelShape":
         """A smaller copy (CPU demo / tests keep head_dim, cut layers and heads)."""
-        for v, nm in ((num_layers, "num_layers"), (num_kv_heads, "num_kv_heads")):
-            if v is not None:
-                check_int(v, nm, lo=1)
+        num_layers = None if num_layers is None else _count(num_layers, "num_layers")
+        num_kv_heads = None if num_kv_heads is None else _count(num_kv_heads, "num_kv_heads")
         return replace(
             self,
             num_layers=self.num_layers if num_layers is None else num_layers,
@@ -126,11 +137,12 @@ def make_cache(
     ``num_heads`` (one latent entry per token).
     """
     check(isinstance(layout, str) and layout in LAYOUTS, "layout", f"one of {sorted(LAYOUTS)}", repr(layout))
-    for v, nm in ((num_layers, "num_layers"), (num_blocks, "num_blocks"), (block_size, "block_size"),
-                  (num_heads, "num_heads"), (head_dim, "head_dim")):
-        check_int(v, nm, lo=1)
+    if layout.startswith("mla"):
+        num_heads = 1  # ignored (None accepted)
+    L, B, N, H, D = (_count(v, nm) for v, nm in ((num_layers, "num_layers"), (num_blocks, "num_blocks"),
+                                                  (block_size, "block_size"), (num_heads, "num_heads"),
+                                                  (head_dim, "head_dim")))
     gen = torch.Generator().manual_seed(seed)
-    L, B, N, H, D = num_layers, num_blocks, block_size, num_heads, head_dim
     a = lambda shape: _alloc(shape, dtype, device, fill, gen)  # noqa: E731
     if layout == "vllm-nhd":
         return PagedLayout.from_vllm([a((2, B, N, H, D)) for _ in range(L)], "NHD")

@@ -211,10 +211,15 @@ def on_cache_device(layout: PagedLayout):
     from torch's *current* device, so a cache on cuda:1 while cuda:0 is current would launch on
     cuda:0 (refused without peer access; with it, unordered against cuda:1's stream). A no-op in
     the usual case (the cache's device is current, or a CPU cache)."""
-    dev = layout.device
-    if dev.type != "cuda" or dev.index is None or dev.index == torch.cuda.current_device():
+    idx = layout._memo.get("cuda_index")  # on every launch's path: derived once per layout
+    if idx is None:
+        dev = layout.device
+        idx = layout._memo["cuda_index"] = dev.index if dev.type == "cuda" and dev.index is not None else -1
+    # torch._C._cuda_getDevice: the current device without torch.cuda's lazy-init wrapper (the
+    # cache's tensors exist, so CUDA is initialised)
+    if idx < 0 or idx == torch._C._cuda_getDevice():
         return _SAME_DEVICE
-    return torch.cuda.device(dev)
+    return torch.cuda.device(idx)
 
 
 MAX_CTAS_LIMIT = 2**31 - 1  # a CUDA grid's x limit: any larger cap means "no cap" and wrapped in the C ABI

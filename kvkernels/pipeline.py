@@ -482,7 +482,7 @@ class LayerPipeline:
             fail("layout", "a kvkernels.PagedLayout", type(layout).__name__, TypeError)
         check_int(num_slots, "num_slots", lo=2)
         check_int(prefetch_depth, "prefetch_depth", lo=1)
-        check_int(max_ctas, "max_ctas", lo=0)
+        check_int(max_ctas, "max_ctas", lo=0, hi=ops.MAX_CTAS_LIMIT)  # passed to the kernels as is
         check_int(pack_priority, "pack_priority", hi=0)
         self.layout = layout
         self.cuda = layout.device.type == "cuda"

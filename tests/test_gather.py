@@ -510,6 +510,13 @@ def test_small_input_checks_found_in_the_fourteenth_review(monkeypatch):
     with pytest.raises(ValueError, match="`num_layers`"):  # 0 kept 32 layers
         shape.scaled(num_layers=0)
     assert shape.scaled(num_layers=2).num_layers == 2
+    # the helpers still take numpy ints, and MLA ignores num_heads (None too)
+    assert shape.scaled(num_layers=np.int64(3)).num_layers == 3
+    assert make_cache("vllm-nhd", num_layers=np.int64(2), num_blocks=2, block_size=2, num_heads=1,
+                      head_dim=4).num_layers == 2
+    assert make_cache("mla", num_layers=1, num_blocks=2, block_size=2, num_heads=None, head_dim=8).num_kv == 1
+    with pytest.raises(TypeError, match="`num_layers`: expected an int, got bool"):
+        make_cache("vllm-nhd", num_layers=True, num_blocks=2, block_size=2, num_heads=1, head_dim=4)
 
 
 def test_triton_launches_enter_the_caches_device(monkeypatch):
@@ -521,15 +528,15 @@ def test_triton_launches_enter_the_caches_device(monkeypatch):
     from kvkernels import ops
 
     entered = []
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch.cuda, "device", lambda dev: (entered.append(dev), contextlib.nullcontext())[1])
-    with ops.on_cache_device(SimpleNamespace(device=torch.device("cuda", 1))):
+    with ops.on_cache_device(SimpleNamespace(device=torch.device("cuda", 1), _memo={})):
         pass
-    with ops.on_cache_device(SimpleNamespace(device=torch.device("cuda", 0))):
+    with ops.on_cache_device(SimpleNamespace(device=torch.device("cuda", 0), _memo={})):
         pass
-    with ops.on_cache_device(SimpleNamespace(device=torch.device("cpu"))):
+    with ops.on_cache_device(SimpleNamespace(device=torch.device("cpu"), _memo={})):
         pass
-    assert entered == [torch.device("cuda", 1)]
+    assert entered == [1]
     if "triton" not in BACKENDS or DEVICE.type != "cpu":
         return
     calls = []

@@ -273,6 +273,7 @@ def test_failed_ssd_read_marks_blocks_failed():
         (dict(host_bytes=1 << 20, prefetch_depth=0), "prefetch_depth"),
         (dict(host_bytes=1 << 20, slot_bytes=16), "slot_bytes"),
         (dict(host_bytes=1 << 20, max_ctas=-1), "max_ctas"),
+        (dict(host_bytes=1 << 20, max_ctas=2**31), "max_ctas"),  # the kernels' bound (it wrapped in the C ABI)
         (dict(host_bytes=1 << 20, pack_priority=1), "pack_priority"),
         (dict(host_bytes=1 << 20, stream_api="cuda"), "stream_api"),
     ] + ([(dict(host_bytes=1 << 20, stream_api="cudart"), "stream_api")] if DEVICE.type == "cpu" else []),
