@@ -34,7 +34,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 
@@ -287,12 +286,7 @@ def _session(directory, reps: int, shape):
     else the system temp dir; removed afterwards, nothing else in ``directory`` is touched),
     LMCache's event loop on a thread, run metadata, and a list the caller fills with benches (all
     closed on exit)."""
-    base = directory if directory is not None else os.environ.get("KVKERNELS_BENCH_DIR")
-    if base is not None:
-        if os.path.exists(base) and not os.path.isdir(base):
-            raise NotADirectoryError(f"bench lmcache: {base!r} is not a directory")
-        os.makedirs(base, exist_ok=True)
-    directory = tempfile.mkdtemp(prefix="kvk-bench-lmcache-", dir=base)
+    directory = common.fresh_bench_dir(directory, "kvk-bench-lmcache-", "bench lmcache")
     logging.getLogger("lmcache").setLevel(logging.WARNING)
     L, T, H, D, _ = shape
     meta = common.env_record()

@@ -158,12 +158,7 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
             raise ValueError(f"`{name}`: expected a positive integer, got {v}")
     if tiny:
         blocks, entries, dd_bytes = 8, 4, 32 << 20
-    base = directory if directory is not None else os.environ.get("KVKERNELS_BENCH_DIR")
-    if base is not None:
-        if os.path.exists(base) and not os.path.isdir(base):
-            raise NotADirectoryError(f"bench store: {base!r} is not a directory")
-        os.makedirs(base, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="kvk-bench-store-", dir=base)  # ours alone: removed at the end
+    work = common.fresh_bench_dir(directory, "kvk-bench-store-", "bench store")  # ours alone: removed at the end
     meta = common.env_record()
     meta["directory"] = work
     rows: list[dict] = []

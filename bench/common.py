@@ -55,6 +55,20 @@ def bench_dir_arg(parser: argparse.ArgumentParser, directory: str | None) -> Non
         parser.error(f"argument --dir: {directory!r} is not writable")
 
 
+def fresh_bench_dir(directory: str | None, prefix: str, what: str) -> str:
+    """A new folder ``<prefix>*`` inside ``directory`` (default ``KVKERNELS_BENCH_DIR``, else the
+    system temp dir; created when missing) that the caller alone writes into and removes: nothing
+    already in ``directory`` is touched."""
+    import tempfile
+
+    base = directory if directory is not None else os.environ.get("KVKERNELS_BENCH_DIR")
+    if base is not None:
+        if os.path.exists(base) and not os.path.isdir(base):
+            raise NotADirectoryError(f"{what}: {base!r} is not a directory")
+        os.makedirs(base, exist_ok=True)
+    return tempfile.mkdtemp(prefix=prefix, dir=base)
+
+
 def progress(row: dict) -> None:
     """One line per measured row on stderr, as it is measured: a run cut off by a time cap still
     shows how far it got (the tables and files are written at the end)."""

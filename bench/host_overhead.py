@@ -25,6 +25,11 @@ from kvkernels import pipeline as pipeline_mod
 from kvkernels.models import make_cache
 from kvkernels.staging import StagingFormat
 
+try:  # installed as kvkernels.bench, or run as a script
+    from . import common
+except ImportError:  # pragma: no cover
+    import common  # type: ignore
+
 
 def _median_us(fn, calls: int) -> float:
     fn()
@@ -113,18 +118,9 @@ def run(calls: int = 3000) -> dict:
 
 
 
-def _positive_int():
-    """bench/common.py's argparse type for counts (imported lazily: this script also runs alone)."""
-    try:
-        from . import common
-    except ImportError:
-        import common  # type: ignore
-    return common.positive_int
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--calls", type=_positive_int(), default=3000)
+    p.add_argument("--calls", type=common.positive_int, default=3000)
     a = p.parse_args(argv)
     for k, v in run(a.calls).items():
         print(f"{k:72s} {v:8.1f} us")

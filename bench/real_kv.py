@@ -20,6 +20,11 @@ from typing import Callable
 
 import torch
 
+try:  # installed as kvkernels.bench, or run as a script
+    from . import common
+except ImportError:  # pragma: no cover
+    import common  # type: ignore
+
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BLOCK_SIZE = 16
 
@@ -354,21 +359,12 @@ def load_sample(path: str):
 
 
 
-def _positive_int():
-    """bench/common.py's argparse type for counts (imported lazily: this script also runs alone)."""
-    try:
-        from . import common
-    except ImportError:
-        import common  # type: ignore
-    return common.positive_int
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_results/real_kv_smollm2.pt")
-    ap.add_argument("--tokens", type=_positive_int(), default=256)
+    ap.add_argument("--tokens", type=common.positive_int, default=256)
     ap.add_argument("--fp8", action="store_true", help="also print the torch-FP8 agreement measurement")
-    ap.add_argument("--steps", type=_positive_int(), default=64)
+    ap.add_argument("--steps", type=common.positive_int, default=64)
     a = ap.parse_args(argv)
     rec = dump_sample(a.out, a.tokens)
     print(f"wrote {a.out}: {rec['staging'].numel()} bytes, {rec['tokens']} tokens")
