@@ -59,9 +59,12 @@ def backend() -> str:
     return val
 
 
+MAX_CTAS_LIMIT = 2**31 - 1  # a CUDA grid's x limit: a larger cap means "no cap" (it wrapped in the C ABI)
+
+
 def max_ctas() -> int:
     """``KVKERNELS_MAX_CTAS``: default cap on the copy kernels' grid (0 = one program per chunk)."""
-    return env_int("KVKERNELS_MAX_CTAS", 0, lo=0, hi=2**31 - 1)
+    return env_int("KVKERNELS_MAX_CTAS", 0, lo=0, hi=MAX_CTAS_LIMIT)
 
 
 def validate_default() -> bool:

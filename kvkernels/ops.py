@@ -222,13 +222,17 @@ def on_cache_device(layout: PagedLayout):
     return torch.cuda.device(idx)
 
 
-MAX_CTAS_LIMIT = 2**31 - 1  # a CUDA grid's x limit: any larger cap means "no cap" and wrapped in the C ABI
+GRANULARITIES = ("token", "block")  # of FP8 scales (kvkernels.quant)
+
+
+def _check_granularity(granularity) -> None:
+    check(granularity in GRANULARITIES, "granularity", "'token' or 'block'", repr(granularity))
 
 
 def _caps(max_ctas) -> int:
     if max_ctas is None:
         return config.max_ctas()
-    return check_int(max_ctas, "max_ctas", lo=0, hi=MAX_CTAS_LIMIT)
+    return check_int(max_ctas, "max_ctas", lo=0, hi=config.MAX_CTAS_LIMIT)
 
 
 def gather(
@@ -293,7 +297,7 @@ def gather(
 
         return gather_quant(layout, block_ids, quant=quant, shuffle=shuffle, granularity=granularity, out=out,
                             layers=layers, backend=backend, max_ctas=max_ctas, validate=validate)
-    check(granularity in ("token", "block"), "granularity", "'token' or 'block'", repr(granularity))  # unused raw, still a typo
+    _check_granularity(granularity)  # unused on the raw path, still a typo
     layout, ids, fmt, b = _prepare(layout, block_ids, layers, validate, backend, unique=False)
     cap = _caps(max_ctas)
     if out is None:
@@ -366,7 +370,7 @@ def scatter(
 
         return scatter_quant(staging, layout, block_ids, quant=quant, shuffle=shuffle, granularity=granularity,
                              layers=layers, backend=backend, max_ctas=max_ctas, validate=validate)
-    check(granularity in ("token", "block"), "granularity", "'token' or 'block'", repr(granularity))  # unused raw, still a typo
+    _check_granularity(granularity)  # unused on the raw path, still a typo
     layout, ids, fmt, b = _prepare(layout, block_ids, layers, validate, backend, unique=True)
     cap = _caps(max_ctas)
     _check_buffer(staging, "staging", layout, fmt.nbytes)

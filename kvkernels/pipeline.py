@@ -57,7 +57,7 @@ from typing import Hashable, Mapping
 import numpy as np
 import torch
 
-from . import backends, ops
+from . import backends, config, ops
 from ._validate import check, check_int, fail
 from .layout import PagedLayout
 from .staging import REGION_ALIGN, StagingFormat
@@ -482,7 +482,7 @@ class LayerPipeline:
             fail("layout", "a kvkernels.PagedLayout", type(layout).__name__, TypeError)
         check_int(num_slots, "num_slots", lo=2)
         check_int(prefetch_depth, "prefetch_depth", lo=1)
-        check_int(max_ctas, "max_ctas", lo=0, hi=ops.MAX_CTAS_LIMIT)  # passed to the kernels as is
+        check_int(max_ctas, "max_ctas", lo=0, hi=config.MAX_CTAS_LIMIT)  # passed to the kernels as is
         check_int(pack_priority, "pack_priority", hi=0)
         self.layout = layout
         self.cuda = layout.device.type == "cuda"

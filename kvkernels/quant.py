@@ -35,7 +35,7 @@ import torch
 
 from ._validate import check, check_int, fail
 from .layout import PagedLayout
-from .ops import _caps, _check_buffer, _err_counter, _prepare, on_cache_device
+from .ops import GRANULARITIES, _caps, _check_buffer, _check_granularity, _err_counter, _prepare, on_cache_device
 from .staging import RegionArithmetic, StagingFormat, normalize_layers
 
 __all__ = [
@@ -86,7 +86,6 @@ def store_scheme(*, quant=None, shuffle: bool = False, granularity: str = "token
     if shuffle and (dtype is None or dtype.itemsize == 2):
         return "shuffle"
     return "raw"
-GRANULARITIES = ("token", "block")
 SECTION_ALIGN = 16  # every codes / scales section starts 16-byte aligned (vector access, fp32 scales)
 FP8_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_DTYPES = tuple(
@@ -534,10 +533,6 @@ def scatter_shuffle(staging: torch.Tensor, layout: PagedLayout, block_ids: torch
 
 
 # ------------------------------------------------------------------------------------ public ops
-def _check_granularity(granularity) -> None:
-    check(granularity in GRANULARITIES, "granularity", "'token' or 'block'", repr(granularity))
-
-
 def _check_scheme(quant, shuffle, granularity) -> None:
     check(quant in QUANT_SCHEMES, "quant", "None or 'fp8'", repr(quant))
     check(isinstance(shuffle, bool), "shuffle", "a bool", repr(type(shuffle)), TypeError)

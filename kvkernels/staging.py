@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ._validate import check, check_int, fail
+from .layout import PagedLayout
 
 __all__ = ["REGION_ALIGN", "RegionArithmetic", "StagingFormat", "staging_nbytes", "normalize_layers"]
 
@@ -129,8 +130,6 @@ class StagingFormat(RegionArithmetic):
             got = layout.memo_get("formats", key)
             if got is not None:
                 return got
-        from .layout import PagedLayout  # lazy: layout imports staging's users
-
         if not isinstance(layout, PagedLayout):
             fail("layout", "a kvkernels.PagedLayout", type(layout).__name__, TypeError)
         check_int(num_blocks, "num_blocks", lo=0)
