@@ -31,12 +31,25 @@ PACKAGE_DIR = {
 }
 
 
+def _build_cuda_requested() -> bool:
+    """``KVKERNELS_BUILD_CUDA`` read like every other boolean variable (``config.env_bool``: the
+    package cannot be imported here, mid-install): 1/true/yes/on builds, unset/empty/0/false/no/off
+    does not, anything else stops the install instead of silently giving a pure-Python one."""
+    raw = os.environ.get("KVKERNELS_BUILD_CUDA", "")
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("", "0", "false", "no", "off"):
+        return False
+    raise RuntimeError(f"`KVKERNELS_BUILD_CUDA`: expected 0/1/true/false, got {raw!r}")
+
+
 class BuildPyWithCuda(build_py):
     """With KVKERNELS_BUILD_CUDA=1 (and nvcc), compile csrc into kvkernels/_lib/ at install."""
 
     def run(self):
         super().run()
-        if os.environ.get("KVKERNELS_BUILD_CUDA", "0") != "1":
+        if not _build_cuda_requested():
             return
         spec = importlib.util.spec_from_file_location("kvk_csrc_build", os.path.join("csrc", "build.py"))
         mod = importlib.util.module_from_spec(spec)

@@ -49,6 +49,28 @@ def test_compiles_for_all_targets_with_warnings_as_errors(tmp_path):
     assert not [s for s in re.findall(r" T (\S+)", nm) if s.startswith("_Z") and "kvk" not in s and "paged" in s]
 
 
+@pytest.mark.parametrize("raw, want", [("1", True), ("true", True), (" YES ", True), ("on", True), ("", False),
+                                       ("0", False), ("False", False), ("no", False), ("off", False), ("2", None),
+                                       ("ture", None)])
+def test_setup_reads_build_cuda_like_every_boolean_variable(monkeypatch, raw, want):
+    # setup.py runs setup() at import, so only its parser is taken out and run; before, any value
+    # but exactly "1" (``true``, `` 1``) silently gave a pure-Python install
+    import ast
+
+    src = open(os.path.join(ROOT, "setup.py")).read()
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "_build_cuda_requested")
+    ns = {"os": os}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), "setup.py", "exec"), ns)
+    monkeypatch.setenv("KVKERNELS_BUILD_CUDA", raw)
+    if want is None:
+        with pytest.raises(RuntimeError, match="KVKERNELS_BUILD_CUDA"):
+            ns["_build_cuda_requested"]()
+    else:
+        assert ns["_build_cuda_requested"]() is want
+    monkeypatch.delenv("KVKERNELS_BUILD_CUDA")
+    assert ns["_build_cuda_requested"]() is False
+
+
 @needs_nvcc
 def test_bench_memcpy_baselines_compile(tmp_path):
     # the per-chunk cudaMemcpyAsync and cudaMemcpyBatchAsync baselines are built on the GPU machine

@@ -597,7 +597,7 @@ def test_split_d_probe_gives_the_same_bytes(granularity, dtype):
     reference's bytes: MLA 576, 80, 96."""
     from kvkernels.triton_ops.quant_gather import quant_gather_triton
 
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton kernel on CPU needs TRITON_INTERPRET=1")
     for kind, h, d in (("mla", 1, 576), ("vllm-nhd", 2, 80), ("vllm-hnd", 3, 96)):
         lay = cache(kind, dtype=dtype, head_dim=d, heads=h, block_size=4, blocks=8, layers=2, seed=3)  # random bytes
