@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ._validate import check_tensor, describe, fail
 from .layout import PagedLayout
 from .staging import StagingFormat
 
@@ -29,11 +30,45 @@ def _byte_view(v: torch.Tensor) -> torch.Tensor:
     return v.view(torch.uint8)
 
 
+def _check_args(layout, block_ids, fmt, buf, name: str) -> None:
+    """Everything these functions index, checked before the first byte moves: the public ops pass
+    arguments they built and checked, but these are exported, and a format of another layout or a
+    short buffer used to fail part-way (an ``IndexError`` or a view error after some layers were
+    written). Integer checks only (messages built on failure only): no device work, no sync."""
+    if not isinstance(layout, PagedLayout):
+        fail("layout", "a kvkernels.PagedLayout", type(layout).__name__, TypeError)
+    if not isinstance(fmt, StagingFormat):
+        fail("fmt", "a kvkernels.StagingFormat", type(fmt).__name__, TypeError)
+    mine = (layout.block_size, layout.num_heads, layout.head_dim, layout.element_size, layout.num_kv)
+    theirs = (fmt.block_size, fmt.num_heads, fmt.head_dim, fmt.element_size, fmt.num_kv)
+    if mine != theirs:
+        fail("fmt", f"a format of this layout (block_size, heads, head_dim, element_size, kv = {mine})", theirs)
+    nl = layout.num_layers
+    if not all(0 <= j < nl for j in fmt.layers):
+        fail("fmt", f"layers in [0, {nl})", fmt.layers)
+    check_tensor(block_ids, "block_ids")
+    if block_ids.dim() != 1 or block_ids.numel() != fmt.num_blocks:
+        fail("block_ids", f"a 1-D tensor of fmt.num_blocks = {fmt.num_blocks} ids", describe(block_ids))
+    if block_ids.is_floating_point() or block_ids.is_complex() or block_ids.dtype == torch.bool:
+        fail("block_ids", "an integer tensor", block_ids.dtype, TypeError)
+    check_tensor(buf, name)
+    if buf.dtype != torch.uint8:
+        fail(name, "dtype torch.uint8", buf.dtype, TypeError)
+    if buf.dim() != 1 or (buf.stride(0) != 1 and buf.numel() > 1):
+        fail(name, "a contiguous 1-D buffer", describe(buf))
+    if buf.numel() < fmt.nbytes:
+        fail(name, f"at least fmt.nbytes = {fmt.nbytes} bytes", f"{buf.numel()} bytes")
+
+
 def gather(layout: PagedLayout, block_ids: torch.Tensor, fmt: StagingFormat, out: torch.Tensor) -> torch.Tensor:
     """Pack ``block_ids`` of ``fmt.layers`` into ``out[:fmt.nbytes]`` (see :mod:`kvkernels.staging`).
 
-    ``block_ids``: int64 ``[n]`` on the cache device. ``out``: uint8 ``[>= fmt.nbytes]``.
+    ``block_ids``: integer ``[fmt.num_blocks]``. ``out``: uint8 ``[>= fmt.nbytes]``, contiguous.
+    ``fmt`` must describe this layout (its block shape and element size; its layers in range):
+    anything else raises before any byte is written. Ids are not range-checked here (out-of-range
+    ones are padding, above); the public :func:`kvkernels.gather` checks them.
     """
+    _check_args(layout, block_ids, fmt, out, "out")
     n = fmt.num_blocks
     nb = layout.num_blocks
     dev = layout.device
@@ -55,7 +90,11 @@ def gather(layout: PagedLayout, block_ids: torch.Tensor, fmt: StagingFormat, out
 
 
 def scatter(staging: torch.Tensor, layout: PagedLayout, block_ids: torch.Tensor, fmt: StagingFormat) -> None:
-    """Write the staged blocks into ``block_ids`` of the cache (in place); padding ids are skipped."""
+    """Write the staged blocks into ``block_ids`` of the cache (in place); padding ids are skipped.
+
+    Same argument rules as :func:`gather` (``staging`` in the place of ``out``), checked before
+    any block is written."""
+    _check_args(layout, block_ids, fmt, staging, "staging")
     n = fmt.num_blocks
     nb = layout.num_blocks
     dev = layout.device

@@ -6,6 +6,8 @@ checks the reference, and every backend is compared bit-exactly with the referen
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
@@ -191,6 +193,52 @@ def test_scatter_matches_reference_bytes(backend):
     kvkernels.scatter(staging, a, [0, 1, 2, 3, 4], backend=backend)
     reference.scatter(staging, b, torch.tensor([0, 1, 2, 3, 4], device=DEVICE), StagingFormat.for_layout(b, 5))
     assert all(torch.equal(x, y) for x, y in zip(all_bytes(a), all_bytes(b)))
+
+
+def _fmt_with_layers(fmt, layers):
+    return dataclasses.replace(fmt, layers=tuple(layers))
+
+
+@pytest.mark.parametrize("case", ["layer-out-of-range", "other-shape", "short-buffer", "ids-count", "float-ids",
+                                  "2d-buffer", "not-a-format"])
+def test_reference_refuses_bad_arguments_before_writing_anything(case):
+    # reference.gather/scatter are exported; a format naming a layer past the cache's, a format of
+    # another block shape, or a short buffer used to fail part-way, after earlier layers were written
+    lay = cache("vllm-nhd", layers=3)
+    src = cache("vllm-nhd", layers=3, seed=9)
+    ids = torch.tensor([0, 2], device=DEVICE)
+    fmt = StagingFormat.for_layout(lay, 2)
+    staging = kvkernels.gather(src, [0, 2])
+    buf = staging.clone()
+    exc = ValueError
+    if case == "layer-out-of-range":
+        fmt = _fmt_with_layers(fmt, (0, 1, 3))  # layers 0 and 1 were written before the IndexError
+        buf = torch.zeros(fmt.nbytes, dtype=torch.uint8, device=DEVICE)
+    elif case == "other-shape":
+        fmt = dataclasses.replace(fmt, head_dim=fmt.head_dim // 2)
+    elif case == "short-buffer":
+        buf = buf[: fmt.nbytes - 1]
+    elif case == "ids-count":
+        ids = torch.tensor([0, 2, 1], device=DEVICE)
+    elif case == "float-ids":
+        ids, exc = ids.double(), TypeError
+    elif case == "2d-buffer":
+        buf = buf.view(2, -1)
+    else:
+        fmt, exc = object(), TypeError
+    before = all_bytes(lay)
+    with pytest.raises(exc):
+        reference.scatter(buf, lay, ids, fmt)
+    assert all(torch.equal(x, y) for x, y in zip(before, all_bytes(lay)))
+    out = torch.full((staging.numel() + 8,), 7, dtype=torch.uint8, device=DEVICE)
+    if case == "short-buffer":
+        out = out[: staging.numel() - 1]
+    elif case == "2d-buffer":
+        out = out[:-8].view(2, -1)
+    keep = out.clone()
+    with pytest.raises(exc):
+        reference.gather(src, ids, fmt, out)
+    assert torch.equal(out, keep)
 
 
 # ------------------------------------------------------------------------------- deferred checks
