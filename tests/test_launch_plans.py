@@ -85,6 +85,8 @@ def test_cuda_plan_gives_the_computed_arguments_and_follows_each_call(kind, bs, 
     monkeypatch.setattr(backends, "resolve", lambda backend, device: "cuda")  # CPU tensors posing as CUDA ones
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    # a CUDA build of torch has the raw-stream call _cuda._raw_stream prefers: it must give the stand-in too
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda idx: stream.cuda_stream, raising=False)
     out = torch.empty(4 << 20, dtype=torch.uint8)
     for step, ids in enumerate((torch.tensor([3, 1, 7]), torch.tensor([6, 2, 8], dtype=torch.int32))):
         stream.cuda_stream = 111 + step

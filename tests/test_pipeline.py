@@ -36,7 +36,7 @@ def snapshot(lay, blocks):
 
 
 def run_step_saves(pipe, saves):
-    for layer in range(L):
+    for layer in range(pipe.layout.num_layers):  # the pipeline's cache (not always L layers: the 8-layer GPU test)
         pipe.save_layer(layer, saves)
     pipe.wait_for_save()
 
@@ -51,6 +51,8 @@ def save_step_then_restore(pipe, lay, key, src, dst):
     ``dst`` brings their bytes back."""
     expect = snapshot(lay, src)
     run_step_saves(pipe, {key: src})
+    if DEVICE.type == "cuda":  # drain stops at the first empty poll: the save's copies must be done
+        torch.cuda.synchronize()
     saved, _ = drain(pipe)
     assert saved == {key}
     run_step_loads(pipe, {key: dst})
@@ -62,7 +64,7 @@ def save_step_then_restore(pipe, lay, key, src, dst):
 
 def run_step_loads(pipe, loads):
     pipe.start_load(loads)
-    for layer in range(L):
+    for layer in range(pipe.layout.num_layers):
         pipe.wait_for_layer_load(layer)
 
 
@@ -375,10 +377,10 @@ def test_step_path_has_no_host_sync_and_issue_cost(stream_api, copy_mode):
                        copy_mode=copy_mode) as pipe:
         run_step_saves(pipe, {"w": src})  # warm-up: JIT, pointer tables
         torch.cuda.synchronize()
-        drain(pipe)
+        assert drain(pipe)[0] == {"w"}  # all 8 layers saved: the restores below have an entry
         run_step_loads(pipe, {"w": dst})
         torch.cuda.synchronize()
-        drain(pipe)
+        assert drain(pipe)[1] == {"w"}
         src_list, dst_list = src.tolist(), dst.tolist()  # host ids, as vLLM passes them
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -395,8 +397,8 @@ def test_step_path_has_no_host_sync_and_issue_cost(stream_api, copy_mode):
             t0 = time.perf_counter()
             run_step_loads(pipe, {"w": dst_list})
             t_load_h = (time.perf_counter() - t0) / 8
-            if copy_mode == "dma":
-                assert pipe._load_batch is not None  # host ids: the restore went as batched DMAs
+            if copy_mode == "dma":  # host ids: the restore went as batched DMAs (pieces, not an empty batch)
+                assert pipe._load_batch is not None and pipe._load_batch.count > 0
         finally:
             torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
@@ -1153,6 +1155,7 @@ def test_a_save_left_incomplete_when_its_step_ends_is_failed_and_its_region_free
         pipe.wait_for_save()
         saved, _ = drain(pipe)
         assert saved == set() and pipe.failed_saves == {"gone"} and "gone" not in pipe.entries
+        _sync()  # the abandoned save's queued copies are done: its region can go back
         pipe._reap()
         assert pipe.pool.free_bytes == free
         save_step_then_restore(pipe, lay, "gone", [5, 6], [20, 21])  # a later save of the key works
@@ -1621,22 +1624,28 @@ def test_dma_mode_copies_wait_for_the_compute_on_the_gpu(stream_api):
     writes must land after the compute's earlier writes to the destination blocks."""
     lay = make_cache("vllm-nhd", num_layers=L, num_blocks=NB, block_size=BS, num_heads=H, head_dim=D, device=DEVICE)
     src, dst = [3, 4, 5, 9], [20, 21, 22, 23]
+    # device index tensors made before any spin: indexing with a Python list copies it to the GPU
+    # from pageable memory, a host sync that waits for the spin (and so defeats this test)
+    src_t, dst_t = ids(src), ids(dst)
     cycles = 50_000_000  # ~25 ms of spinning on the compute stream
     with LayerPipeline(lay, host_bytes=1 << 20, copy_mode="dma", stream_api=stream_api) as pipe:
+        torch.cuda.synchronize()
         for layer in range(L):
             torch.cuda._sleep(cycles)
             for c in range(lay.num_kv):
-                lay.views[layer][c][src] = float(layer + 1)  # queued behind the spin
+                lay.views[layer][c].index_fill_(0, src_t, float(layer + 1))  # queued behind the spin
             pipe.save_layer(layer, {"k": src})
+        assert not torch.cuda.current_stream().query()  # the saves were issued while the compute spun
         pipe.wait_for_save()
         # restore at once (the save's D2H copies may still be queued): done_event orders them
         torch.cuda._sleep(cycles)
         for layer in range(L):
             for c in range(lay.num_kv):
-                lay.views[layer][c][dst] = -7.0  # the compute's last writes before the restore
+                lay.views[layer][c].index_fill_(0, dst_t, -7.0)  # the compute's last writes before the restore
         pipe.start_load({"k": dst})
         for layer in range(L):
             pipe.wait_for_layer_load(layer)
+        assert not torch.cuda.current_stream().query()  # issued behind the spin, not after it
         torch.cuda.synchronize()
         drain(pipe)
     for layer in range(L):
