@@ -650,6 +650,9 @@ def _gpu_compress(codec: str, fmt, stream, chunk: int, shuffled: bool, base: tor
                 table = _frame_table(chunk, n, [(ln, fn) for ln, (_, fn) in zip(ls, frames)])
                 t = torch.frombuffer(bytearray(table), dtype=torch.uint8).to(base.device)
                 out.append(torch.cat([t, *fr]))
+        # the last region's concatenation is still queued on `s`: complete on return, on any
+        # stream, as the native codecs' regions (the frame tables' copies were host syncs already)
+        s.synchronize()
         return out
     h = _NV_HEAD.size
     buf, starts, lens = _encode_into(c, nvcomp, base, offsets, [n] * len(offsets), chunk, ptr, s, lead=h)
@@ -827,8 +830,12 @@ def compress_regions(
     elif dev.type == "cuda":
         # the codec options follow the stored bytes: byte planes (split here or at gather) get no
         # element data type, and the decoder derives the same from the recorded scheme
-        stored = _gpu_compress(c, fmt, stream, chunk_nbytes, byteshuffle or staging_shuffled, base, offsets, frames,
-                               checksum)
+        # under the data's device: nvCOMP's scratch (KVKERNELS_NVCOMP_ALLOCATOR=torch) comes from
+        # the current device, which must be the codec's (cuda:1 data with device 0 current would
+        # hand nvCOMP cuda:0 memory)
+        with torch.cuda.device(dev):
+            stored = _gpu_compress(c, fmt, stream, chunk_nbytes, byteshuffle or staging_shuffled, base, offsets,
+                                   frames, checksum)
     else:
         stored = _zstd_compress_cpu(payloads, frames, chunk_nbytes, lvl)
 
@@ -976,8 +983,9 @@ def decompress_regions(
             scratch = tgt if comp_j == list(range(len(idx))) else torch.empty(sub.nbytes, dtype=torch.uint8, device=dev)
             if codec in _GPU_ONLY:  # the native streams, after their checked headers
                 regs = [r[_NV_HEAD.size:] for r in regs]
-            _gpu_decompress([r if r.device == dev else r.to(dev) for r in regs], codec, sub, scratch, stream,
-                            cs.chunk_nbytes, _esize(fmt), cs.scheme == "shuffle", checksummed)
+            with torch.cuda.device(dev):  # nvCOMP's scratch on the codec's device (as for compress)
+                _gpu_decompress([r if r.device == dev else r.to(dev) for r in regs], codec, sub, scratch, stream,
+                                cs.chunk_nbytes, _esize(fmt), cs.scheme == "shuffle", checksummed)
             if scratch is not tgt:
                 for q, k in enumerate(comp_j):
                     tgt[k * ofmt.region_nbytes: k * ofmt.region_nbytes + n].copy_(

@@ -105,9 +105,14 @@ def _to_cache_device(ids: torch.Tensor, layout: PagedLayout) -> torch.Tensor:
         if ids.device.type == "cpu":
             # pageable -> device would be a host sync (torch waits for the copy, i.e. for all
             # the work queued on the current stream); a copy into a pinned block from torch's
-            # caching host allocator is not (the block is kept until the copy has run)
-            if not ids.is_pinned():
-                ids = ids.pin_memory() if layout.device.type == "cuda" else ids
+            # caching host allocator is not (the block is kept until the copy has run). A pinned
+            # tensor of the caller's (vLLM's block tables are pinned) gets a fresh block too: as
+            # the copy's source it would be read whenever the stream gets there, after the caller
+            # may have refilled it with other, unchecked ids
+            if layout.device.type == "cuda":
+                staged = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+                staged.copy_(ids)
+                ids = staged
             ids = ids.to(layout.device, non_blocking=True)
         else:
             fail("block_ids", f"a tensor on {layout.device} (the cache device) or on the CPU", ids.device)

@@ -296,25 +296,37 @@ def _clear_cuda_error() -> None:
         pass
 
 
-def _host_register(ptr: int, nbytes: int) -> None:
-    rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+def _on_device(device):
+    """``device`` current for a bare runtime call (``None``: as it is). torch's cudart binding has
+    no guard, and cudaHostRegister/Unregister initialise the *current* device's context: a pool
+    for a cache on cuda:1 registered while device 0 is current would create a context (hundreds
+    of MiB) on cuda:0. A portable registration serves every context, so the cache's is enough."""
+    return torch.cuda.device(device) if device is not None else contextlib.nullcontext()
+
+
+def _host_register(ptr: int, nbytes: int, device=None) -> None:
+    with _on_device(device):
+        rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
     if rc != 0:
         _clear_cuda_error()
         raise RuntimeError(f"kvkernels: cudaHostRegister of the {nbytes}-byte host pool failed (cudaError {rc}: "
                            "not enough free host memory?)")
 
 
-def _host_unregister(ptr: int, buf: torch.Tensor, device) -> None:
-    """Unpin the pool (``buf`` keeps its pages mapped until then). At garbage collection the
-    pool's last DMAs may still be queued (a pipeline dropped without ``close()``): with
-    ``device`` given, that device is waited for first (a host wait, at collection only)."""
+def _host_unregister(ptr: int, buf: torch.Tensor, device, wait: bool = True) -> None:
+    """Unpin the pool (``buf`` keeps its pages mapped until then), with ``device`` (the cache's)
+    current. At garbage collection the pool's last DMAs may still be queued (a pipeline dropped
+    without ``close()``): with ``wait``, that device is waited for first (a host wait, at
+    collection only)."""
     try:
-        if device is not None:
+        if device is not None and wait:
             torch.cuda.synchronize(device)
     except Exception:  # a sticky error or a capture in progress: unpin anyway (the memory must not
         _clear_cuda_error()  # be freed while registered)
     try:
-        if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+        with _on_device(device):
+            rc = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        if rc != 0:
             _clear_cuda_error()
     except Exception:  # a context already torn down: the process is going away, nothing to unpin
         pass
@@ -349,7 +361,7 @@ class PinnedPool:
         self._unpin = None
         if pin:
             ptr = self.buffer.data_ptr()
-            _host_register(ptr, reg)
+            _host_register(ptr, reg, device)
             self._unpin = weakref.finalize(self, _host_unregister, ptr, buf, device)
             self._unpin.atexit = False  # at exit the process unpins (and DMAs may be in flight)
 
@@ -361,8 +373,8 @@ class PinnedPool:
         """Unpin now (the memory stays readable, pageable). Every DMA on the pool must be done:
         :meth:`LayerPipeline.close` calls it after draining its streams."""
         if self._unpin is not None and self._unpin.alive:
-            _, _, (ptr, buf, _dev), _ = self._unpin.detach()
-            _host_unregister(ptr, buf, None)
+            _, _, (ptr, buf, dev), _ = self._unpin.detach()
+            _host_unregister(ptr, buf, dev, wait=False)
 
     def alloc(self, nbytes: int) -> int | None:
         size = _round_up(max(nbytes, 1), REGION_ALIGN)
@@ -518,6 +530,14 @@ class LayerPipeline:
             self.d2h_stream = torch.cuda.Stream(device=dev)
             self.h2d_stream = torch.cuda.Stream(device=dev)
             self._device_index = self.pack_stream.device_index
+            if self._kernels in ("triton", "cuda"):
+                # the kernels' per-layer pointer tables are built from a Python list, a blocking
+                # pageable copy on the current stream: here, not at a layer's first save or
+                # restore, where the current stream is the pack stream waiting for the compute
+                # (the host would wait for layer l's attention, once per layer of the first step)
+                with torch.cuda.device(dev):
+                    for layer in range(layout.num_layers):
+                        layout.pointer_table_for((layer,))
         else:
             self.pack_stream = self.d2h_stream = self.h2d_stream = _NullStream()
         # events are reused (a stream wait binds to the record made before it): creating and

@@ -1376,6 +1376,119 @@ def test_pinned_pool_registers_exactly_its_bytes_once(monkeypatch):
         PinnedPool(4096, pin=True)
 
 
+def test_pinned_pool_registers_and_unregisters_on_the_caches_device(monkeypatch):
+    """cudaHostRegister/Unregister (torch's bare binding) act on the current device's context: a
+    pool for a cache on cuda:1 built while device 0 was current created a context on cuda:0. The
+    calls now run with the cache's device current (a stand-in device context records which)."""
+    import contextlib
+
+    import kvkernels.pipeline as P
+
+    current, calls = [0], []
+
+    @contextlib.contextmanager
+    def fake_device(dev):
+        idx = dev.index if isinstance(dev, torch.device) else dev
+        old, current[0] = current[0], idx
+        try:
+            yield
+        finally:
+            current[0] = old
+
+    class FakeRT:
+        def cudaHostRegister(self, ptr, n, flags):
+            calls.append(("register", current[0]))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", current[0]))
+            return 0
+
+    monkeypatch.setattr(P.torch.cuda, "cudart", lambda: FakeRT())
+    monkeypatch.setattr(P.torch.cuda, "device", fake_device)
+    monkeypatch.setattr(P.torch.cuda, "synchronize", lambda device=None: None)
+    pool = PinnedPool(4096, pin=True, device=torch.device("cuda", 1))
+    pool.release()
+    pool2 = PinnedPool(4096, pin=True, device=torch.device("cuda", 1))
+    del pool2  # garbage collection unpins on the same device
+    import gc
+
+    gc.collect()
+    assert calls == [("register", 1), ("unregister", 1), ("register", 1), ("unregister", 1)] and current[0] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("copy_mode", ["gather", "dma"])
+def test_pinned_host_ids_are_copied_at_the_call(copy_mode):
+    """A caller's pinned id tensor (vLLM's block tables are pinned) refilled right after the call
+    returns: the restore still goes to the ids given. Before, the pinned tensor itself was the
+    source of the asynchronous id copy on the pack stream, read whenever that stream got there."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20, prefetch_depth=1, copy_mode=copy_mode) as pipe:
+        expect = snapshot(lay, [1, 2])
+        run_step_saves(pipe, {"a": [1, 2]})
+        torch.cuda.synchronize()
+        assert drain(pipe)[0] == {"a"}
+        before = snapshot(lay, [10, 11])
+        dst = torch.tensor([20, 21]).pin_memory()
+        for stream in (pipe.pack_stream, pipe.h2d_stream):
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(50_000_000)  # the id copy queues behind this (~25 ms)
+        pipe.start_load({"a": dst})
+        dst.copy_(torch.tensor([10, 11]))  # the caller reuses its buffer at once
+        for layer in range(L):
+            pipe.wait_for_layer_load(layer)
+        torch.cuda.synchronize()
+        assert drain(pipe)[1] == {"a"}
+    assert_blocks_hold(lay, [20, 21], expect)
+    assert_blocks_hold(lay, [10, 11], before)
+
+
+@pytest.mark.gpu
+def test_pinned_host_ids_of_a_public_op_are_copied_at_the_call():
+    """The same for :func:`kvkernels.gather`: the ids checked are the ids used."""
+    lay = cache()
+    ids_pinned = torch.tensor([1, 2]).pin_memory()
+    torch.cuda._sleep(50_000_000)  # the id copy queues behind this on the current stream
+    out = kvkernels.gather(lay, ids_pinned)
+    ids_pinned.copy_(torch.tensor([5, 6]))
+    assert torch.equal(out.cpu(), kvkernels.gather(lay, [1, 2]).cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("copy_mode", ["gather", "dma"])
+def test_a_fresh_pipelines_first_step_has_no_host_sync(copy_mode):
+    """The first save and restore of each layer on a layout never used before: the kernels'
+    pointer tables (built from a Python list, a blocking copy) are made at construction, not at a
+    layer's first gather, where the host would wait for that layer's compute."""
+    def shaped():
+        return make_cache("vllm-nhd", num_layers=4, num_blocks=64, block_size=16, num_heads=8, head_dim=128,
+                          device=DEVICE)
+
+    lay = shaped()
+    ref = shaped()  # the kernels are compiled (JIT) for this shape on another layout of it
+    kvkernels.scatter(kvkernels.gather(ref, [1]), ref, [2])
+    src, dst = ids([3, 9, 17]), ids([40, 41, 42])
+    expect = snapshot(lay, [3, 9, 17])
+    with LayerPipeline(lay, host_bytes=1 << 22, copy_mode=copy_mode) as pipe:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run_step_saves(pipe, {"k": src})
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        assert drain(pipe)[0] == {"k"}
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run_step_loads(pipe, {"k": dst})
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        assert drain(pipe)[1] == {"k"}
+    assert_blocks_hold(lay, [40, 41, 42], expect)
+
+
 def test_a_bad_id_part_way_through_a_save_fails_that_save_only_until_the_next_step():
     lay = cache()
     with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
