@@ -1466,8 +1466,9 @@ def test_a_fresh_pipelines_first_step_has_no_host_sync(copy_mode):
                           device=DEVICE)
 
     lay = shaped()
-    ref = shaped()  # the kernels are compiled (JIT) for this shape on another layout of it
-    kvkernels.scatter(kvkernels.gather(ref, [1]), ref, [2])
+    ref = shaped()  # the kernels are compiled (JIT) for this shape, by a pipeline on another layout
+    with LayerPipeline(ref, host_bytes=1 << 22, copy_mode=copy_mode) as warm:
+        save_step_then_restore(warm, ref, "w", [1, 2], [5, 6])
     src, dst = ids([3, 9, 17]), ids([40, 41, 42])
     expect = snapshot(lay, [3, 9, 17])
     with LayerPipeline(lay, host_bytes=1 << 22, copy_mode=copy_mode) as pipe:
