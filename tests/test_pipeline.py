@@ -75,7 +75,11 @@ def drain(pipe, timeout=30.0):
         s, l = pipe.get_finished()
         saved |= s
         loaded |= l
-        if DEVICE.type == "cpu" or (s == set() and l == set() and pipe._pending_loads == []):
+        # on a GPU a poll that reports nothing is not the end while a whole step's save is still
+        # copying (its done_event pending): without this, a drain without a synchronize before it
+        # could stop at the first empty poll and miss the save
+        copying = any(e.state == "saving" and e.done_event is not None for e in list(pipe.entries.values()))
+        if DEVICE.type == "cpu" or (s == set() and l == set() and pipe._pending_loads == [] and not copying):
             break
         time.sleep(0.01)
     return saved, loaded
