@@ -519,6 +519,10 @@ class LayerPipeline:
         self.prefetch_depth = prefetch_depth
         self.backend = backend
         self._kernels = backends.resolve(backend, layout.device)  # once: the per-layer calls skip ops' checks
+        if self._kernels == "torch" and layout.device.type == "cuda":
+            log.warning("kvkernels: LayerPipeline on %s with the torch backend: each restored layer's scatter "
+                        "syncs the host (padding ids found with nonzero); triton or cuda keep the step sync-free",
+                        layout.device)
         self.store = store
         self.pool = PinnedPool(host_bytes, pin=self.cuda, device=layout.device if self.cuda else None)
         dev = layout.device

@@ -1494,6 +1494,20 @@ def test_a_fresh_pipelines_first_step_has_no_host_sync(copy_mode):
     assert_blocks_hold(lay, [40, 41, 42], expect)
 
 
+@pytest.mark.gpu
+def test_the_torch_backend_on_a_gpu_is_named_as_syncing(caplog):
+    """backend="torch" on a GPU still round-trips, with one warning at construction (its scatter
+    syncs the host per restored layer); the default backend gives no such warning."""
+    lay = cache()
+    with caplog.at_level("WARNING", logger="kvkernels"):
+        with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+            pass
+        assert not [r for r in caplog.records if "torch backend" in r.getMessage()]
+        with LayerPipeline(lay, host_bytes=1 << 20, backend="torch") as pipe:
+            save_step_then_restore(pipe, lay, "t", [1, 2], [7, 8])
+    assert [r for r in caplog.records if "torch backend" in r.getMessage()]
+
+
 def test_a_bad_id_part_way_through_a_save_fails_that_save_only_until_the_next_step():
     lay = cache()
     with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
