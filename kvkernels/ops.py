@@ -44,8 +44,10 @@ def _err_counter(device: torch.device) -> torch.Tensor:
 def check_errors(device=None) -> None:
     """Raise ``ValueError`` if a ``validate=False`` call met invalid block ids since the last check.
 
-    Reads the per-device counter (a host sync on GPU) and resets it. ``device`` defaults to all
-    devices used so far.
+    Waits for the device (every stream: kernels on a pipeline's side streams count into the same
+    counter), reads the per-device counter and takes what it read off it, so a count added by
+    work another thread queues meanwhile is reported by the next check instead of wiped.
+    ``device`` defaults to all devices used so far.
     """
     if device is None:
         keys = list(_ERR)
@@ -59,9 +61,13 @@ def check_errors(device=None) -> None:
         t = _ERR.get(key)
         if t is None:
             continue
+        if t.device.type == "cuda":
+            # item() waits for the current stream only: a kernel still running on another stream
+            # (the pipeline's pack stream) could count after the read and be wiped by a reset
+            torch.cuda.synchronize(t.device)
         count = int(t.item())
         if count:
-            t.zero_()
+            t.sub_(count)
             raise ValueError(
                 f"`block_ids`: {count} id(s) outside [-1, num_blocks) were passed with validate=False "
                 f"on {key}; they were treated as padding (nothing outside the cache was touched)"

@@ -259,6 +259,24 @@ def test_validate_false_never_touches_outside_and_reports_later(backend):
         kvkernels.check_errors(DEVICE)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch"])
+def test_check_errors_sees_counts_from_kernels_on_other_streams(backend):
+    """A pipeline's kernels run on its side streams: check_errors waits for the device, not only
+    the current stream (item() alone returned 0 while the side stream's kernel was still queued)."""
+    kvkernels.check_errors()  # clear
+    lay = cache("vllm-nhd")
+    side = torch.cuda.Stream()
+    ids = torch.tensor([1, NB + 5, 2], device=DEVICE)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # ~25 ms: the gather below is still queued at the check
+        kvkernels.gather(lay, ids, validate=False, backend=backend)
+    with pytest.raises(ValueError, match="`block_ids`: 1 id\\(s\\) outside"):
+        kvkernels.check_errors()
+    kvkernels.check_errors()  # the count was taken off: nothing left
+
+
 # ----------------------------------------------------------------------------------- error paths
 def _lay():
     return cache("vllm-nhd")

@@ -42,3 +42,21 @@ def test_kernels_fit_in_registers_without_spills():
     for row in rows:
         assert row["local"] == 0 and row["stack"] == 0, row
         assert row["registers"] <= 128 and row["shared"] <= 16384, row
+
+
+def test_no_triton_kernel_multiplies_a_stride_or_size_in_32_bits():
+    """Compiled for sm_90 with every integer scalar typed i32, the TTIR multiplies in i32 only
+    the work-item counters (``n``, ``num_items``: bounded by num_items < 2^31). A product of a
+    stride or a size in i32 (``h * stride_h`` in the per-block FP8 gather before e9b9dcd: an
+    overflow past 2^31 elements the interpreter cannot show) fails here."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    probe = os.path.join(os.path.dirname(__file__), "i32_probe.py")
+    r = subprocess.run([sys.executable, probe], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(found) == 16  # gather, scatter (x2 ALIGN16), fp8 gather (x8), dequant (x2), shuffle (x2)
+    bounded = {"n", "num_items"}
+    bad = {name: [p for p in prods if not set(p[1]) <= bounded] for name, prods in found.items()}
+    assert not any(bad.values()), bad
+    # the probe sees products at all (a parser that matched nothing would pass the check above)
+    assert any(prods for prods in found.values())
