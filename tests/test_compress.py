@@ -777,6 +777,10 @@ def test_compress_arguments_that_cannot_describe_the_staging_are_refused():
     buf = torch.zeros(fmt32.nbytes, dtype=torch.uint8)
     for j, r in enumerate(packed.regions):
         buf[j * fmt32.region_nbytes: j * fmt32.region_nbytes + r.numel()] = r
+    with pytest.raises(ValueError, match="byteshuffle"):  # fp32 staging: no byte planes, as compress_regions
+        CompressedStaging.from_buffer(buf, fmt32, packed.stored_nbytes, "zstd", byteshuffle=True)
+    assert torch.equal(decompress_regions(CompressedStaging.from_buffer(buf, fmt32, packed.stored_nbytes, "zstd")),
+                       f32[: fmt32.nbytes])  # the same regions read without it decode
     q = QuantStagingFormat.from_staging(fmt)
     with pytest.raises(ValueError, match="byteshuffle"):  # planes only of 16/32-bit payloads, as compress_regions
         CompressedStaging.from_buffer(torch.zeros(q.nbytes, dtype=torch.uint8), q, [16] * q.num_regions, "zstd",

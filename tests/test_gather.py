@@ -50,7 +50,9 @@ def expected_staging(lay, ids, layers=None) -> torch.Tensor:
 
 
 def all_bytes(lay):
-    return [v.cpu().contiguous().view(-1).view(torch.uint8) for row in lay.views for v in row]
+    """Copies of every view's bytes: on CPU ``.cpu()`` and ``.contiguous()`` return the cache's own
+    memory, so a "before" snapshot taken without the clone is the cache and equals itself later."""
+    return [v.cpu().contiguous().view(-1).view(torch.uint8).clone() for row in lay.views for v in row]
 
 
 # ---------------------------------------------------------------------------------------- gather
@@ -463,6 +465,15 @@ def test_check_errors_with_a_bare_device_name_finds_the_indexed_counter(monkeypa
                                     device="cuda"), [1, 9], validate=False)
         with pytest.raises(ValueError, match=r"1 id\(s\)"):
             kvkernels.check_errors("cuda")
+    # the lookup itself, on any machine (the "cpu" key above is found by the exact-key lookup too):
+    # a counter kept under "cuda:0" (a CPU tensor standing in) is found by the bare "cuda" while
+    # device 0 is current, and not by another index
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setitem(ops._ERR, "cuda:0", torch.ones(1, dtype=torch.int32))
+    kvkernels.check_errors("cuda:1")
+    with pytest.raises(ValueError, match=r"1 id\(s\) .* on cuda:0"):
+        kvkernels.check_errors("cuda")
+    kvkernels.check_errors("cuda")  # the raise reset it
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -574,16 +574,51 @@ def _drain_loads(pipe, timeout=10.0):
     raise AssertionError("loads did not finish")
 
 
+class _LastReadHeldStore(_SlowStore):
+    """The read of ``last_layer`` waits (up to 10 s) for ``restoring``, which the first restore copy
+    sets: a restore that waited for the whole read before its first layer cannot pass by timing
+    (it stalls here, and finds every read done)."""
+
+    def __init__(self, last_layer, **kw):
+        import threading
+
+        super().__init__(**kw)
+        self.last_layer, self.restoring = last_layer, threading.Event()
+
+    def get(self, key, out=None, layers=None):
+        if layers is None or self.last_layer not in layers:
+            return super().get(key, out, layers)
+
+        def run():
+            self.restoring.wait(10)
+            time.sleep(self.delay)
+            self.reads.append(list(layers))
+            _copy_regions(self.data[key], out, layers)
+            return out
+        return self.pool.submit(run)
+
+
 def test_streamed_ssd_restore_starts_before_the_read_ends(monkeypatch):
+    from kvkernels import ops
+
     lay = cache()
     expect = snapshot(lay, [5, 6])
-    store = _SlowStore(delay=0.05)
+    store = _LastReadHeldStore(L - 1, delay=0.05)
     with _saved_to(store, lay, [5, 6], monkeypatch) as pipe:
         run_step_saves(pipe, {"w": ids([1])})  # warm-up: the restore path's kernels compile here,
         run_step_loads(pipe, {"w": ids([9])})  # not in the timed window below
         if DEVICE.type == "cuda":
             torch.cuda.synchronize()
         _drain_loads(pipe)
+        reads_at_restore = []  # reads finished when each layer's restore copy (scatter) was issued
+        real_scatter = ops._scatter_from
+
+        def scatter(*a):
+            reads_at_restore.append(len(store.reads))
+            store.restoring.set()
+            return real_scatter(*a)
+
+        monkeypatch.setattr(ops, "_scatter_from", scatter)
         dst = ids([20, 21])  # a host-to-device copy: before the sync-debug window
         fut = pipe.prefetch("k", num_blocks=2)
         time.sleep(0.01)
@@ -603,6 +638,8 @@ def test_streamed_ssd_restore_starts_before_the_read_ends(monkeypatch):
             torch.cuda.synchronize()
         assert fut.result(timeout=10).state == "ready"
         assert store.reads == [[0], [1], [2], [3]]  # one read per group of layers, in order
+        # the first layer was restored while the last layer's read was still to come
+        assert len(reads_at_restore) == L and reads_at_restore[0] < L, reads_at_restore
         assert _drain_loads(pipe) == {"k"} and pipe.get_block_ids_with_load_errors() == set()
     got = snapshot(lay, [20, 21])
     assert all(bytes_equal(a, b) for ra, rb in zip(expect, got) for a, b in zip(ra, rb))
@@ -859,7 +896,12 @@ def test_streamed_failure_is_reported_by_the_steps_own_get_finished(monkeypatch)
         if DEVICE.type == "cuda":
             torch.cuda.synchronize()
         assert pipe.entries["k"].state == "loading"  # the race window
-        assert _drain_loads(pipe) == set() and pipe.get_block_ids_with_load_errors() == {20, 21}
+        # one poll, the step's own: it must settle the restore and count it failed (repeated polls,
+        # as _drain_loads makes, would also pass a get_finished that kept it pending until the
+        # reading thread set the state, i.e. reported it a step late)
+        saved, loaded = pipe.get_finished()
+        assert loaded == set() and not pipe._pending_loads
+        assert pipe.get_block_ids_with_load_errors() == {20, 21}
         fut.result(timeout=10)
 
 
