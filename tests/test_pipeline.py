@@ -1519,20 +1519,16 @@ def test_a_fresh_pipelines_first_step_has_no_host_sync(copy_mode):
     expect = snapshot(lay, [3, 9, 17])
     with LayerPipeline(lay, host_bytes=1 << 22, copy_mode=copy_mode) as pipe:
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            run_step_saves(pipe, {"k": src})
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
-        assert drain(pipe)[0] == {"k"}
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            run_step_loads(pipe, {"k": dst})
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
-        assert drain(pipe)[1] == {"k"}
+        # the step's save, then its restore, each under the sync guard; drain()[0] / [1]: saved / restored
+        for which, run_step in ((0, lambda: run_step_saves(pipe, {"k": src})),
+                                (1, lambda: run_step_loads(pipe, {"k": dst}))):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                run_step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+            assert drain(pipe)[which] == {"k"}
     assert_blocks_hold(lay, [40, 41, 42], expect)
 
 
