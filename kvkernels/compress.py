@@ -572,7 +572,9 @@ def _codec(nvcomp, codec: str, stream_ptr: int, device: int, element_size: int, 
            checksum: str | None = None):
     """``checksum``: the name of an ``nvcomp.ChecksumPolicy`` for a native stream (None: nvCOMP's
     default, no checksums)."""
-    key = (codec, stream_ptr, device, element_size, chunk, shuffled, checksum)
+    # per thread: nvCOMP 6's Python Codec "must not be called from multiple threads concurrently"
+    # (it holds its manager and scratch), and every thread on the default stream has stream_ptr 0
+    key = (threading.get_ident(), codec, stream_ptr, device, element_size, chunk, shuffled, checksum)
     c = _CODEC_CACHE.get(key)
     if c is None:
         kw = dict(algorithm=_NVCOMP_NAME[codec], device_id=device, cuda_stream=stream_ptr, uncomp_chunk_size=chunk)
@@ -588,6 +590,8 @@ def _codec(nvcomp, codec: str, stream_ptr: int, device: int, element_size: int, 
             # LZ4 takes integer element types only ("Illegal data type" for '<f2', seen on the H100)
             kw["data_type"] = "<u2" if element_size == 2 else "<u4"
             kw["bitshuffle_mode"] = nvcomp.BitshuffleMode.NVCOMP_BITSHUFFLE_MSB_FIRST
+        if len(_CODEC_CACHE) >= 256:  # codecs of threads that are gone: dropped (a user holds its own)
+            _CODEC_CACHE.clear()
         c = _CODEC_CACHE[key] = nvcomp.Codec(**kw)
     return c
 

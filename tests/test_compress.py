@@ -413,6 +413,32 @@ def test_nvcomp_encode_layout_with_a_stand_in_codec(monkeypatch):
             assert bool((r[32:] == 0xA0 + j).all())  # exactly the stream nvCOMP wrote, nothing cut
 
 
+def test_each_thread_gets_its_own_nvcomp_codec(monkeypatch):
+    """nvCOMP 6's Python Codec must not be called from several threads at once; every thread on
+    the default stream has stream pointer 0, so the cache key carries the thread: two threads with
+    the same options get two codecs, one thread asking twice gets the same one."""
+    import threading
+    import types
+
+    import kvkernels.compress as C
+
+    class Codec:
+        def __init__(self, **kw):
+            self.kw = kw
+
+    nv = types.SimpleNamespace(Codec=Codec, BitstreamKind=types.SimpleNamespace(RAW="raw", NVCOMP_NATIVE="native"),
+                               ChecksumPolicy=types.SimpleNamespace(COMPUTE_AND_VERIFY="strict"))
+    monkeypatch.setattr(C, "_CODEC_CACHE", {})
+    args = (nv, "ans", 0, 0, 2, 65536, False, "COMPUTE_AND_VERIFY")
+    mine = C._codec(*args)
+    assert C._codec(*args) is mine
+    theirs = []
+    t = threading.Thread(target=lambda: theirs.append(C._codec(*args)))
+    t.start()
+    t.join()
+    assert theirs[0] is not mine and theirs[0].kw == mine.kw
+
+
 def test_compress_checksum_argument_is_checked():
     staging, fmt, _, _ = kv_like(SHAPES[0], torch.bfloat16)
     with pytest.raises(TypeError, match="`checksum`: expected a bool"):

@@ -228,6 +228,48 @@ def test_cuda_chunk_conversion_matches_cpu(dtype):
     assert bytes_equal(back.cpu(), t)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant, codec", [(None, "none"), (None, "zstd"), ("fp8", "none")])
+def test_chunk_io_round_trips_cuda_chunks(tmp_path, quant, codec):
+    """ChunkIO with a CUDA chunk (not what LMCache 0.5.6 hands a plugin, but exported and
+    documented): its pooled staging was pageable, which kvkernels.gather refuses for a CUDA
+    cache; pinned, the store must not read it before the gather kernel has written it (the
+    compute stream is held busy while the put is issued) and a read's buffer goes back to the
+    pool only after the scatter has run."""
+    from kvkernels.integrations.lmcache.chunk_io import ChunkIO
+    from kvkernels.io import EntryMeta, KVStore
+    from kvkernels.quant import store_scheme
+
+    t = torch.randn(2, L, T, H * D).to(torch.bfloat16).cuda()
+    shape = ChunkShape.of(t, H)
+    meta = EntryMeta(layers=tuple(range(shape.num_layers)), num_blocks=1, block_size=shape.num_tokens,
+                     num_heads=shape.num_heads, head_dim=shape.head_dim, element_size=shape.element_size,
+                     num_kv=shape.num_kv, num_layers=shape.num_layers, dtype="bfloat16",
+                     scheme=store_scheme(quant=quant, dtype=t.dtype), codec=codec).validate()
+    store = KVStore(str(tmp_path / "s"), engine="posix")
+    try:
+        io = ChunkIO(store, inplace=False)
+        outs = []
+        for i in range(2):  # the second put/read reuses the pool's pinned buffers
+            src = t if i == 0 else t.flip(1)
+            torch.cuda._sleep(100_000_000)  # ~50 ms: the gather queues behind it
+            fut, _holds = io.put(f"k{i}", src, shape, meta)
+            fut.result(timeout=60)
+            out = torch.full_like(t, float("nan"))
+            pending = io.start_read(f"k{i}", out)
+            torch.cuda._sleep(100_000_000)  # the scatter queues behind it
+            io.finish_read(pending, out)
+            outs.append((src, out))
+        torch.cuda.synchronize()
+        for src, out in outs:
+            if quant is None:
+                assert bytes_equal(out.cpu(), src.cpu())
+            else:  # e4m3: within its rounding (per-token scales)
+                assert torch.allclose(out.float().cpu(), src.float().cpu(), rtol=0.07, atol=1e-2)
+    finally:
+        store.close()
+
+
 def test_mla_chunk_round_trip():
     t = torch.randn(1, L, T, 24).to(torch.bfloat16)
     shape = ChunkShape.of(t, H)

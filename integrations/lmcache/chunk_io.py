@@ -13,7 +13,10 @@ header, never the current settings):
   entries store exactly ``K[l]|V[l]`` per region (zero padded on disk).
 * ``raw`` otherwise (CUDA chunks, ``inplace=False``): through a pooled, 4 KiB-aligned staging
   buffer (``kvkernels.gather``/``scatter`` for CUDA chunks, a strided copy for CPU ones); such
-  entries store the padded region.
+  entries store the padded region. A CUDA chunk's buffers are pinned (the kernels refuse
+  pageable host memory for a CUDA cache), its put waits for the gather (a stream sync on the
+  put thread) before the store checksums and writes, and a read's buffers go back to the pool
+  after the scatter has run. LMCache 0.5.6 hands a plugin pinned CPU objects only.
 * a codec (``zstd``), optionally after the byte-plane ``shuffle``: staging buffer, then
   :func:`kvkernels.compress.compress_regions` (one stream per region).
 * ``fp8-token`` / ``fp8-block``: ``kvkernels.gather(..., quant="fp8")`` into a staging buffer
@@ -95,16 +98,18 @@ class BufferPool:
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> torch.Tensor:
+    def take(self, nbytes: int, pin: bool = False) -> torch.Tensor:
+        """``pin``: page-locked (a CUDA chunk's gather or scatter reads or writes it through UVA;
+        ``kvkernels.gather``/``scatter`` refuse pageable host memory for a CUDA cache)."""
         with self._lock:
-            lst = self._free.get(nbytes)
+            lst = self._free.get((nbytes, pin))
             if lst:
                 return lst.pop()
-        return self._new(nbytes)
+        return self._new(nbytes, pin=pin)
 
-    def give(self, buf: torch.Tensor) -> None:
+    def give(self, buf: torch.Tensor, pin: bool = False) -> None:
         with self._lock:
-            lst = self._free[buf.numel()]
+            lst = self._free[(buf.numel(), pin)]
             if len(lst) < self._keep:
                 lst.append(buf)
 
@@ -123,6 +128,7 @@ class PendingRead:
     buf: Optional[torch.Tensor]  # staging buffer (None: read in place)
     future: Future
     key: Any = None  # the store key (an entry that does not decode is removed under it)
+    pinned: bool = False  # buf (and the decoder's buffer) are pinned: `out` is a CUDA chunk
 
 
 class ChunkIO:
@@ -172,7 +178,11 @@ class ChunkIO:
             from kvkernels.quant import QuantStagingFormat
 
             fmt = QuantStagingFormat.from_staging(fmt, gran)
-        buf = self.bufs.take(fmt.nbytes)
+        # a CUDA chunk is packed by a kernel: into pinned host memory, and the store's threads
+        # (checksum, write) read the buffer only once that kernel has run (it writes through
+        # UVA, later, on the stream): an entry whose checksum matches bytes not yet written
+        cuda = t.device.type == "cuda"
+        buf = self.bufs.take(fmt.nbytes, pin=cuda)
         try:
             if gran is not None:
                 import kvkernels
@@ -180,6 +190,8 @@ class ChunkIO:
                 kvkernels.gather(chunk_layout(t, shape), [0], out=buf, quant="fp8", granularity=gran)
             else:
                 chunk_to_staging(t, shape, buf, fmt)
+            if cuda:
+                torch.cuda.current_stream(t.device).synchronize()
             if meta.codec != "none":
                 from kvkernels.compress import compress_regions
 
@@ -191,9 +203,11 @@ class ChunkIO:
             else:
                 fut = self.store.put(key, buf, meta)
         except BaseException:
-            self.bufs.give(buf)
+            if cuda:  # a kernel launched before the failure may still write it
+                torch.cuda.current_stream(t.device).synchronize()
+            self.bufs.give(buf, cuda)
             raise
-        fut.add_done_callback(lambda _f: self.bufs.give(buf))
+        fut.add_done_callback(lambda _f: self.bufs.give(buf, cuda))
         return fut, False
 
     # ------------------------------------------------------------------ get
@@ -223,15 +237,16 @@ class ChunkIO:
             from kvkernels.quant import QuantStagingFormat
 
             fmt = QuantStagingFormat.from_staging(fmt, gran)
-        buf = self.bufs.take(fmt.nbytes)
+        pinned = out.device.type == "cuda"  # the scatter into a CUDA chunk reads it through UVA
+        buf = self.bufs.take(fmt.nbytes, pin=pinned)
         q = fmt.region_nbytes
         try:
             dest = buf if gran is None else [buf[j * q : (j + 1) * q] for j in range(fmt.num_regions)]
             fut = self.store.get(key, out=dest, layers=layers)
         except BaseException:
-            self.bufs.give(buf)
+            self.bufs.give(buf, pinned)
             raise
-        return PendingRead(header, shape, fmt, buf, fut, key)
+        return PendingRead(header, shape, fmt, buf, fut, key, pinned)
 
     def try_finish(self, pending: PendingRead, out: torch.Tensor) -> tuple[str, Optional[BaseException]]:
         """:meth:`finish_read` with the outcome classified for the callers' counters and logs:
@@ -272,7 +287,7 @@ class ChunkIO:
                 sel = [r for r in header.regions if r.layer in fmt.layers]
                 cs = CompressedStaging.from_buffer(buf, fmt, [r.stored for r in sel], m.codec,
                                                    byteshuffle=m.scheme == "shuffle")
-                extra = self.bufs.take(fmt.nbytes)
+                extra = self.bufs.take(fmt.nbytes, pin=pending.pinned)
                 try:
                     staging = decompress_regions(cs, out=extra)
                 except ValueError as exc:
@@ -294,7 +309,11 @@ class ChunkIO:
             else:
                 staging_to_chunk(staging, shape, out, fmt, layers=fmt.layers)
         finally:
+            if pending.pinned and (buf is not None or extra is not None):
+                # the scatter into the CUDA chunk reads the pooled host buffers on the stream:
+                # they go back (to be refilled by the next read) only once it has run
+                torch.cuda.current_stream(out.device).synchronize()
             if buf is not None:
-                self.bufs.give(buf)
+                self.bufs.give(buf, pending.pinned)
             if extra is not None:
-                self.bufs.give(extra)
+                self.bufs.give(extra, pending.pinned)
