@@ -7,9 +7,11 @@
   accepts it: in place when every buffer is aligned, through an aligned bounce buffer otherwise;
   the page cache when the offset or size is unaligned (or on tmpfs).
   Works without a GPU: CI and CPU machines use it. CUDA buffers are staged through host memory.
-* :class:`KvikioEngine` — ``kvikio.CuFile`` ``pwrite``/``pread`` futures, which split each
-  request into ``KVIKIO_TASK_SIZE`` pieces on kvikio's thread pool; device buffers go to the file
-  directly (GPUDirect Storage when the machine has it, kvikio's POSIX compat mode otherwise).
+* :class:`KvikioEngine` — ``kvikio.CuFile`` ``pwrite``/``pread`` futures, one per
+  ``KVIKIO_TASK_SIZE`` piece, on kvikio's thread pool; device buffers go to the file directly
+  (GPUDirect Storage when the machine has it, kvikio's POSIX compat mode otherwise). A failed call
+  returns only once every piece it issued is done, and raises what the POSIX engine raises
+  (``FileNotFoundError``, ``EOFError``, ``OSError`` with the errno), not kvikio's ``RuntimeError``.
   Needs a CUDA driver: without one every kvikio read/write fails (field notes), so ``auto``
   picks it only when CUDA is available.
 """
@@ -279,16 +281,42 @@ def kvikio_status() -> dict:
     return d
 
 
+# errnos recognised in kvikio's messages (each ends with strerror(errno): KVIKIO_SYSCALL_CHECK's
+# std::system_error, "POSIX error on pwrite: <strerror>", cuFile's "<strerror>"). Not EPERM:
+# kvikio reports EBADF as "POSIX error: Operation not permitted".
+_KVIKIO_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.ENOENT, errno.EACCES, errno.EROFS,
+                  errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG, errno.EMFILE, errno.ENFILE, errno.EIO)
+
+
 class KvikioEngine:
-    """kvikio CuFile engine (GPU machines); see the module docstring."""
+    """kvikio CuFile engine (GPU machines); see the module docstring.
+
+    Two properties of kvikio (26.10) shape :meth:`_run`:
+
+    * every failure is a ``RuntimeError`` (C++ exceptions through Cython's ``except +``): a
+      missing file, EOF ("POSIX error on pread: EOF"; a read never returns a short count in compat
+      mode) and ENOSPC / EFBIG alike. The store's recovery dispatches on the POSIX engine's types
+      (``FileNotFoundError`` / ``EOFError``: an entry replaced, removed or truncated while read;
+      ``OSError`` ENOSPC / EFBIG: a full disk), so :meth:`_posix_error` translates them.
+    * a ``pread``/``pwrite`` of more than ``task_size`` bytes is several tasks on kvikio's pool
+      whose future raises as soon as one task fails while the others still run; every task uses
+      the ``CuFile``'s handle and the caller's buffer when it runs, and ``close()`` does not wait
+      for them. A call that stopped at the first failure and closed the file left tasks reading a
+      closed (or freed) handle, and writing into a destination the caller was told had failed.
+    """
 
     name = "kvikio"
 
     def __init__(self):
         import kvikio  # noqa: F401  (fails here if kvikio is missing)
+        import kvikio.defaults
 
         self._kvikio = kvikio
         self._posix = PosixEngine()
+        try:  # the piece size of _run: kvikio's task size (KVIKIO_TASK_SIZE, default 4 MiB)
+            self._task = max(ALIGN, int(kvikio.defaults.get("task_size")))
+        except Exception:  # pragma: no cover - a kvikio without defaults.get("task_size")
+            self._task = 4 << 20
 
     def write_header(self, path: str, data: bytes, *, fsync: bool = True) -> None:
         """The header is small host memory: written by the POSIX engine's O_DIRECT path."""
@@ -300,14 +328,73 @@ class KvikioEngine:
             return t  # __cuda_array_interface__ (uint8 has one)
         return t.numpy()
 
-    def write_file(self, path: str, pieces: list[tuple[int, Piece]], *, fsync: bool = True) -> None:
-        f = self._kvikio.CuFile(path, "w")
+    def _run(self, f, pieces: list[tuple[int, Piece]], *, write: bool) -> None:
+        """Issue every segment of ``pieces`` on ``f``, then wait for *all* of them; raise the
+        first failure only then (the caller closes ``f`` and may reuse the buffers after this).
+
+        Each segment is cut into pieces of ``self._task`` bytes, each issued with
+        ``task_size`` = its size, so every future is exactly one kvikio task (the same number of
+        tasks kvikio's own split would make) and waiting on all futures waits on all tasks.
+        Zero-length segments issue nothing (a task with nothing to move, and an empty CUDA
+        tensor's data pointer is null: kvikio would take it for host memory).
+        """
+        op = f.pwrite if write else f.pread
+        futs, first = [], None
         try:
-            futs = [f.pwrite(self._buf(t), t.numel(), o) for o, t in _flatten(pieces)]
-            for fu in futs:
-                fu.get()
-        finally:
-            f.close()
+            for off, t in _flatten(pieces):
+                n = t.numel()
+                for p in range(0, n, self._task):  # nothing for n == 0
+                    k = min(self._task, n - p)
+                    futs.append((op(self._buf(t[p : p + k]), k, off + p, k), k))
+        except BaseException as exc:  # an issue failed (a small device read runs inside pread): stop
+            first = exc               # issuing, but still wait for what was issued
+        for fu, k in futs:
+            try:
+                got = fu.get()
+            except BaseException as exc:
+                first = first or exc
+                continue
+            if got != k and first is None:  # cuFile (GDS) may return a short count
+                first = (OSError(errno.EIO, f"short write: {got} of {k} bytes") if write
+                         else EOFError(f"short read: {got} of {k} bytes"))
+        if first is not None:
+            raise first
+
+    @staticmethod
+    def _posix_error(exc: BaseException, path: str, pieces, *, write: bool) -> BaseException:
+        """The exception the POSIX engine would raise for kvikio's ``RuntimeError`` ``exc``:
+        ``OSError`` with the errno its message names (``OSError(ENOENT, ...)`` is a
+        ``FileNotFoundError``); on a read, ``EOFError`` when it hit the end of the file or the
+        file is now shorter than the read; ``FileNotFoundError`` when the file is gone;
+        ``OSError(EIO)`` otherwise. Other exception types are returned unchanged."""
+        if not isinstance(exc, RuntimeError):
+            return exc
+        text = str(exc)
+        msg = f"kvikio: {text}"
+        for e in _KVIKIO_ERRNOS:
+            if f": {os.strerror(e)}" in text:
+                return OSError(e, msg, path)
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            return FileNotFoundError(errno.ENOENT, msg, path)
+        except OSError:
+            size = None
+        if not write:
+            end = max((o + t.numel() for o, t in _flatten(pieces)), default=0)
+            if text.endswith(": EOF") or (size is not None and size < end):
+                return EOFError(f"unexpected end of file: {path} holds {size} bytes, {end} read ({text})")
+        return OSError(errno.EIO, msg, path)
+
+    def write_file(self, path: str, pieces: list[tuple[int, Piece]], *, fsync: bool = True) -> None:
+        try:
+            f = self._kvikio.CuFile(path, "w")
+            try:
+                self._run(f, pieces, write=True)
+            finally:
+                f.close()  # every task is done (_run waited): nothing uses the handle any more
+        except RuntimeError as exc:
+            raise self._posix_error(exc, path, pieces, write=True) from exc
         if fsync:  # kvikio does not fsync
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -316,15 +403,14 @@ class KvikioEngine:
                 os.close(fd)
 
     def read_into(self, path: str, pieces: list[tuple[int, Piece]]) -> None:
-        f = self._kvikio.CuFile(path, "r")
         try:
-            futs = [(f.pread(self._buf(t), t.numel(), o), t.numel()) for o, t in _flatten(pieces)]
-            for fu, n in futs:
-                got = fu.get()
-                if got != n:
-                    raise EOFError(f"short read: {got} of {n} bytes")
-        finally:
-            f.close()
+            f = self._kvikio.CuFile(path, "r")
+            try:
+                self._run(f, pieces, write=False)
+            finally:
+                f.close()
+        except RuntimeError as exc:
+            raise self._posix_error(exc, path, pieces, write=False) from exc
 
 
 def make_engine(engine: str):

@@ -1,5 +1,9 @@
 """KVStore (POSIX engine on CPU; kvikio on GPU): round trips, partial reads, corruption, torn
-writes (SIGKILL), disk full (RLIMIT_FSIZE), eviction, concurrency, hostile keys, recovery."""
+writes (SIGKILL), disk full (RLIMIT_FSIZE), eviction, concurrency, hostile keys, recovery.
+
+Tests taking the ``engine`` fixture run with each engine: ``posix``, ``fake-kvikio`` (the
+``KvikioEngine`` over a CPU model of kvikio 26.10, ``fake_kvikio.py``: runs everywhere) and
+``kvikio`` (the real one, GPU machines only)."""
 
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ from kvkernels.io import CorruptEntryError, EntryMeta, Header, KVStore
 from kvkernels.models import make_cache
 from kvtest import DEVICE, bytes_equal
 
+import fake_kvikio
+
 L, NB, BS, H, D = 3, 16, 4, 2, 64
 
 
@@ -43,8 +49,27 @@ def files(root):
     return sorted(out)
 
 
+ENGINES = ["posix", "fake-kvikio", pytest.param("kvikio", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request, monkeypatch):
+    """Every KVStore the test builds uses this engine (whatever its ``engine=``). With the kvikio
+    model, afterwards: no kvikio task is left running and none ran on a closed file."""
+    state = fake_kvikio.force_engine(request.param, monkeypatch)
+    if state is not None:
+        state.task_size = 8192  # entries here are tens of KiB: several kvikio tasks per region
+    yield request.param
+    if state is not None:
+        try:
+            assert state.idle(10), "kvikio tasks still running after the test"
+            assert state.late == 0, f"{state.late} kvikio task(s) ran on a closed file"
+        finally:
+            state.pool.shutdown(wait=False, cancel_futures=True)
+
+
 @pytest.mark.parametrize("layout", ["vllm-nhd", "flashinfer-hnd", "mla", "sglang", "vllm-packed"])
-def test_round_trip_through_store_into_other_blocks(tmp_path, layout):
+def test_round_trip_through_store_into_other_blocks(tmp_path, layout, engine):
     src, buf, meta = staged(layout)
     dst = cache(layout, fill="zero")
     with KVStore(tmp_path) as store:
@@ -102,7 +127,7 @@ def test_per_region_stored_buffers_for_compressed_schemes(tmp_path):
         assert torch.equal(out[j * fmt.region_nbytes : j * fmt.region_nbytes + r.numel()], r)
 
 
-def test_flip_a_region_byte_gives_corrupt_error_then_miss(tmp_path):
+def test_flip_a_region_byte_gives_corrupt_error_then_miss(tmp_path, engine):
     _, buf, meta = staged()
     with KVStore(tmp_path) as store:
         h = store.put("k", buf, meta).result()
@@ -209,7 +234,7 @@ def test_reopen_after_close_and_several_paths(tmp_path):
         store.put("x", buf, meta)
 
 
-def test_concurrent_puts_gets_removes_with_bounded_memory(tmp_path):
+def test_concurrent_puts_gets_removes_with_bounded_memory(tmp_path, engine):
     _, buf, meta = staged()
     errors, peak = [], [0]
     with KVStore(tmp_path, io_threads=3, max_inflight_bytes=2 * buf.numel()) as store:
@@ -315,7 +340,7 @@ def _split_regions(buf, fmt, cuts):
 
 
 @pytest.mark.parametrize("cuts", [(), (4096,), (1000, 5000, 5001)], ids=["whole", "aligned-cut", "unaligned-cuts"])
-def test_vectored_put_writes_the_same_file_as_one_staging_buffer(tmp_path, cuts):
+def test_vectored_put_writes_the_same_file_as_one_staging_buffer(tmp_path, cuts, engine):
     """Regions given as lists of pieces (aligned or not) give a byte-identical entry file."""
     from kvkernels.io import aligned_empty
 
@@ -335,7 +360,7 @@ def test_vectored_put_writes_the_same_file_as_one_staging_buffer(tmp_path, cuts)
         assert torch.equal(dst, al)
 
 
-def test_vectored_regions_shorter_than_the_region_are_zero_padded_on_disk(tmp_path):
+def test_vectored_regions_shorter_than_the_region_are_zero_padded_on_disk(tmp_path, engine):
     """Regions of odd sizes (no 4 KiB multiple): stored bytes round-trip, the file pads with zeros."""
     _, buf, meta = staged()
     fmt = meta.fmt
@@ -392,7 +417,7 @@ def test_vectored_arguments_are_checked(tmp_path):
             store.get("k", out=[buf[::2]] * 3)
 
 
-def test_lone_large_get_fans_out_into_parallel_group_reads(tmp_path, monkeypatch):
+def test_lone_large_get_fans_out_into_parallel_group_reads(tmp_path, monkeypatch, engine):
     """A get with nothing else queued reads its groups on several workers; bytes, corruption and
     truncation behave exactly as in a single read."""
     import kvkernels.io.store as store_mod
@@ -451,7 +476,7 @@ def _held_reads(store, monkeypatch):
 
 
 @pytest.mark.parametrize("fan_out", [False, True])
-def test_get_whose_file_a_put_replaces_reads_the_new_version(tmp_path, monkeypatch, fan_out):
+def test_get_whose_file_a_put_replaces_reads_the_new_version(tmp_path, monkeypatch, fan_out, engine):
     """A put of the same key renames its file over the one a get is reading: the get's checksums
     fail, and the store reads the new version instead of calling it corrupt (same description
     and sizes), or misses when the new version has other sizes. Nothing is dropped."""
@@ -488,7 +513,7 @@ def test_get_whose_file_a_put_replaces_reads_the_new_version(tmp_path, monkeypat
         assert [e.readers for e in store._index.values()] == [0]
 
 
-def test_concurrent_vectored_fanned_out_gets_with_removes_and_eviction(tmp_path, monkeypatch):
+def test_concurrent_vectored_fanned_out_gets_with_removes_and_eviction(tmp_path, monkeypatch, engine):
     """Vectored puts, fanned-out gets (forced), removes, pins and LRU eviction from many threads:
     every successful get returns the exact bytes, failures are only misses, and afterwards no
     reader is left, nothing is in flight, and the files on disk are exactly the indexed entries."""
@@ -566,6 +591,10 @@ CHILD = textwrap.dedent(
     from kvkernels.models import make_cache
     import kvkernels
     mode, root = sys.argv[1], sys.argv[2]
+    if len(sys.argv) > 3:  # the engine under test: sys.argv[3], fake_kvikio.py's folder: sys.argv[4]
+        sys.path.insert(0, sys.argv[4])
+        import fake_kvikio
+        fake_kvikio.force_engine(sys.argv[3])
     lay = make_cache("vllm-nhd", num_layers=8, num_blocks=64, block_size=16, num_heads=8, head_dim=128)
     buf = kvkernels.gather(lay, list(range(48)))
     meta = EntryMeta.for_layout(lay, 48)
@@ -584,7 +613,8 @@ CHILD = textwrap.dedent(
         small = kvkernels.gather(lay, [1])
         store.put("small", small, EntryMeta.for_layout(lay, 1)).result()
         ok = torch.equal(store.get("small").result(), small)
-        print("result", type(err).__name__, getattr(err, "errno", None), store.contains("big"), ok, flush=True)
+        print("result", type(err).__name__, getattr(err, "errno", None), store.contains("big"), ok,
+              store.engine.name, flush=True)
         store.close()
     """
 )
@@ -610,51 +640,193 @@ def test_sigkill_during_puts_leaves_no_partial_entry(tmp_path):
                 store.get(f"k{i}").result()  # checksums verified: raises if torn
 
 
-def test_disk_full_fails_put_cleanly_and_store_keeps_working(tmp_path):
+def test_disk_full_fails_put_cleanly_and_store_keeps_working(tmp_path, engine):
     root = tmp_path / "store"
-    r = subprocess.run([sys.executable, "-c", CHILD, "fsize", str(root)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", CHILD, "fsize", str(root), engine, os.path.dirname(fake_kvikio.__file__)],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     line = [x for x in r.stdout.splitlines() if x.startswith("result")][0].split()
     assert line[1] in ("OSError", "PermissionError") and line[2] == "27"  # EFBIG
     assert line[3] == "False" and line[4] == "True"
+    assert line[5] == engine.replace("fake-", "")  # the child ran the engine under test
     assert not [f for f in files(root) if ".tmp." in f]
 
 
-# ------------------------------------------------------------------------ header fuzzing
-@settings(max_examples=200, deadline=None)
-@given(st.binary(min_size=0, max_size=9000))
-def test_random_bytes_never_parse_as_a_header(data):
-    with pytest.raises(CorruptEntryError):
-        Header.unpack(data)
+def test_a_full_disk_fails_the_put_with_enospc_and_the_store_keeps_working(tmp_path, monkeypatch, engine):
+    """ENOSPC from a body write (kvikio reports it as RuntimeError "POSIX error on pwrite: No space
+    left on device") fails the put's future with OSError(ENOSPC), as the POSIX engine's does; the
+    temporary is deleted, nothing is indexed, the next put works."""
+    if engine == "kvikio":
+        pytest.skip("injected at os.pwritev: the real kvikio writes from C++ (the RLIMIT_FSIZE test covers it)")
+    _, buf, meta = staged()
+    real = os.pwritev
+
+    def pwritev(fd, bufs, offset, *a):  # a disk with room for the header and one region
+        if offset + sum(memoryview(b).nbytes for b in bufs) > 4096 + meta.fmt.region_nbytes:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, bufs, offset, *a)
+
+    with KVStore(tmp_path) as store:
+        monkeypatch.setattr(os, "pwritev", pwritev)
+        err = store.put("k", buf, meta).exception(timeout=30)
+        monkeypatch.setattr(os, "pwritev", real)
+        assert isinstance(err, OSError) and err.errno == errno.ENOSPC, repr(err)
+        assert not store.contains("k") and store.stats()["put_errors"] == 1
+        assert not [f for f in files(tmp_path) if ".tmp." in f]
+        store.put("k", buf, meta).result(timeout=30)
+        assert torch.equal(store.get("k").result(), buf)
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.integers(0, 4095), st.integers(1, 255))
-def test_any_single_byte_flip_in_a_header_is_detected(pos, bit):
-    _, _, meta = staged()
-    h = Header(b"\x01" * 16, meta, Header.layout_regions(meta, [meta.fmt.region_nbytes] * L, [1, 2, 3]))
-    raw = bytearray(h.pack())
-    raw[pos] ^= bit
-    with pytest.raises(CorruptEntryError):
-        Header.unpack(bytes(raw))
+def test_a_truncated_or_vanished_entry_file_is_corrupt_and_dropped(tmp_path, engine):
+    """An entry file cut short, or deleted, under the open store (not replaced by a put): the get
+    fails with CorruptEntryError and the entry is dropped, whatever the engine (kvikio reports
+    both as RuntimeError: "POSIX error on pread: EOF", "Unable to open file")."""
+    from kvkernels.io.format import key_digest
+
+    _, buf, meta = staged()
+    with KVStore(tmp_path, io_threads=1) as store:
+        for k in ("short", "gone", "fine"):
+            store.put(k, buf, meta).result()
+        path = {k: store._index[key_digest(k)].path for k in ("short", "gone")}
+        os.truncate(path["short"], os.path.getsize(path["short"]) - 5000)
+        os.unlink(path["gone"])
+        with pytest.raises(CorruptEntryError, match="truncated"):
+            store.get("short").result(timeout=30)
+        with pytest.raises(CorruptEntryError, match="file missing"):
+            store.get("gone", out=torch.empty_like(buf)).result(timeout=30)
+        assert not store.contains("short") and not store.contains("gone")
+        assert store.stats()["corrupt"] == 2
+        with pytest.raises(KeyError):
+            store.get("short").result()
+        assert torch.equal(store.get("fine").result(), buf)  # the store keeps working
+        assert [e.readers for e in store._index.values()] == [0]
+    assert path["short"] + ".corrupt" in files(tmp_path)
 
 
-# ------------------------------------------------------------------------------ GPU only
+@pytest.fixture
+def kvikio_model(monkeypatch, tmp_path):
+    """A KvikioEngine over the kvikio model (task_size 4096), its state, three segments and a file
+    holding them back to back (segs[0] at 0, segs[1] + segs[2] at 3 * 4096)."""
+    from kvkernels.io.engines import KvikioEngine
+
+    state = fake_kvikio.install(monkeypatch, task_size=4096)
+    eng = KvikioEngine()
+    g = torch.Generator().manual_seed(0)
+    segs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (3 * 4096, 5000, 4096)]
+    path = str(tmp_path / "f")
+    eng.write_file(path, [(0, segs[0]), (3 * 4096, [segs[1], segs[2]])])
+    state.calls.clear()
+    yield eng, state, segs, path
+    state.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def test_kvikio_engine_issues_one_task_per_future_and_nothing_for_empty_segments(kvikio_model, tmp_path):
+    """Every pread/pwrite is one task_size piece issued with task_size = its size (so its future is
+    exactly one kvikio task: waiting on the futures waits on the tasks); zero-length segments issue
+    nothing (no task to wait for; an empty CUDA tensor has a null data pointer)."""
+    eng, state, segs, path = kvikio_model
+    empty = torch.empty(0, dtype=torch.uint8)
+    eng.write_file(str(tmp_path / "g"), [(0, [segs[0], empty]), (3 * 4096, [segs[1], empty, segs[2]])])
+    back = [torch.zeros_like(t) for t in segs]
+    eng.read_into(str(tmp_path / "g"), [(0, [empty, back[0]]), (3 * 4096, [back[1], empty, back[2]])])
+    assert all(torch.equal(x, y) for x, y in zip(back, segs))
+    assert {op for op, *_ in state.calls} == {"pread", "pwrite"}
+    assert all(0 < n <= 4096 and ts == n for _, _, n, ts in state.calls), state.calls
+    with open(path, "rb") as f, open(tmp_path / "g", "rb") as g:
+        assert f.read() == g.read()
+
+
+def test_a_failed_kvikio_read_returns_only_after_every_task_it_issued(kvikio_model, tmp_path):
+    """kvikio's futures raise at their first failed task while the call's other tasks still run on
+    the CuFile's handle and the caller's buffer, and CuFile.close() does not wait for them: a failed
+    read_into returns only once every task it issued is done (the destination is no longer written
+    and no task runs on the closed file), then raises EOFError / FileNotFoundError as the POSIX
+    engine does."""
+    eng, state, segs, path = kvikio_model
+    size = os.path.getsize(path)
+    # the first piece ends past EOF (fails at once); the others are slow
+    state.delay = lambda op, off, n: 0.3 if off + n <= 3 * 4096 else 0.0
+    tail, head = torch.zeros(8192, dtype=torch.uint8), torch.zeros(3 * 4096, dtype=torch.uint8)
+    with pytest.raises(Exception) as ei:
+        eng.read_into(path, [(size - 4096, tail), (0, head)])
+    assert state.pending == 0, "read_into returned while kvikio tasks still ran"
+    assert torch.equal(head, segs[0]), "the slow pieces were still being read when the failure returned"
+    assert isinstance(ei.value, EOFError) and isinstance(ei.value.__cause__, RuntimeError), repr(ei.value)
+    with pytest.raises(FileNotFoundError):
+        eng.read_into(str(tmp_path / "missing"), [(0, head)])
+    assert state.idle() and state.late == 0  # no task ran on a closed file
+
+
+def test_a_failed_kvikio_write_returns_only_after_every_task_it_issued(kvikio_model, tmp_path):
+    """The write side: the first piece fails at once with ENOSPC while the others are slow;
+    write_file returns only once all of them are done, with OSError(ENOSPC)."""
+    eng, state, segs, path = kvikio_model
+    state.delay = lambda op, off, n: 0.3 if off >= 4096 else 0.0
+    state.fail = lambda op, off, n: errno.ENOSPC if off < 4096 else None
+    with pytest.raises(Exception) as ei:
+        eng.write_file(str(tmp_path / "g"), [(0, segs[0]), (3 * 4096, [segs[1], segs[2]])], fsync=False)
+    assert state.pending == 0, "write_file returned while kvikio tasks still ran"
+    assert isinstance(ei.value, OSError) and ei.value.errno == errno.ENOSPC, repr(ei.value)
+    assert state.idle() and state.late == 0
+
+
 @pytest.mark.gpu
-def test_kvikio_and_posix_read_each_others_files(tmp_path):
-    lay = cache()
-    buf = kvkernels.gather(lay, [1, 2, 3])
-    meta = EntryMeta.for_layout(lay, 3)
-    with KVStore(tmp_path / "a", engine="kvikio") as kv:
-        kv.put("k", buf, meta).result()  # device buffer straight to the file
-    with KVStore(tmp_path / "a", engine="posix") as px:
-        assert torch.equal(px.get("k").result(), buf.cpu())
-        px.put("p", buf.cpu(), meta).result()
-    with KVStore(tmp_path / "a", engine="kvikio") as kv:
-        out = torch.empty_like(buf)
-        assert torch.equal(kv.get("p", out=out).result(), buf)  # read straight into device memory
-        pinned = torch.empty(buf.numel(), dtype=torch.uint8).pin_memory()
-        assert torch.equal(kv.get("k", out=pinned).result(), buf.cpu())
+@pytest.mark.parametrize("dest", ["host", "cuda-inline", "cuda-threadpool"])
+def test_kvikio_truncated_and_replaced_entries_into_host_and_device_memory(tmp_path, monkeypatch, dest):
+    """The real kvikio engine: a truncated entry is CorruptEntryError and dropped; a get whose file
+    a put of the same key replaces reads the new version (same sizes) or misses with KeyError
+    (other sizes), nothing dropped. Into pinned host memory and into device memory, where kvikio
+    moves a request below its ``gds_threshold`` (default 16 KiB) inside ``pread``/``pwrite`` (a
+    failure raises from the call, not from the future: ``cuda-inline``, threshold 1 GiB) and
+    larger ones on its thread pool (``cuda-threadpool``, threshold 0)."""
+    import kvikio.defaults
+
+    from kvkernels.io.format import key_digest
+
+    # (kvikio.defaults.set returns a context manager whose exit restores the old value)
+    threshold = {"cuda-inline": 1 << 30, "cuda-threadpool": 0}.get(dest)
+    restore = kvikio.defaults.set("gds_threshold", threshold) if threshold is not None else None
+    ids = (3, 9, 1, 4, 7, 0, 2, 5)
+    _, old, meta = staged(ids=ids)
+    _, new, _ = staged(ids=ids, seed=1)
+    _, small, small_meta = staged(ids=(3, 9))
+
+    def out_for(t):
+        if dest == "host":
+            return torch.empty(t.numel(), dtype=torch.uint8).pin_memory()
+        return torch.empty(t.numel(), dtype=torch.uint8, device="cuda")
+
+    try:
+        with KVStore(tmp_path, engine="kvikio") as store:
+            assert store.engine.name == "kvikio"
+            # a file cut short under the open store
+            store.put("short", old.cuda(), meta).result()  # device buffer straight to the file
+            p = store._index[key_digest("short")].path
+            os.truncate(p, os.path.getsize(p) - 5000)
+            with pytest.raises(CorruptEntryError, match="truncated"):
+                store.get("short", out=out_for(old)).result(timeout=60)
+            assert not store.contains("short") and store.stats()["corrupt"] == 1
+            # replaced while read: by a version of the same sizes (read instead), of other sizes (miss)
+            store.put("k", old, meta).result()
+            for version, version_meta in ((new, meta), (small, small_meta)):
+                started, release = _held_reads(store, monkeypatch)
+                got = store.get("k", out=out_for(old))
+                assert started.wait(30)
+                monkeypatch.setattr(store.engine, "read_into", type(store.engine).read_into.__get__(store.engine))
+                store.put("k", version, version_meta).result()
+                release.set()
+                if version is new:
+                    assert torch.equal(got.result(timeout=60).cpu(), new)
+                else:
+                    with pytest.raises(KeyError, match="replaced or removed"):
+                        got.result(timeout=60)
+            st_ = store.stats()
+            assert st_["corrupt"] == 1 and st_["replaced_reads"] >= 2
+            assert torch.equal(store.get("k", out=out_for(small)).result().cpu(), small)
+            assert [e.readers for e in store._index.values()] == [0]
+    finally:
+        if restore is not None:
+            restore.__exit__(None, None, None)
 
 
 # ------------------------------------------------ regressions found by review (2026-11-23)
@@ -759,7 +931,7 @@ def test_changed_paths_leave_one_copy_per_key(tmp_path):
         assert not again.contains(key)
 
 
-def test_a_disturbed_destination_is_not_taken_for_a_corrupt_file(tmp_path):
+def test_a_disturbed_destination_is_not_taken_for_a_corrupt_file(tmp_path, engine):
     """A checksum mismatch in the caller's memory (destinations that overlap, or one scratch
     buffer shared by concurrent gets) must not drop a sound entry: overlapping destinations are
     refused up front, and a mismatch that a re-read into the store's own buffer does not confirm
