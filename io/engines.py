@@ -41,6 +41,13 @@ except (ValueError, OSError, AttributeError):  # pragma: no cover - non-Linux
 
 def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
     """A 1-D uint8 CPU tensor whose data starts on a 4096-byte boundary (O_DIRECT / GDS ready)."""
+    if pin:
+        # torch's pinned allocator rounds every request up to a power of two and keeps the block:
+        # nbytes + ALIGN would pin twice a power-of-two size (64 MiB for a 32 MiB buffer). Its
+        # blocks (cudaHostAlloc) are page aligned: the exact size first, the skew only if not
+        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if t.data_ptr() % ALIGN == 0:
+            return t
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
     skew = (-raw.data_ptr()) % ALIGN
     return raw[skew : skew + nbytes]

@@ -829,6 +829,55 @@ def test_kvikio_truncated_and_replaced_entries_into_host_and_device_memory(tmp_p
             restore.__exit__(None, None, None)
 
 
+# ------------------------------------------------------------------------ header fuzzing
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=0, max_size=9000))
+def test_random_bytes_never_parse_as_a_header(data):
+    with pytest.raises(CorruptEntryError):
+        Header.unpack(data)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 4095), st.integers(1, 255))
+def test_any_single_byte_flip_in_a_header_is_detected(pos, bit):
+    _, _, meta = staged()
+    h = Header(b"\x01" * 16, meta, Header.layout_regions(meta, [meta.fmt.region_nbytes] * L, [1, 2, 3]))
+    raw = bytearray(h.pack())
+    raw[pos] ^= bit
+    with pytest.raises(CorruptEntryError):
+        Header.unpack(bytes(raw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("small_tasks", [False, True])
+def test_kvikio_and_posix_read_each_others_files(tmp_path, small_tasks):
+    """Files written by kvikio (from device memory) read back by POSIX and by kvikio, and the
+    other way round. ``small_tasks``: 4 KiB kvikio tasks and no inline threshold, so every region
+    is several pieces, i.e. device views at non-zero offsets, each on kvikio's thread pool."""
+    import contextlib
+
+    import kvikio.defaults
+
+    lay = cache()
+    buf = kvkernels.gather(lay, [1, 2, 3])
+    meta = EntryMeta.for_layout(lay, 3)
+    restore = (kvikio.defaults.set({"task_size": 4096, "gds_threshold": 0}) if small_tasks
+               else contextlib.nullcontext())
+    try:
+        with KVStore(tmp_path / "a", engine="kvikio") as kv:
+            kv.put("k", buf, meta).result()  # device buffer straight to the file
+        with KVStore(tmp_path / "a", engine="posix") as px:
+            assert torch.equal(px.get("k").result(), buf.cpu())
+            px.put("p", buf.cpu(), meta).result()
+        with KVStore(tmp_path / "a", engine="kvikio") as kv:
+            out = torch.empty_like(buf)
+            assert torch.equal(kv.get("p", out=out).result(), buf)  # read straight into device memory
+            pinned = torch.empty(buf.numel(), dtype=torch.uint8).pin_memory()
+            assert torch.equal(kv.get("k", out=pinned).result(), buf.cpu())
+    finally:
+        restore.__exit__(None, None, None)
+
+
 # ------------------------------------------------ regressions found by review (2026-11-23)
 def test_queued_requests_cannot_be_cancelled_into_leaking_their_reservations(tmp_path):
     # a skipped (cancelled) put kept its in-flight bytes (later puts blocked for good) and a
