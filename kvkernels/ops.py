@@ -80,8 +80,9 @@ def as_block_ids(block_ids, layout: PagedLayout) -> torch.Tensor:
     Host ids (a sequence or a CPU tensor) for a GPU cache go through pinned memory and a copy on
     the current stream that does not block the host: the returned tensor is valid for work
     issued on that stream (or after it). A caller's CPU tensor may be changed right after the
-    call unless it was already pinned (then it is the copy's source, as with
-    ``tensor.to(device, non_blocking=True)``)."""
+    call, pinned or not: its values are first copied into a fresh block of torch's pinned cache
+    (a pinned tensor used as the copy's source, as ``tensor.to(device, non_blocking=True)``
+    does, would be read whenever the stream gets there)."""
     return _to_cache_device(_ids_tensor(block_ids), _check_layout(layout))
 
 
