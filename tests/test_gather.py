@@ -628,3 +628,18 @@ def test_triton_launches_enter_the_caches_device(monkeypatch):
     st = kvkernels.gather(lay, [1], backend="triton", quant="fp8")
     kvkernels.scatter(st, lay, [2], backend="triton", quant="fp8")
     assert calls == [lay] * 4
+
+
+def test_persistent_grid_never_steps_past_int32():
+    """The Triton kernels loop tl.range(program_id, count, num_programs) with an i32 counter when
+    count < 2^31: the grid is capped so the last step cannot wrap negative (only past ~10^9 work
+    items, 1-2 TB of staging in one call, but then it read before the id array)."""
+    from kvkernels.triton_ops._paged import persistent_grid
+
+    for count in (1, 5, 2**30, 2**30 + 1, 3 * 2**29, 2**31 - 2, 2**31 - 1):
+        for cap in (0, 1, 132, 2**30, 2**31 - 1):
+            (g,) = persistent_grid(count, cap)
+            assert 1 <= g <= count and (cap == 0 or g <= cap)
+            assert count - 1 + g <= 2**31 - 1  # the i32 loop's last w + num_programs does not wrap
+    assert persistent_grid(5, 0) == (5,) and persistent_grid(5, 3) == (3,)  # unchanged below 2^30
+    assert persistent_grid(2**31 + 5, 0) == (2**31 - 1,)  # i64 bound: only the grid limit

@@ -138,13 +138,25 @@ def aligned16(word: int, layout, staging_ptr: int) -> bool:
     return word == 8 and layout.access_width(staging_ptr) == 16
 
 
+def persistent_grid(count: int, max_ctas: int) -> tuple[int]:
+    """``(min(count, max_ctas),)`` (``max_ctas = 0``: ``count``), capped so that the kernels'
+    ``tl.range(program_id, count, num_programs)`` never steps past 2^31 - 1: Triton types a
+    ``count`` below 2^31 as i32, and a last ``w + num_programs`` beyond it wrapped negative and
+    passed ``w < count`` (negative work items: ids and table read before their arrays, staging
+    written before its buffer)."""
+    grid = min(count if max_ctas <= 0 else min(count, max_ctas), 2**31 - 1)  # CUDA's grid x limit
+    if count < 2**31:  # i32 loop bound: the last w + num_programs must stay <= 2^31 - 1
+        grid = min(grid, 2**31 - count)
+    return (max(grid, 1),)
+
+
 def geometry(layout, fmt, max_ctas: int, elem_bytes: int):
     """Common launch arguments: ``(pointer table, (block, token, head) strides in elem_bytes
     units, num_items, grid)`` for ``fmt.layers`` of ``layout``."""
     tab = layout.pointer_table_for(fmt.layers)
     strides = tuple(s // elem_bytes for s in layout.byte_strides)
     num_items = fmt.num_regions * fmt.num_kv * fmt.num_blocks
-    return tab, strides, num_items, (num_items if max_ctas <= 0 else min(num_items, max_ctas),)
+    return tab, strides, num_items, persistent_grid(num_items, max_ctas)
 
 
 def _launch_plan(kernel, layout, fmt, ptr: int, storage_offset: int, max_ctas: int):

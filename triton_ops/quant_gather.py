@@ -25,7 +25,7 @@ import triton.language as tl
 from kvkernels import config
 from kvkernels.backends import triton_interpret
 
-from ._paged import _cache_rows, _staging_rows, geometry
+from ._paged import _cache_rows, _staging_rows, geometry, persistent_grid
 
 # Elements per program tile (rows x padded head dim). 4096 fp32 temporaries = 16 KiB of registers
 # per program at 4 warps. NOT yet measured on a GPU.
@@ -352,8 +352,7 @@ def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor,
     if tail_fix not in (0, 2) or items < 1:
         raise ValueError(f"_probe: tail_fix must be 0 or 2 and items >= 1, got {tail_fix}, {items}")
     if items > 1:  # groups of `items` consecutive work items per program step
-        groups = -(-num_items // items)
-        grid = (groups if max_ctas <= 0 else min(groups, max_ctas),)
+        grid = persistent_grid(-(-num_items // items), max_ctas)
     _quant_gather_kernel[grid](
         tab, block_ids, stage, stage.view(torch.int32), err,
         n, layout.num_blocks, num_items, sb, sn, sh,
