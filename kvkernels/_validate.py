@@ -27,6 +27,21 @@ def check_tensor(x: Any, name: str) -> torch.Tensor:
     return x
 
 
+def check_byte_buffer(buf: Any, name: str, nbytes: int) -> torch.Tensor:
+    """``buf`` is a 1-D contiguous uint8 tensor of at least ``nbytes`` bytes (a staging buffer's
+    shape rules; where it may live is the caller's rule). Messages built on failure only."""
+    check_tensor(buf, name)
+    if buf.dtype != torch.uint8:
+        fail(name, "dtype torch.uint8", buf.dtype, TypeError)
+    if buf.dim() != 1:
+        fail(name, "a 1-D buffer", describe(buf))
+    if buf.stride(0) != 1 and buf.numel() > 1:
+        fail(name, "a contiguous buffer", describe(buf))
+    if buf.numel() < nbytes:
+        fail(name, f"at least {nbytes} bytes", f"{buf.numel()} bytes")
+    return buf
+
+
 class _Described:
     """A tensor's description, formatted only if an error message uses it: checks that pass (the
     hot path, e.g. the pipeline's per-layer calls) do not pay for the string."""

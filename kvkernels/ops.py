@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from . import backends, config
-from ._validate import check, check_int, check_tensor, describe, fail, same_device
+from ._validate import check, check_byte_buffer, check_int, describe, fail, same_device
 from .layout import PagedLayout
 from .staging import StagingFormat
 
@@ -179,11 +179,7 @@ def _check_disjoint(buf: torch.Tensor, name: str, layout: PagedLayout, nbytes: i
 
 
 def _check_buffer(buf, name: str, layout: PagedLayout, nbytes: int) -> torch.Tensor:
-    check_tensor(buf, name)
-    check(buf.dtype == torch.uint8, name, "dtype torch.uint8", buf.dtype, TypeError)
-    check(buf.dim() == 1, name, "a 1-D buffer", describe(buf))
-    check(buf.stride(0) == 1 or buf.numel() <= 1, name, "a contiguous buffer", describe(buf))
-    check(buf.numel() >= nbytes, name, f"at least {nbytes} bytes", f"{buf.numel()} bytes")
+    check_byte_buffer(buf, name, nbytes)
     if layout.device.type == "cuda":
         ok = same_device(buf.device, layout.device) or (buf.device.type == "cpu" and buf.is_pinned())
         if not ok:

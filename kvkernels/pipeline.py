@@ -539,7 +539,7 @@ class LayerPipeline:
                 # pageable copy on the current stream: here, not at a layer's first save or
                 # restore, where the current stream is the pack stream waiting for the compute
                 # (the host would wait for layer l's attention, once per layer of the first step)
-                with torch.cuda.device(dev):
+                with _on_device(dev):
                     for layer in range(layout.num_layers):
                         layout.pointer_table_for((layer,))
         else:

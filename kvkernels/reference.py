@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import check_tensor, describe, fail
+from ._validate import check_byte_buffer, check_tensor, describe, fail
 from .layout import PagedLayout
 from .staging import StagingFormat
 
@@ -51,13 +51,7 @@ def _check_args(layout, block_ids, fmt, buf, name: str) -> None:
         fail("block_ids", f"a 1-D tensor of fmt.num_blocks = {fmt.num_blocks} ids", describe(block_ids))
     if block_ids.is_floating_point() or block_ids.is_complex() or block_ids.dtype == torch.bool:
         fail("block_ids", "an integer tensor", block_ids.dtype, TypeError)
-    check_tensor(buf, name)
-    if buf.dtype != torch.uint8:
-        fail(name, "dtype torch.uint8", buf.dtype, TypeError)
-    if buf.dim() != 1 or (buf.stride(0) != 1 and buf.numel() > 1):
-        fail(name, "a contiguous 1-D buffer", describe(buf))
-    if buf.numel() < fmt.nbytes:
-        fail(name, f"at least fmt.nbytes = {fmt.nbytes} bytes", f"{buf.numel()} bytes")
+    check_byte_buffer(buf, name, fmt.nbytes)  # its shape rules; any device (scatter copies it over)
 
 
 def gather(layout: PagedLayout, block_ids: torch.Tensor, fmt: StagingFormat, out: torch.Tensor) -> torch.Tensor:
