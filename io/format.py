@@ -29,7 +29,8 @@ Header (little endian)::
     128  40*R  region table: layer u32, pad u32, offset u64, stored u64, raw u64, xxh3_64 u64
 
 ``offset`` is the region's byte offset in the file (4096-aligned), ``stored`` the bytes on disk
-(== ``raw`` for uncompressed regions), ``raw`` the region's size in the staging buffer.
+(at most ``raw``: less when compressed, or when a region was put without its padding), ``raw`` the
+region's size in the staging buffer.
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ class Header:
             raise CorruptEntryError(f"header: invalid fields ({exc})") from None
         expect_off = hsize
         for r in regions:
-            if r.offset != expect_off or r.raw != meta.fmt.region_nbytes or r.stored <= 0 or r.stored > (1 << 48):
+            if r.offset != expect_off or r.raw != meta.fmt.region_nbytes or not 0 < r.stored <= r.raw:
                 raise CorruptEntryError(f"header: inconsistent region table at layer {r.layer}")
             expect_off = _round_up(r.offset + r.stored)
         return cls(digest=digest, meta=meta, regions=regions, created_ns=created)

@@ -27,6 +27,7 @@ import itertools
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -46,6 +47,7 @@ _log = logging.getLogger(__name__)
 __all__ = ["KVStore"]
 
 _SUFFIX = ".kvk"
+_TMP_NAME = re.compile(r"[0-9a-f]+\.kvk\.tmp\.[0-9]+\.[0-9]+")  # <digest>.kvk.tmp.<pid>.<n>, see _do_put
 # Reads of contiguous regions are issued in groups of about this many bytes, so verification of
 # one group overlaps the read of the next. 256 MiB: on the CPU host virtio disk 64 MiB groups read
 # at a median 1.28 GB/s, 256 MiB at 1.45, one 1 GiB read at 1.56 (4 reps each, noisy disk).
@@ -218,7 +220,7 @@ class KVStore:
                     continue
                 for name in os.listdir(d):
                     p = os.path.join(d, name)
-                    if ".tmp." in name:
+                    if _TMP_NAME.fullmatch(name):  # a put's temporary (only ours: others' files stay)
                         try:
                             os.unlink(p)
                             report["removed_temporaries"] += 1
@@ -360,7 +362,10 @@ class KVStore:
             plan = Header.layout_regions(meta, sizes, [0] * len(sizes))
             final = self._path_for(digest)
             d = os.path.dirname(final)
-            os.makedirs(d, exist_ok=True)
+            if not os.path.isdir(d):
+                os.makedirs(d, exist_ok=True)
+                if self.fsync:  # the new shard's own name is durable too (its parent is never synced otherwise)
+                    _fsync_dir(os.path.dirname(d))
             reserved = self._make_room(_round4k(plan[-1].offset + plan[-1].stored), exclude=digest)
             tmp = f"{final}.tmp.{os.getpid()}.{next(self._tmp_seq)}"
             sums_f = self._hasher.submit(lambda: [checksum_segments(_views(segs)) for segs in regions])
@@ -549,9 +554,10 @@ class KVStore:
 
         * a 1-D uint8 tensor (CPU / pinned with any engine; CUDA: kvikio reads straight into
           it, POSIX stages through host memory), allocated on the CPU when ``None``: region
-          ``j`` (the ``j``-th requested layer) lands at ``out[j * region_nbytes:]`` — the
+          ``j`` (the ``j``-th requested layer in ascending order) lands at ``out[j * region_nbytes:]`` — the
           staging format restricted to ``layers``, ready for ``kvkernels.scatter(..., layers=)``;
-        * a list with one item per requested layer, each a 1-D uint8 tensor or a list of them
+        * a list with one item per requested layer, in the order of ``layers`` (``out[j]``
+          receives ``layers[j]``), each a 1-D uint8 tensor or a list of them
           filled back to back (vectored read straight into the caller's memory, e.g. an LMCache
           chunk's K and V of that layer); an item must hold at least the region's stored bytes.
 
@@ -575,7 +581,14 @@ class KVStore:
             else:
                 from kvkernels.staging import normalize_layers
 
+                if not isinstance(layers, (int, torch.Tensor)):
+                    try:
+                        layers = list(layers)  # read once (a generator), kept for the order below
+                    except TypeError:
+                        pass  # normalize_layers says what is wrong
                 want = normalize_layers(layers, h.meta.num_layers)
+                if isinstance(out, (list, tuple)) and isinstance(layers, list):
+                    want = tuple(layers)  # out[j] receives layers[j]: the caller's order, checked above
                 have = {r.layer: r for r in h.regions}
                 missing = [l for l in want if l not in have]
                 check(not missing, "layers", f"layers stored for this key {tuple(have)}", missing)
