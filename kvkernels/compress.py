@@ -16,7 +16,8 @@ Codecs
             nvCOMP-only: a file written with it needs nvCOMP on a GPU to be read.
 ``"gdeflate"``, ``"lz4"``  nvCOMP native bitstreams, for comparison (LZ4 with its bitshuffle mode).
 ``"none"``  the payload bytes as they are.
-``"auto"``  ``"ans"`` for a CUDA staging buffer when nvCOMP imports, else ``"zstd"``.
+``"auto"``  ``"ans"`` for a CUDA staging buffer when nvCOMP imports, else ``"zstd"`` (without
+            nvCOMP, zstd of a CUDA buffer is encoded / decoded on the host, same format).
 
 Raw fallback: a region whose compressed size would be >= its payload is stored as the payload
 itself, so ``stored_nbytes[j] == raw_nbytes[j]`` always means "stored uncompressed" (a
@@ -267,6 +268,9 @@ class CompressedStaging:
         if scheme is not None:
             allowed = (own,) if _is_fp8(fmt) else ("raw", "shuffle")
             check(scheme in allowed, "scheme", f"one of {allowed} for this staging format", repr(scheme))
+            # a raw entry's bytes are not planes: un-shuffling them would return garbage silently
+            check(not (byteshuffle and scheme == "raw"), "byteshuffle", "False for a 'raw' entry (not byte planes)",
+                  True)
             if scheme == "shuffle" and not byteshuffle:  # decoded as stored: the planes stay
                 own = "shuffle"
         return cls(fmt, codec, regions, stored, (fmt.payload_nbytes,) * fmt.num_regions, byteshuffle,
@@ -287,13 +291,9 @@ def available_codecs(device="cpu") -> tuple[str, ...]:
     """Codecs that :func:`compress_regions` can run for a staging buffer on ``device``."""
     dev = torch.device(device)
     out = ["none"]
-    if dev.type == "cuda":
-        try:
-            _nvcomp()
-            out += ["zstd", "ans", "gdeflate", "lz4"]
-        except RuntimeError:
-            pass
-    else:
+    if dev.type == "cuda" and _have_nvcomp():
+        out += ["zstd", "ans", "gdeflate", "lz4"]
+    else:  # zstd through the `zstandard` package (a CUDA buffer without nvCOMP: on a host copy)
         try:
             import zstandard  # noqa: F401, PLC0415
 
@@ -301,6 +301,14 @@ def available_codecs(device="cpu") -> tuple[str, ...]:
         except ImportError:
             pass
     return tuple(out)
+
+
+def _have_nvcomp() -> bool:
+    try:
+        _nvcomp()
+        return True
+    except RuntimeError:
+        return False
 
 
 def _check_codec(codec, *, allow_auto: bool) -> str:
@@ -315,13 +323,8 @@ def _check_codec(codec, *, allow_auto: bool) -> str:
 def _resolve_codec(codec: str, device: torch.device) -> str:
     c = _check_codec(codec, allow_auto=True)
     if c == "auto":
-        if device.type == "cuda":
-            try:
-                _nvcomp()
-                return "ans"
-            except RuntimeError:
-                return "zstd"
-        return "zstd"
+        # without nvCOMP a CUDA buffer's zstd runs on the host (compress_regions copies it there)
+        return "ans" if device.type == "cuda" and _have_nvcomp() else "zstd"
     if c in _GPU_ONLY and device.type != "cuda":
         raise RuntimeError(
             f"{c.upper() if c == 'ans' else c} needs nvCOMP on a GPU; use zstd for portable files "
@@ -829,7 +832,13 @@ def compress_regions(
         segs = [(0, n)]
     frames = _frames(n, segs, chunk_nbytes)
 
-    if c == "none":
+    if c == "zstd" and dev.type == "cuda" and not _have_nvcomp():
+        # the portable codec without nvCOMP: encode a host copy (ordered after ``stream``'s work),
+        # so "auto" and "zstd" still write a file on a GPU machine that lacks nvCOMP
+        with torch.cuda.stream(stream) if stream is not None else _nullctx():
+            payloads = [p.cpu() for p in payloads]
+        stored = _zstd_compress_cpu(payloads, frames, chunk_nbytes, lvl)
+    elif c == "none":
         stored = payloads
     elif dev.type == "cuda":
         # the codec options follow the stored bytes: byte planes (split here or at gather) get no
@@ -982,7 +991,7 @@ def decompress_regions(
     comp_j = [k for k, j in enumerate(idx) if k not in set(raw_j)]
     if comp_j:
         regs = [cs.regions[idx[k]] for k in comp_j]
-        if dev.type == "cuda" and codec != "none":
+        if dev.type == "cuda" and codec != "none" and (codec in _GPU_ONLY or _have_nvcomp()):
             sub = _SubFmt(fmt.region_nbytes, fmt.payload_nbytes, len(comp_j))
             scratch = tgt if comp_j == list(range(len(idx))) else torch.empty(sub.nbytes, dtype=torch.uint8, device=dev)
             if codec in _GPU_ONLY:  # the native streams, after their checked headers

@@ -15,7 +15,7 @@ FP8 staging (:class:`QuantStagingFormat`)
     ``scale = amax / 448`` where ``amax`` is the max of ``|x|`` over the *finite* elements of the
     (token, head) row (``granularity="token"``) or of the (block, head) tile (``"block"``).
     **Zero rule**: when ``amax / 448`` is 0 (an all-zero row, or only non-finite values, or an fp32
-    row below ``448 * 2**-149``) the scale is 1.0, so zeros (with their sign) round-trip exactly.
+    row with ``amax <= 224 * 2**-149``, whose quotient rounds to 0) the scale is 1.0, so zeros (with their sign) round-trip exactly.
     Codes are ``(x / scale).clamp(-448, 448).to(torch.float8_e4m3fn)`` (saturating RNE) except that
     every NaN becomes ``0x7F`` (NaN's sign is not portable: GPU arithmetic returns canonical NaN);
     ``±inf`` saturates to ``±448``. Padding ids (``-1``) write all-zero bytes (codes and scales).

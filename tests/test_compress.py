@@ -512,18 +512,25 @@ def test_wrong_format_for_region():
         decompress_regions(moved)
 
 
-def test_errors_leave_the_cache_untouched():
-    """Decompress fully, then scatter: a corrupt region raises before any cache write."""
+def test_a_corrupt_region_fails_its_layer_alone_and_the_others_restore():
+    """Decompress fully, then scatter: the corrupt layer raises from decompress (so the caller
+    never scatters it) while the layers stored beside it still decode and restore exactly."""
     staging, fmt, layout, ids = kv_like(SHAPES[1], torch.bfloat16)
     packed = compress_regions(staging, fmt, "zstd")
     r = packed.regions[2].clone()
     r[r.numel() // 2] ^= 0xFF
     bad = _with_region(packed, 2, r)
+    with pytest.raises(ValueError, match="region 2|frame|checksum"):
+        decompress_regions(bad, layers=[2])
+    with pytest.raises(ValueError):
+        decompress_regions(bad)  # all layers: raises, nothing returned to scatter
     dst = [torch.zeros(2, 20, 16, 3, 64, dtype=torch.bfloat16) for _ in range(3)]
     dl = kvkernels.PagedLayout.from_vllm(dst)
-    with pytest.raises(ValueError):
-        kvkernels.scatter(decompress_regions(bad), dl, [1, 2, 3, 4, 5])
-    assert all(bool((c == 0).all()) for c in dst)
+    new_ids = [1, 2, 3, 4, 5]
+    kvkernels.scatter(decompress_regions(bad, layers=[0, 1]), dl, new_ids, layers=[0, 1])
+    back = kvkernels.gather(dl, new_ids, layers=[0, 1], backend="torch")
+    assert torch.equal(back, staging[: 2 * fmt.region_nbytes])  # layers 0 and 1 bit-exact
+    assert bool((dst[2] == 0).all())
 
 
 # ------------------------------------------------------------------------------------ benchmark
@@ -569,6 +576,31 @@ def test_nvcomp_roundtrip(codec, shuffle):
 def test_auto_is_ans_on_gpu():
     staging, fmt, _, _ = kv_like(SHAPES[1], torch.bfloat16, device=DEVICE)
     assert compress_regions(staging, fmt).codec == "ans"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_gpu_without_nvcomp_writes_and_reads_zstd_through_the_host(monkeypatch, shuffle):
+    """codec="auto" on a CUDA buffer falls back to zstd when nvCOMP does not import: encoded and
+    decoded on a host copy (it raised "nvCOMP is not installed" before)."""
+    import kvkernels.compress as cmod
+
+    def missing():
+        raise RuntimeError("nvCOMP is not installed (test)")
+
+    monkeypatch.setattr(cmod, "_nvcomp", missing)
+    staging, fmt, _, _ = kv_like(SHAPES[3], torch.bfloat16, device=DEVICE)
+    assert "zstd" in cmod.available_codecs(DEVICE)
+    stream = torch.cuda.Stream()
+    packed = compress_regions(staging, fmt, stream=stream, byteshuffle=shuffle)
+    assert packed.codec == "zstd" and packed.ratio > 1.05
+    assert all(r.device.type == "cpu" for r in packed.regions)
+    assert torch.equal(decompress_regions(packed, device=DEVICE), staging)
+    on_gpu = CompressedStaging(fmt, "zstd", [r.to(DEVICE) for r in packed.regions], packed.stored_nbytes,
+                               packed.raw_nbytes, packed.byteshuffle, packed.chunk_nbytes)
+    assert torch.equal(decompress_regions(on_gpu), staging)  # regions read into device memory
+    with pytest.raises(RuntimeError, match="nvCOMP"):
+        compress_regions(staging, fmt, "ans")
 
 
 @pytest.mark.gpu
@@ -819,6 +851,9 @@ def test_compress_arguments_that_cannot_describe_the_staging_are_refused():
     cs = CompressedStaging.from_buffer(inplace, fmt, packed.stored_nbytes, "zstd")
     with pytest.raises(ValueError, match="`out`: expected memory apart from the compressed regions"):
         decompress_regions(cs, out=inplace)
+    # a header that says "raw" with byteshuffle=True contradicts itself (the bytes are not planes)
+    with pytest.raises(ValueError, match="`byteshuffle`: expected False for a 'raw' entry"):
+        CompressedStaging.from_buffer(inplace, fmt, packed.stored_nbytes, "zstd", byteshuffle=True, scheme="raw")
 
 
 def test_torch_backend_moves_a_head_dim_of_one_with_any_stride():
