@@ -49,6 +49,7 @@ import itertools
 import logging
 import mmap
 import threading
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -115,6 +116,14 @@ class _OnStream:
 
 # the current stream's handle on a device index (torch's C binding; Triton's launcher calls it)
 _RAW_CURRENT = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+# failed_saves keeps the latest this many keys (oldest dropped): request ids are unique in a
+# server, so a key never saved again would otherwise stay for the process's life
+FAILED_SAVES_KEPT = 4096
+# with read_priority, a saved entry's SSD write waits for a gap in the reads at most this long
+# (then it is queued; the store still runs reads first): a steady prefetch stream must not hold
+# a finished save (and its host region) forever
+WRITE_MAX_DELAY_S = 1.0
 
 
 class _Handle:
@@ -461,7 +470,8 @@ class LayerPipeline:
     backend : str
         Kernel backend for gather/scatter (``"auto"``).
     read_priority : bool
-        SSD writes of saved entries wait while prefetch reads are in flight (default True).
+        SSD writes of saved entries wait while prefetch reads are in flight (default True), at
+        most :data:`WRITE_MAX_DELAY_S` per write.
     pack_priority : int
         CUDA priority of the pack stream (the gather / scatter kernels): 0 (default) is the
         compute stream's own; lower is higher (torch clamps to the device's range, -5..0 on the
@@ -594,7 +604,7 @@ class LayerPipeline:
         self._pending_loads: list[tuple[object, list]] = []
         self._load_cat = None  # the restores' destination ids concatenated when they share a slot
         self._load_errors: list = []  # destination ids (device tensors or host tuples) of loads that failed
-        self._failed_saves: set[Hashable] = set()
+        self._failed_saves: dict[Hashable, None] = {}  # insertion-ordered, FAILED_SAVES_KEPT at most
         self._orphans: list[HostEntry] = []  # replaced entries whose regions are still in use
         self._saves_failing: dict[Hashable, set] = {}  # saves without host memory: layers seen so far
         # SSD leg: reads (prefetch) and writes (saved entries) on separate threads; a write
@@ -907,7 +917,7 @@ class LayerPipeline:
                 self._release(old)  # a D2H still writing it is ordered before ours (same stream)
         off = self._alloc_host(fmt.nbytes)
         if off is None:
-            self._failed_saves.add(key)
+            self._note_failed_save(key)
             if self.layout.num_layers > 1:  # its later layers must not start a partial entry
                 self._saves_failing[key] = {layer}
             return None
@@ -919,7 +929,7 @@ class LayerPipeline:
             _zero_region_padding(ent.buf, fmt)  # no copy writes it, and the SSD copy must not carry stale bytes
             self.entries[key] = ent
         self._saving[key] = ent
-        self._failed_saves.discard(key)  # the set reports each key's latest save
+        self._failed_saves.pop(key, None)  # the set reports each key's latest save
         return ent
 
     def save_layer(self, layer: int, saves: Mapping[Hashable, object]) -> None:
@@ -991,7 +1001,7 @@ class LayerPipeline:
             if cur is not None:
                 self._abandon_save(key, cur, f"not issued at layer {layer} (its save_layer call raised)")
             else:
-                self._failed_saves.add(key)
+                self._note_failed_save(key)
             if layer + 1 < self.layout.num_layers:
                 self._saves_failing[key] = set(range(layer + 1))
             else:
@@ -1027,7 +1037,7 @@ class LayerPipeline:
                 del self.entries[key]
                 if reusable:
                     self._drop(ent)
-        self._failed_saves.add(key)
+        self._note_failed_save(key)
 
     def _issue_saves(self, layer: int, todo, gather, dma) -> None:
         """``layer`` of ``todo`` (``[(key, entry, ids)]``): the ``dma`` part as one batched DMA
@@ -1116,9 +1126,13 @@ class LayerPipeline:
     def _write_to_store(self, ent: HostEntry):
         """Background thread: wait for the entry's DMA (off the step path), then put it."""
         ent.done_event.synchronize()
-        with self._io_cv:  # reads before writes: wait for a gap
+        with self._io_cv:  # reads before writes: wait for a gap, within a bound (no starvation)
+            deadline = time.monotonic() + WRITE_MAX_DELAY_S
             while self.read_priority and self._reads_inflight > 0 and not self._closed:
-                self._io_cv.wait(timeout=0.05)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._io_cv.wait(timeout=min(0.05, left))
         from kvkernels.io import EntryMeta  # the store issue's metadata
 
         meta = EntryMeta.for_layout(self.layout, ent.fmt.num_blocks)
@@ -1302,22 +1316,23 @@ class LayerPipeline:
         self._record(start, self._compute())  # earlier users of the destination blocks are done
         self._wait(self.h2d_stream, start)
         self._wait(self.pack_stream, start)
-        for key, ids, hk, given in checked:
-            ent = self.entries.get(key)
-            ok = (ent is not None and ent.state in ("saved", "ready", "saving", "loading")
-                  and ent.fmt.num_blocks == ids.numel())
-            if ok and ent.state == "saving":
-                ok = len(ent.layers_done) == self.layout.num_layers
-            # what a failure reports: host ids as given (their device copy is still queued on the
-            # pack stream); device ids are read back off the step path, in the getter
-            err = hk if hk is not None else given
-            if not ok:
-                self._load_errors.append(err)
-                continue
-            ent.users += 1
-            if ent.done_event is not None and self.cuda:
-                self._wait(self.h2d_stream, ent.done_event)  # a save of it still in flight
-            self._loads.append((ent, ids, ent.state == "loading", err))  # streamed: gate each layer
+        with self._lock:  # a prefetch on another thread may evict an entry between its check and its use
+            for key, ids, hk, given in checked:
+                ent = self.entries.get(key)
+                ok = (ent is not None and ent.state in ("saved", "ready", "saving", "loading")
+                      and ent.fmt.num_blocks == ids.numel())
+                if ok and ent.state == "saving":
+                    ok = len(ent.layers_done) == self.layout.num_layers
+                # what a failure reports: host ids as given (their device copy is still queued on the
+                # pack stream); device ids are read back off the step path, in the getter
+                err = hk if hk is not None else given
+                if not ok:
+                    self._load_errors.append(err)
+                    continue
+                ent.users += 1
+                if ent.done_event is not None and self.cuda:
+                    self._wait(self.h2d_stream, ent.done_event)  # a save of it still in flight
+                self._loads.append((ent, ids, ent.state == "loading", err))  # streamed: gate each layer
         # several restores that fit one slot together: one scatter per layer for all of them
         self._load_cat = None
         self._load_batch = None
@@ -1347,7 +1362,8 @@ class LayerPipeline:
                 break
             self._issue_load_layer()
             issued = True
-        if issued or wait_reads:
+        # also when every layer was issued already (prefetch_depth) but not all were waited for
+        if issued or wait_reads or self._last_waited < self._next_load_layer - 1:
             self._record(self._finished_off, self.pack_stream)
             self._wait(self.h2d_stream, self._finished_off)
             self._record(self._finished_off, self.h2d_stream)
@@ -1410,6 +1426,8 @@ class LayerPipeline:
         self._pending_loads.append((ev, [(ent, None) for ent, *_ in loads]))
 
     def _issue_load_layer_work(self, layer: int) -> None:
+        if not self._loads:  # nothing to restore (a step's start_load({})): no event, so the
+            return  # compute waits for nothing (an event on the pack stream would order it after saves' gathers)
         done_on = self.pack_stream  # the stream whose work completes the layer
         if self._load_batch is not None:
             for ent, _, streamed, _ in self._loads:
@@ -1501,7 +1519,8 @@ class LayerPipeline:
         (stream waits), so it completes and is reported — up to a streamed layer whose SSD read
         is not in yet where only a host wait could gate it (CPU, no ``cuStreamWaitValue32``):
         those are issued by a later call (or by the next ``start_load``), never waited for here."""
-        if self._loads and self._next_load_layer < self.layout.num_layers and not self._closed:
+        L = self.layout.num_layers
+        if self._loads and (self._next_load_layer < L or self._last_waited < L - 1) and not self._closed:
             self._check_device()  # the issuing below may call the runtime directly (cudart, dma)
             try:
                 self._finish_issuing_loads(wait_reads=False)
@@ -1517,7 +1536,7 @@ class LayerPipeline:
                         continue
                     if ent.ssd_future.exception() is not None:
                         ent.error = repr(ent.ssd_future.exception())
-                        self._failed_saves.add(key)
+                        self._note_failed_save(key)
                 ent.state = "saved"
                 saved.add(key)
         loaded = set()
@@ -1548,11 +1567,25 @@ class LayerPipeline:
             return ent.state == "failed"
         return bool((ent.gate.numpy() == GATE_FAILED).any())
 
+    def _note_failed_save(self, key) -> None:
+        self._failed_saves.pop(key, None)
+        self._failed_saves[key] = None  # the newest last
+        while len(self._failed_saves) > FAILED_SAVES_KEPT:
+            del self._failed_saves[next(iter(self._failed_saves))]
+
     @property
     def failed_saves(self) -> set:
         """Keys whose latest save failed (no host memory, not issued, a failed SSD put); a key
-        leaves the set when a new save of it starts."""
+        leaves the set when a new save of it starts or :meth:`take_failed_saves` returns it.
+        The latest :data:`FAILED_SAVES_KEPT` keys are kept."""
         return set(self._failed_saves)
+
+    def take_failed_saves(self) -> set:
+        """:attr:`failed_saves`, emptied: for a caller that polls each step (a connector reports
+        each failed save once)."""
+        with self._lock:
+            out, self._failed_saves = set(self._failed_saves), {}
+        return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Destination block ids of loads that could not restore (missing / failed entries):

@@ -1877,3 +1877,108 @@ def test_an_unwaited_restore_orders_the_compute_and_the_next_restore(prefetch_de
         monkeypatch.setattr(pipe, "_record", lambda ev, st: (marks.append(ev is pipe._finished_off), real(ev, st))[1])
         pipe.start_load({"b": [22, 23]})
         assert marks.count(True) == (0 if waited == L else 2)
+
+
+# ------------------------------------------------ regressions found by review (2026-11-24)
+@pytest.mark.parametrize("prefetch_depth", [1, L])
+def test_get_finished_orders_the_compute_after_a_restore_issued_but_not_waited(prefetch_depth, monkeypatch):
+    """The forward stopped after layer 0: get_finished issues the rest (depth 1) or finds every
+    layer issued already (depth L) — either way the compute waits for the restore's copies there
+    (it did only when some layer was still unissued), once."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20, prefetch_depth=prefetch_depth) as pipe:
+        run_step_saves(pipe, {"a": [3, 9]})
+        drain(pipe)
+        pipe.start_load({"a": [20, 21]})
+        pipe.wait_for_layer_load(0)
+        waits = []
+        real = pipe._wait
+        monkeypatch.setattr(pipe, "_wait", lambda st, ev: (waits.append(ev is pipe._finished_off), real(st, ev))[1])
+        pipe.get_finished()
+        pipe.get_finished()
+        assert waits.count(True) == 2  # the H2D stream and the compute, by the first call only
+        assert pipe._last_waited == L - 1
+
+
+def test_a_step_without_restores_makes_the_compute_wait_for_nothing(monkeypatch):
+    """start_load({}) each step (vLLM calls start_load_kv every step): no per-layer event, so the
+    compute is not ordered after the saves' gathers queued on the pack stream."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        waits, records = [], []
+        real_w, real_r = pipe._wait, pipe._record
+        monkeypatch.setattr(pipe, "_wait", lambda st, ev: (waits.append(ev), real_w(st, ev))[1])
+        monkeypatch.setattr(pipe, "_record", lambda ev, st: (records.append(ev), real_r(ev, st))[1])
+        pipe.start_load({})
+        for layer in range(L):
+            pipe.save_layer(layer, {"a": [1, 2]})
+            pipe.wait_for_layer_load(layer)
+        assert not any(ev is e for ev in waits + records for e in pipe._layer_loaded)
+        pipe.wait_for_save()
+        assert drain(pipe)[0] == {"a"}
+
+
+def test_failed_saves_are_bounded_and_can_be_taken(monkeypatch):
+    import kvkernels.pipeline as pmod
+
+    monkeypatch.setattr(pmod, "FAILED_SAVES_KEPT", 3)
+    lay = cache()
+    one = kvkernels.staging_nbytes(lay, 2)
+    with LayerPipeline(lay, host_bytes=one, slot_bytes=1 << 16) as pipe:
+        for i in range(5):  # 4 blocks never fit: every save fails
+            run_step_saves(pipe, {f"r{i}": [1, 2, 3, 4]})
+        assert pipe.failed_saves == {"r2", "r3", "r4"}  # the latest kept, the oldest dropped
+        assert pipe.take_failed_saves() == {"r2", "r3", "r4"} and pipe.failed_saves == set()
+        run_step_saves(pipe, {"r5": [1, 2, 3, 4]})
+        assert pipe.take_failed_saves() == {"r5"}
+
+
+def test_a_steady_stream_of_prefetches_delays_an_ssd_write_only_so_long(monkeypatch):
+    """read_priority: a saved entry's write waits for a gap in the reads at most
+    WRITE_MAX_DELAY_S; reads that never stop must not hold it (and its save) forever."""
+    import sys
+    import types
+
+    import kvkernels.pipeline as pmod
+
+    monkeypatch.setitem(sys.modules, "kvkernels.io",
+                        types.SimpleNamespace(EntryMeta=types.SimpleNamespace(for_layout=lambda lay, n: {"n": n})))
+    monkeypatch.setattr(pmod, "WRITE_MAX_DELAY_S", 0.3)
+    lay = cache()
+    store = _SlowStore(delay=0.0)
+    with LayerPipeline(lay, host_bytes=1 << 20, store=store) as pipe:
+        with pipe._io_cv:
+            pipe._reads_inflight += 1  # a read in flight for the whole test (reads never pause)
+        try:
+            t0 = time.time()
+            run_step_saves(pipe, {"a": [1, 2]})
+            saved = set()
+            while "a" not in saved and time.time() - t0 < 10:
+                saved |= pipe.get_finished()[0]
+                time.sleep(0.01)
+            took = time.time() - t0
+            assert "a" in saved and "a" in store.data
+            assert 0.25 < took < 3.0, took  # it waited for a gap, then went
+        finally:
+            with pipe._io_cv:
+                pipe._reads_inflight -= 1
+
+
+def test_start_load_takes_an_entry_into_use_under_the_lock(monkeypatch):
+    """A prefetch on another thread may evict entries (under the pipeline's lock): start_load's
+    check and its ``users`` increment happen under the same lock, so an entry it chose cannot be
+    evicted and its region reused before it is marked in use."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        run_step_saves(pipe, {"a": [3, 9]})
+        drain(pipe)
+        held = []
+
+        class Entries(dict):
+            def get(self, key, default=None):
+                held.append(pipe._lock._is_owned())
+                return dict.get(self, key, default)
+
+        pipe.entries = Entries(pipe.entries)
+        pipe.start_load({"a": [20, 21]})
+        assert held and all(held)
