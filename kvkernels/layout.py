@@ -94,6 +94,24 @@ def _check_layout(kind: str, layout: str) -> str:
     return layout.upper()
 
 
+def _check_hnd_shape(kv_caches, ctor: str) -> None:
+    """``"HND"`` names tensors whose *shape* is ``[.., H, N, D]``. vLLM hands out the logical
+    ``[.., N, H, D]`` shape whatever ``VLLM_KV_CACHE_LAYOUT`` (a permuted view: the strides carry
+    HND), and read as HND its block size and head count would swap without an error. Such a
+    tensor has a smaller stride on dim 2 than on dim 3, which no HND-shaped HND tensor has."""
+    if isinstance(kv_caches, torch.Tensor):
+        return  # _layer_list reports it
+    items = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else kv_caches
+    for i, t in enumerate(items):
+        if isinstance(t, torch.Tensor) and t.dim() == 5 and t.size(2) > 1 and t.size(3) > 1 and \
+                t.stride(2) < t.stride(3):
+            fail(f"kv_caches[{i}]", f"a tensor shaped [.., H, N, D] for {ctor}(..., 'HND') (dim 2's stride larger "
+                 "than dim 3's)",
+                 f"shape {tuple(t.shape)} with strides {t.stride()}: the logical [.., N, H, D] view vLLM hands "
+                 f"out whatever VLLM_KV_CACHE_LAYOUT (its strides carry HND) — pass it with kv_layout='NHD'; "
+                 "for another tensor, name its dims with from_layers(..., order=)")
+
+
 def _strides_hit(delta: int, dims, row: int) -> bool:
     """Whether two views with the same nested strides whose first bytes are ``delta`` apart share a
     byte: ``delta`` = sum of d_i * stride_i + e with |d_i| < n_i and |e| < ``row`` (``dims``: (byte
@@ -343,15 +361,24 @@ class PagedLayout:
     @classmethod
     def from_vllm(cls, kv_caches, kv_layout: str = "NHD") -> "PagedLayout":
         """vLLM FlashAttention: per layer ``[2, num_blocks, block_size, H, D]`` (NHD) or
-        ``[2, num_blocks, H, block_size, D]`` (HND); a list, or a dict in layer order."""
+        ``[2, num_blocks, H, block_size, D]`` (HND); a list, or a dict in layer order.
+
+        ``kv_layout`` names the tensors' *shape*. vLLM's model runner hands out the NHD shape for
+        both ``VLLM_KV_CACHE_LAYOUT`` settings (HND memory is a permuted view, its strides carry
+        the order): pass vLLM's own tensors as ``"NHD"`` (the default); ``"HND"`` refuses them."""
         kl = _check_layout("vllm", kv_layout)
+        if kl == "HND":
+            _check_hnd_shape(kv_caches, "from_vllm")
         return cls.from_layers(kv_caches, "KB" + ("NHD" if kl == "NHD" else "HND"), kind=f"vllm-{kl}")
 
     @classmethod
     def from_flashinfer(cls, kv_caches, kv_layout: str = "NHD") -> "PagedLayout":
         """vLLM FlashInfer: per layer ``[num_blocks, 2, block_size, H, D]`` (NHD) or
-        ``[num_blocks, 2, H, block_size, D]`` (HND)."""
+        ``[num_blocks, 2, H, block_size, D]`` (HND) — the shape, as for :meth:`from_vllm` (vLLM's
+        own tensors are NHD-shaped with HND strides: pass them as ``"NHD"``)."""
         kl = _check_layout("flashinfer", kv_layout)
+        if kl == "HND":
+            _check_hnd_shape(kv_caches, "from_flashinfer")
         return cls.from_layers(kv_caches, "BK" + ("NHD" if kl == "NHD" else "HND"), kind=f"flashinfer-{kl}")
 
     @classmethod

@@ -48,6 +48,28 @@ def test_vllm_element_mapping(kv_layout, shape, index):
         assert torch.equal(lay.views[0][c][b, n, h], index(t, c, b, n, h))
 
 
+@pytest.mark.parametrize("ctor, phys_shape, inv", [
+    ("from_vllm", lambda: (2, B, H, N, D), (0, 1, 3, 2, 4)),
+    ("from_flashinfer", lambda: (B, 2, H, N, D), (0, 1, 3, 2, 4)),
+])
+def test_vllms_own_hnd_tensors_are_described_as_nhd_and_refused_as_hnd(ctor, phys_shape, inv):
+    """vLLM allocates HND memory and hands out the NHD-shaped permuted view (its model runner:
+    ``raw.view(physical).permute(inverse)``). Passed as "NHD" the strides describe it exactly (the
+    same staging bytes as the HND-shaped tensor passed as "HND"); passed as "HND" it is refused
+    (it swapped block size and head count silently)."""
+    phys = torch.randn(*phys_shape())
+    vllm_view = phys.permute(*inv)  # logical [.., N, H, D], HND strides
+    lay = getattr(PagedLayout, ctor)([vllm_view])
+    assert (lay.block_size, lay.num_heads) == (N, H)
+    ref = getattr(PagedLayout, ctor)([phys], "HND")
+    ids = [3, 0, 7]
+    assert torch.equal(kvkernels.gather(lay, ids, backend="torch"), kvkernels.gather(ref, ids, backend="torch"))
+    with pytest.raises(ValueError, match="pass it with kv_layout='NHD'"):
+        getattr(PagedLayout, ctor)([vllm_view], "HND")
+    with pytest.raises(ValueError, match="pass it with kv_layout='NHD'"):
+        getattr(PagedLayout, ctor)({"layer.0": vllm_view}, "hnd")
+
+
 def test_flashinfer_and_packed_and_sglang_mapping():
     t = torch.randn(B, 2, H, N, D)
     lay = PagedLayout.from_flashinfer([t], "HND")
