@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(HERE, "bindings", "capi.cu")]
@@ -114,14 +115,20 @@ def command(out: str, archs=ARCHS, extra=()) -> list[str]:
 def build(out_dir: str, archs=ARCHS, verbose: bool = False, extra=(), lib_name: str = LIB) -> str:
     os.makedirs(out_dir, exist_ok=True)
     out = os.path.join(out_dir, lib_name)
-    tmp = out + f".tmp.{os.getpid()}"
+    # unique per build, not per process: two threads (or two containers whose processes share a
+    # pid and the cache folder) building at once must not write, then rename, the same file
+    tmp = out + f".tmp.{os.getpid()}.{uuid.uuid4().hex}"
     cmd = command(tmp, archs, extra)
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if verbose or r.returncode:
-        sys.stderr.write(" ".join(cmd) + "\n" + r.stdout + r.stderr)
-    if r.returncode:
-        raise RuntimeError(f"nvcc failed ({r.returncode}):\n{r.stderr[-4000:]}")
-    os.replace(tmp, out)  # atomic: a concurrent loader sees the old file or the new one
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if verbose or r.returncode:
+            sys.stderr.write(" ".join(cmd) + "\n" + r.stdout + r.stderr)
+        if r.returncode:
+            raise RuntimeError(f"nvcc failed ({r.returncode}):\n{r.stderr[-4000:]}")
+        os.replace(tmp, out)  # atomic: a concurrent loader sees the old file or the new one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return out
 
 

@@ -38,6 +38,40 @@ spec.loader.exec_module(build)
 needs_nvcc = pytest.mark.skipif(build.nvcc() is None, reason="nvcc not installed (CI has it)")
 
 
+def test_concurrent_builds_into_one_folder_each_rename_a_complete_file(tmp_path, monkeypatch):
+    """Two first uses building at once (two threads, or two containers whose processes share a
+    pid and the cache folder) write separate temporaries: each rename puts a whole library in
+    place (one temporary per pid let one build move the other's half-written file). A failed build
+    leaves no temporary behind. The compiler is stood in for by a slow two-part writer."""
+    import sys
+    import threading
+
+    writer = ("import sys, time; f = open(sys.argv[1], 'wb'); f.write(b'a' * 1000); f.flush(); time.sleep(0.3); "
+              "f.write(b'b' * 1000); f.close(); sys.exit(int(sys.argv[2]))")
+    code = {"rc": "0"}
+    monkeypatch.setattr(build, "command", lambda out, archs=(), extra=(): [sys.executable, "-c", writer, out, code["rc"]])
+    sizes, errors = [], []
+
+    def one():
+        try:
+            path = build.build(str(tmp_path), lib_name="libx.so")
+            sizes.append(os.path.getsize(path))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    ts = [threading.Thread(target=one) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert errors == [] and sizes == [2000, 2000]
+    assert os.listdir(tmp_path) == ["libx.so"]
+    code["rc"] = "1"
+    with pytest.raises(RuntimeError, match="nvcc failed"):
+        build.build(str(tmp_path), lib_name="liby.so")
+    assert os.listdir(tmp_path) == ["libx.so"]
+
+
 @needs_nvcc
 def test_compiles_for_all_targets_with_warnings_as_errors(tmp_path):
     lib = build.build(str(tmp_path))
