@@ -234,6 +234,14 @@ class PagedLayout:
     # the layout is immutable, and these are on every copy's path
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
+    def __getstate__(self):
+        # the memo holds raw addresses of *these* tensors (pointer tables, launch plans): a copy
+        # (copy.deepcopy, pickle) has its own tensors and derives its own (the Triton and CUDA
+        # backends otherwise read and wrote the original cache through the copy)
+        state = dict(self.__dict__)
+        state["_memo"] = {}
+        return state
+
     def __post_init__(self):
         # ``PagedLayout(views=...)`` called directly gets the same checks as every preset (the
         # kernels trust views[0][0]'s shape and strides for all views)

@@ -35,9 +35,8 @@ _ERR: dict[str, torch.Tensor] = {}
 def _err_counter(device: torch.device) -> torch.Tensor:
     key = str(device)
     t = _ERR.get(key)
-    if t is None:
-        t = torch.zeros(1, dtype=torch.int32, device=device)
-        _ERR[key] = t
+    if t is None:  # two threads' first use: both get the one counter that was stored first
+        t = _ERR.setdefault(key, torch.zeros(1, dtype=torch.int32, device=device))
     return t
 
 

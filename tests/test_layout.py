@@ -291,3 +291,27 @@ def test_from_strides_sizes_every_layer_from_the_smallest_storage_and_checks_off
         PagedLayout.from_strides([big, torch.randn(D)], **kw)
     with pytest.raises(ValueError, match=r"tensors\[0\]"):
         PagedLayout.from_strides([big], offset=-1, **kw)
+
+
+def test_a_copied_or_unpickled_layout_copies_its_own_tensors():
+    """The layout keeps raw addresses (pointer tables, launch plans) of its tensors: a deepcopy
+    or a pickle round trip has new tensors and must not inherit them (the compiled backends read
+    and wrote the original cache through the copy)."""
+    import copy
+    import pickle
+
+    from kvtest import BACKENDS, DEVICE
+
+    lay = make_cache("vllm-nhd", num_layers=2, num_blocks=8, block_size=4, num_heads=2, head_dim=64, device=DEVICE)
+    for be in BACKENDS:
+        kvkernels.gather(lay, [1, 2], backend=be)  # the memo filled
+    for dup in (copy.deepcopy(lay), pickle.loads(pickle.dumps(lay))):
+        dup.views[0][0].fill_(3)  # the copy differs from the original now
+        ref = kvkernels.gather(dup, [1, 2], backend="torch")
+        for be in BACKENDS:
+            assert torch.equal(kvkernels.gather(dup, [1, 2], backend=be), ref), be
+        staging = torch.zeros_like(ref)
+        for be in BACKENDS:
+            kvkernels.scatter(staging, dup, [5, 6], backend=be)
+            assert bool((dup.views[0][0][5:7] == 0).all()) and not bool((lay.views[0][0][5:7] == 0).all()), be
+            dup.views[0][0][5:7].fill_(1)
