@@ -70,6 +70,7 @@ are medians too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -77,6 +78,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -416,7 +418,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         from kvkernels import _cuda
 
         if _cuda.available():
-            with common.env(KVKERNELS_CUDA_BULK="1"):
+            with _optional_rows("[cuda]"), common.env(KVKERNELS_CUDA_BULK="1"):
                 bulk = _cuda._use_bulk(lay, torch.empty(16, dtype=torch.uint8, device=device))
                 del pipe
                 pipe = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2,
@@ -433,14 +435,15 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
             for backend, tag in (("auto", "[cudart]"), ("cuda", "[cuda+cudart]")):
                 if backend == "cuda" and not _cuda.available():
                     continue
-                p3 = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2,
-                                   backend=backend, stream_api="cudart")
-                try:
-                    pipeline_rows(p3, tag)
-                    if profile_path is not None:
-                        _profile_issue(p3, src, dst, L, device, profile_path, f"{tag} {model} {seq} tokens", mode="a")
-                finally:
-                    p3.close()
+                with _optional_rows(tag):
+                    p3 = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2,
+                                       backend=backend, stream_api="cudart")
+                    try:
+                        pipeline_rows(p3, tag)
+                        if profile_path is not None:
+                            _profile_issue(p3, src, dst, L, device, profile_path, f"{tag} {model} {seq} tokens", mode="a")
+                    finally:
+                        p3.close()
         else:
             print(f"[bench] stream_api='cudart' rows skipped: {_cudart.reason()}", file=sys.stderr)
     # copy_mode="dma": each layer as one cudaMemcpyBatchAsync straight between the blocks and the
@@ -464,17 +467,18 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                 print(f"[bench] copy_mode='dma' rows skipped: {exc}", file=sys.stderr)
                 dma_ok = False  # and the [4 requests+dma+cudart] rows below
                 break
-            try:
-                pipeline_rows(p5, tag, host_ids=True)
-                if profile_path is not None and api == "cudart":
-                    _profile_issue(p5, src.tolist(), dst.tolist(), L, device, profile_path,
-                                   f"{tag} {model} {seq} tokens", mode="a")
-                    # first case only: consecutive block ids (a fresh request from vLLM's free
-                    # queue often gets runs of them): pieces merge into runs, the best case
-                    seq_ids = (torch.arange(n, device=device), torch.arange(n, 2 * n, device=device))
-                    pipeline_rows(p5, "[dma+cudart,consecutive ids]", host_ids=True, blocks=seq_ids)
-            finally:
-                p5.close()
+            with _optional_rows(tag):
+                try:
+                    pipeline_rows(p5, tag, host_ids=True)
+                    if profile_path is not None and api == "cudart":
+                        _profile_issue(p5, src.tolist(), dst.tolist(), L, device, profile_path,
+                                       f"{tag} {model} {seq} tokens", mode="a")
+                        # first case only: consecutive block ids (a fresh request from vLLM's free
+                        # queue often gets runs of them): pieces merge into runs, the best case
+                        seq_ids = (torch.arange(n, device=device), torch.arange(n, 2 * n, device=device))
+                        pipeline_rows(p5, "[dma+cudart,consecutive ids]", host_ids=True, blocks=seq_ids)
+                finally:
+                    p5.close()
     if profile_path is not None:
         # first case only: the same blocks as 4 requests with list ids (vLLM's connector): one
         # gather per layer for all of them, and the ids copied once per save
@@ -486,12 +490,13 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                 continue
             if mode == "dma" and not dma_ok:
                 continue
-            p4 = LayerPipeline(lay, host_bytes=fmt.nbytes + (2 << 20), max_ctas=16, prefetch_depth=2,
-                               stream_api=api, copy_mode=mode)
-            try:
-                pipeline_rows(p4, tag, parts=4)
-            finally:
-                p4.close()
+            with _optional_rows(tag):
+                p4 = LayerPipeline(lay, host_bytes=fmt.nbytes + (2 << 20), max_ctas=16, prefetch_depth=2,
+                                   stream_api=api, copy_mode=mode)
+                try:
+                    pipeline_rows(p4, tag, parts=4)
+                finally:
+                    p4.close()
     if profile_path is not None:
         # first case only (and the CPU dry run, where caps and priorities change nothing): the SM
         # cap of the pipeline's gather/scatter. 16 CTAs cost the compute
@@ -503,24 +508,42 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         # a 33.6 MB device copy takes at 3 TB/s) instead of a long trickle.
         for ctas, prio in ((4, 0), (64, 0), (0, 0), (16, -1), (0, -1)):
             tag = f"[ctas={ctas or 'all'}" + (f",priority={prio}]" if prio else "]")
-            p2 = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=ctas, prefetch_depth=2,
-                               pack_priority=prio)
-            try:
-                pipeline_rows(p2, tag)
-                if timeline_out is not None and prio:
-                    _sync(device)  # the restore rows' last scatter: the entry is evictable once seen done
-                    p2.get_finished()
-                    try:
-                        if not p2.evict("req"):
-                            raise RuntimeError("the host pool's entry is still in use")
-                        timeline_out.setdefault("variants", {})[tag] = timeline(p2, proxy, src, device, L)
-                        # named here too: the default pipeline's timeline (which sets it) may have been skipped
-                        timeline_out.setdefault("case", f"{model} {seq} tokens, {base['chunk_kb']} KB chunks")
-                    except RuntimeError as exc:  # a figure, not a measurement: the rows stand
-                        print(f"[bench] {tag} timeline skipped: {exc}", file=sys.stderr)
-            finally:
-                p2.close()
+            with _optional_rows(tag):
+                p2 = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=ctas, prefetch_depth=2,
+                                   pack_priority=prio)
+                try:
+                    pipeline_rows(p2, tag)
+                    if timeline_out is not None and prio:
+                        _sync(device)  # the restore rows' last scatter: the entry is evictable once seen done
+                        p2.get_finished()
+                        try:
+                            if not p2.evict("req"):
+                                raise RuntimeError("the host pool's entry is still in use")
+                            timeline_out.setdefault("variants", {})[tag] = timeline(p2, proxy, src, device, L)
+                            # named here too: the default pipeline's timeline (which sets it) may have been skipped
+                            timeline_out.setdefault("case", f"{model} {seq} tokens, {base['chunk_kb']} KB chunks")
+                        except RuntimeError as exc:  # a figure, not a measurement: the rows stand
+                            print(f"[bench] {tag} timeline skipped: {exc}", file=sys.stderr)
+                finally:
+                    p2.close()
     return rows
+
+
+@contextlib.contextmanager
+def _optional_rows(tag: str):
+    """A variant's rows: a failure (a path never run on a GPU, an API the driver refuses) is
+    printed and the case's other rows, and the cases after it, are kept (an exception lost the
+    whole call's results before)."""
+    try:
+        yield
+    except Exception:  # noqa: BLE001 - reported, the bench goes on
+        print(f"[bench] {tag} rows failed and were skipped (the other rows stand):\n{traceback.format_exc()}",
+              file=sys.stderr)
+        if torch.cuda.is_available():
+            try:
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001 - a sticky CUDA error: later rows will say so
+                pass
 
 
 class _Stamps:

@@ -185,7 +185,9 @@ def main(argv=None, prog: str | None = None) -> int:
         import triton
 
         os.makedirs(a.out, exist_ok=True)
-        meta = {"triton": triton.__version__, "torch": torch.__version__, "target": "sm_90",
+        from kvkernels.bench import common
+
+        meta = {**common.env_record(), "triton": triton.__version__, "torch": torch.__version__, "target": "sm_90",
                 "note": "compiled ahead of time on a CPU host; cuobjdump --dump-resource-usage"}
         with open(os.path.join(a.out, "kernel_resources.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

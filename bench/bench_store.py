@@ -161,6 +161,9 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
     work = common.fresh_bench_dir(directory, "kvk-bench-store-", "bench store")  # ours alone: removed at the end
     meta = common.env_record()
     meta["directory"] = work
+    from kvkernels.io.engines import kvikio_status
+
+    meta["kvikio"] = kvikio_status()  # version, compat mode, GDS: the kvikio rows depend on them
     rows: list[dict] = []
     try:
         dd_streams = config.io_threads()  # the store's queue depth: the ceiling reads as wide

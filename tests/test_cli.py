@@ -96,6 +96,28 @@ def test_bench_pipeline_tiny(tmp_path):
     assert (tmp_path / "pipeline.json").exists()
 
 
+def test_bench_pipeline_keeps_the_other_rows_when_a_variant_fails(tmp_path, monkeypatch, capsys):
+    """A variant that raises (the [dma] rows had never run on a GPU) is reported and skipped: the
+    default rows and the later variants are still measured and written."""
+    from kvkernels.bench import bench_pipeline
+    from kvkernels.pipeline import LayerPipeline
+
+    real = LayerPipeline.save_layer
+
+    def failing(self, layer, saves):
+        if self.copy_mode == "dma":
+            raise RuntimeError("simulated failure of a dma-mode save")
+        return real(self, layer, saves)
+
+    monkeypatch.setattr(LayerPipeline, "save_layer", failing)
+    res = bench_pipeline.run(out_dir=str(tmp_path), tiny=True, plot=False)
+    methods = {r["method"] for r in res["rows"]}
+    assert "kvk-pipeline" in methods and "kvk-pipeline[ctas=all,priority=-1]" in methods  # before and after
+    assert not any("dma" in m for m in methods)
+    assert "[dma] rows failed and were skipped" in capsys.readouterr().err
+    assert (tmp_path / "pipeline.csv").exists()
+
+
 def test_bench_store_tiny(tmp_path):
     from kvkernels.bench import bench_store
 
