@@ -21,8 +21,9 @@ elif python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir 
   export PYTHONPATH=/tmp/kvk-site${PYTHONPATH:+:$PYTHONPATH}
   echo "GPU CI env: installed $(compgen -G '.whl/*.whl' | wc -l) wheels from .whl into /tmp/kvk-site"
 else
-  _kvk_no_wheels "pip install of .whl/*.whl into /tmp/kvk-site failed (pip's error above; two versions of one package?)" || return 1
+  _kvk_no_wheels "pip install of .whl/*.whl into /tmp/kvk-site failed (pip's error above: two versions of one package? or this is not Python 3.12, which .ci/fetch_wheels.sh fetches for the GPU image)" || return 1
 fi
+# (into the active Python: on a development machine, run a dry run from the tree its venv points to)
 if ! python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . ; then
   echo "GPU CI env: ERROR: editable install of kvkernels failed" >&2; return 1
 fi
