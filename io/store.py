@@ -134,7 +134,7 @@ class KVStore:
     >>> lay = kvkernels.PagedLayout.from_vllm([torch.randn(2, 8, 16, 2, 64) for _ in range(2)])
     >>> staging = kvkernels.gather(lay, [3, 1])
     >>> with KVStore(tempfile.mkdtemp()) as store:
-    ...     store.put("req-1", staging, EntryMeta.for_layout(lay, 2)).result()
+    ...     header = store.put("req-1", staging, EntryMeta.for_layout(lay, 2)).result()
     ...     back = store.get("req-1").result()
     >>> bool(torch.equal(back, staging))
     True
