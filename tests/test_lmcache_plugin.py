@@ -270,6 +270,38 @@ def test_chunk_io_round_trips_cuda_chunks(tmp_path, quant, codec):
         store.close()
 
 
+@pytest.mark.parametrize("inplace, quant", [(True, None), (False, None), (False, "fp8")])
+def test_chunk_io_reads_layers_given_out_of_order_into_their_own_slots(tmp_path, inplace, quant):
+    """start_read(layers=[2, 0]) fills each layer's own place in the chunk (the store fills a
+    list of destinations in the order of ``layers``; ChunkIO builds them ascending)."""
+    from kvkernels.integrations.lmcache.chunk_io import ChunkIO
+    from kvkernels.io import EntryMeta, KVStore
+    from kvkernels.quant import store_scheme
+
+    t = torch.randn(2, L, T, H * D).to(torch.bfloat16)
+    for l in range(L):
+        t[:, l] += 10 * l  # each layer's values far apart: a swap is not within FP8's rounding
+    shape = ChunkShape.of(t, H)
+    meta = EntryMeta(layers=tuple(range(L)), num_blocks=1, block_size=T, num_heads=H, head_dim=D, element_size=2,
+                     num_kv=2, num_layers=L, dtype="bfloat16", scheme=store_scheme(quant=quant, dtype=t.dtype),
+                     codec="none").validate()
+    store = KVStore(str(tmp_path / "s"), engine="posix")
+    try:
+        io = ChunkIO(store, inplace=inplace)
+        fut, _ = io.put("k", t, shape, meta)
+        fut.result(timeout=60)
+        out = torch.zeros_like(t)
+        io.finish_read(io.start_read("k", out, layers=[2, 0]), out)
+        for l in (0, 2):
+            if quant is None:
+                assert torch.equal(out[:, l], t[:, l]), l
+            else:
+                assert torch.allclose(out[:, l].float(), t[:, l].float(), rtol=0.07, atol=0.1), l
+        assert bool((out[:, 1] == 0).all()) and bool((out[:, 3] == 0).all())
+    finally:
+        store.close()
+
+
 def test_mla_chunk_round_trip():
     t = torch.randn(1, L, T, 24).to(torch.bfloat16)
     shape = ChunkShape.of(t, H)

@@ -230,7 +230,9 @@ class ChunkIO:
         sel = [r for r in header.regions if r.layer in fmt.layers]
         if (self._inplace(out, header.meta, shape) and out.shape == shape.torch_shape and out.dtype == shape.dtype
                 and all(r.stored == payload for r in sel)):
-            fut = self.store.get(key, out=self.regions(out, shape, fmt.layers), layers=layers)
+            # fmt.layers (ascending), the order the destinations are built in: a list `out` is
+            # filled in the order of `layers`
+            fut = self.store.get(key, out=self.regions(out, shape, fmt.layers), layers=list(fmt.layers))
             return PendingRead(header, shape, fmt, None, fut, key)
         gran = fp8_granularity(header.meta.scheme)
         if gran is not None:
@@ -242,7 +244,7 @@ class ChunkIO:
         q = fmt.region_nbytes
         try:
             dest = buf if gran is None else [buf[j * q : (j + 1) * q] for j in range(fmt.num_regions)]
-            fut = self.store.get(key, out=dest, layers=layers)
+            fut = self.store.get(key, out=dest, layers=list(fmt.layers))  # dest's order (ascending)
         except BaseException:
             self.bufs.give(buf, pinned)
             raise
