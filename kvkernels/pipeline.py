@@ -121,7 +121,7 @@ _RAW_CURRENT = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 # server, so a key never saved again would otherwise stay for the process's life
 FAILED_SAVES_KEPT = 4096
 # with read_priority, a saved entry's SSD write waits for a gap in the reads at most this long
-# (then it is queued; the store still runs reads first): a steady prefetch stream must not hold
+# after it was queued (then it is put; the store still runs reads first): a steady prefetch stream must not hold
 # a finished save (and its host region) forever
 WRITE_MAX_DELAY_S = 1.0
 
@@ -471,7 +471,7 @@ class LayerPipeline:
         Kernel backend for gather/scatter (``"auto"``).
     read_priority : bool
         SSD writes of saved entries wait while prefetch reads are in flight (default True), at
-        most :data:`WRITE_MAX_DELAY_S` per write.
+        at most :data:`WRITE_MAX_DELAY_S` after each write was queued.
     pack_priority : int
         CUDA priority of the pack stream (the gather / scatter kernels): 0 (default) is the
         compute stream's own; lower is higher (torch clamps to the device's range, -5..0 on the
@@ -1070,7 +1070,7 @@ class LayerPipeline:
                 del self._saving[key]
                 ent.save_ids = None
                 if self.store is not None:
-                    ent.ssd_future = self._io_writes.submit(self._write_to_store, ent)
+                    ent.ssd_future = self._io_writes.submit(self._write_to_store, ent, time.monotonic())
 
     def _save_dma(self, layer: int, dma) -> None:
         """``layer`` of the dma-mode saves ``[(key, entry, plan)]``: one batched DMA from the
@@ -1123,11 +1123,13 @@ class LayerPipeline:
             off += ent.fmt.num_blocks
         self._record(self._slot_free["save"][s], self.d2h_stream)
 
-    def _write_to_store(self, ent: HostEntry):
+    def _write_to_store(self, ent: HostEntry, queued: float):
         """Background thread: wait for the entry's DMA (off the step path), then put it."""
         ent.done_event.synchronize()
-        with self._io_cv:  # reads before writes: wait for a gap, within a bound (no starvation)
-            deadline = time.monotonic() + WRITE_MAX_DELAY_S
+        # reads before writes: wait for a gap, within a bound counted from when the write was
+        # queued (one writer thread: a per-write bound would let a backlog of k saves wait k times)
+        with self._io_cv:
+            deadline = queued + WRITE_MAX_DELAY_S
             while self.read_priority and self._reads_inflight > 0 and not self._closed:
                 left = deadline - time.monotonic()
                 if left <= 0:

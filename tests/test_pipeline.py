@@ -1982,3 +1982,34 @@ def test_start_load_takes_an_entry_into_use_under_the_lock(monkeypatch):
         pipe.entries = Entries(pipe.entries)
         pipe.start_load({"a": [20, 21]})
         assert held and all(held)
+
+
+def test_a_backlog_of_ssd_writes_waits_behind_reads_once_not_once_per_write(monkeypatch):
+    """The read-gap bound counts from when each write was queued: saves queued together go
+    together after WRITE_MAX_DELAY_S (one writer thread: a per-write bound made the k-th wait k
+    times as long)."""
+    import sys
+    import types
+
+    import kvkernels.pipeline as pmod
+
+    monkeypatch.setitem(sys.modules, "kvkernels.io",
+                        types.SimpleNamespace(EntryMeta=types.SimpleNamespace(for_layout=lambda lay, n: {"n": n})))
+    monkeypatch.setattr(pmod, "WRITE_MAX_DELAY_S", 0.3)
+    lay = cache()
+    store = _SlowStore(delay=0.0)
+    with LayerPipeline(lay, host_bytes=1 << 20, store=store) as pipe:
+        with pipe._io_cv:
+            pipe._reads_inflight += 1
+        try:
+            t0 = time.time()
+            run_step_saves(pipe, {f"r{i}": [2 * i, 2 * i + 1] for i in range(6)})
+            saved = set()
+            while len(saved) < 6 and time.time() - t0 < 10:
+                saved |= pipe.get_finished()[0]
+                time.sleep(0.01)
+            took = time.time() - t0
+            assert len(saved) == 6 and took < 0.3 * 3, took  # not 6 x 0.3 s
+        finally:
+            with pipe._io_cv:
+                pipe._reads_inflight -= 1
