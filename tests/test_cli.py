@@ -116,6 +116,12 @@ def test_bench_pipeline_keeps_the_other_rows_when_a_variant_fails(tmp_path, monk
     assert not any("dma" in m for m in methods)
     assert "[dma] rows failed and were skipped" in capsys.readouterr().err
     assert (tmp_path / "pipeline.csv").exists()
+    import json
+
+    assert any(f.startswith("[dma]: RuntimeError") for f in json.loads((tmp_path / "pipeline.json").read_text())["meta"]["failed_variants"])
+    assert bench_pipeline.main(["--tiny", "--no-plot", "--out", str(tmp_path / "m")]) == 3  # the rc says so
+    monkeypatch.undo()
+    assert bench_pipeline.main(["--tiny", "--no-plot", "--out", str(tmp_path / "ok")]) == 0
 
 
 def test_bench_store_tiny(tmp_path):
