@@ -187,6 +187,7 @@ class KVStore:
         self._inflight_cv = threading.Condition()
         self._seq = itertools.count()
         self._tmp_seq = itertools.count()
+        self._shards_synced: set[str] = set()  # shard folders whose name this store has made durable
         self._q: queue.PriorityQueue = queue.PriorityQueue()
         # checksums run beside the I/O: one hashing thread per worker
         self._hasher = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="kvk-store-hash")
@@ -362,10 +363,14 @@ class KVStore:
             plan = Header.layout_regions(meta, sizes, [0] * len(sizes))
             final = self._path_for(digest)
             d = os.path.dirname(final)
-            if not os.path.isdir(d):
+            if d not in self._shards_synced:
+                # the shard folder's own name must be durable before a put into it is: every put
+                # into a folder not yet synced (by this store) syncs its parent — not only the put
+                # that created it, which another put could overtake, or whose sync could fail
                 os.makedirs(d, exist_ok=True)
-                if self.fsync:  # the new shard's own name is durable too (its parent is never synced otherwise)
+                if self.fsync:
                     _fsync_dir(os.path.dirname(d))
+                self._shards_synced.add(d)
             reserved = self._make_room(_round4k(plan[-1].offset + plan[-1].stored), exclude=digest)
             tmp = f"{final}.tmp.{os.getpid()}.{next(self._tmp_seq)}"
             sums_f = self._hasher.submit(lambda: [checksum_segments(_views(segs)) for segs in regions])

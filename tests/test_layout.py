@@ -68,6 +68,10 @@ def test_vllms_own_hnd_tensors_are_described_as_nhd_and_refused_as_hnd(ctor, phy
         getattr(PagedLayout, ctor)([vllm_view], "HND")
     with pytest.raises(ValueError, match="pass it with kv_layout='NHD'"):
         getattr(PagedLayout, ctor)({"layer.0": vllm_view}, "hnd")
+    one_head = torch.randn(*phys_shape()[:2], 1, N, D).permute(*inv)  # one KV head per rank (TP = heads)
+    assert getattr(PagedLayout, ctor)([one_head]).block_size == N
+    with pytest.raises(ValueError, match="pass it with kv_layout='NHD'"):
+        getattr(PagedLayout, ctor)([one_head], "HND")
 
 
 def test_flashinfer_and_packed_and_sglang_mapping():

@@ -215,6 +215,39 @@ def test_the_first_put_into_a_new_shard_syncs_the_store_root(tmp_path, monkeypat
     assert synced == []
 
 
+def test_no_put_into_a_new_shard_is_acknowledged_before_the_shard_name_is_durable(tmp_path, monkeypatch):
+    """Two puts into one new shard folder at once: each is acknowledged only after the store
+    root was synced (the second used to see the folder and skip, acknowledged before the first
+    put's root sync had ended)."""
+    import kvkernels.io.store as store_mod
+    from kvkernels.io.store import key_digest
+
+    first = key_digest("k0")[:1]
+    twin = next(f"k{i}" for i in range(1, 10_000) if key_digest(f"k{i}")[:1] == first)
+    real = store_mod._fsync_dir
+    root_synced = []
+
+    def slow_root(d):
+        if d == str(tmp_path):
+            time.sleep(0.5)
+            real(d)
+            root_synced.append(time.monotonic())
+        else:
+            real(d)
+
+    monkeypatch.setattr(store_mod, "_fsync_dir", slow_root)
+    _, buf, meta = staged()
+    with KVStore(tmp_path, io_threads=2) as store:
+        acked = []
+        f1 = store.put("k0", buf, meta)
+        f1.add_done_callback(lambda f: acked.append(time.monotonic()))
+        time.sleep(0.05)
+        f2 = store.put(twin, buf, meta)
+        f2.add_done_callback(lambda f: acked.append(time.monotonic()))
+        f1.result(timeout=30), f2.result(timeout=30)
+    assert root_synced and len(acked) == 2 and all(a >= root_synced[0] for a in acked), (root_synced, acked)
+
+
 def test_truncated_file_is_skipped_on_open(tmp_path):
     _, buf, meta = staged()
     with KVStore(tmp_path) as store:
