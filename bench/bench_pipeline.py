@@ -540,7 +540,7 @@ def _optional_rows(tag: str):
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - reported, the bench goes on
-        _FAILED.append(f"{tag}: {type(exc).__name__}: {exc}")
+        _FAILED.append(f"{tag}: {type(exc).__name__}: {exc}")  # run() puts it in every result file's meta
         print(f"[bench] {tag} rows failed and were skipped (the other rows stand):\n{traceback.format_exc()}",
               file=sys.stderr)
         if torch.cuda.is_available():
@@ -724,7 +724,10 @@ def run(*, models=("llama3-8b",), seqs=(4096, 8192), block_sizes=(16, 2), out_di
                                        timeline_out=None if tl_box else tl_box,
                                        profile_path=os.path.join(out_dir, "pipeline_issue_profile.txt") if first else None)
                     torch.cuda.empty_cache()
-                    common.write_results(rows, {**meta, "partial": True}, out_dir, "pipeline")  # kept if cut
+                    common.write_results(rows, {**meta, "partial": True, "failed_variants": list(_FAILED)}, out_dir,
+                                         "pipeline")  # kept if cut
+    if _FAILED:
+        meta["failed_variants"] = list(_FAILED)
     paths = common.write_results(rows, meta, out_dir, "pipeline")
     if tl_box:
         tl_path = os.path.join(out_dir, "pipeline_timeline.json")
@@ -743,9 +746,6 @@ def run(*, models=("llama3-8b",), seqs=(4096, 8192), block_sizes=(16, 2), out_di
                                     os.path.join(out_dir, f"pipeline_timeline_{slug}.png"))
                 if png:
                     paths[f"timeline_png_{slug}"] = png
-    if _FAILED:
-        meta["failed_variants"] = list(_FAILED)
-        paths = {**paths, **common.write_results(rows, meta, out_dir, "pipeline")}
     print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['date']}")
     print(common.format_table(rows, ["model", "seq", "chunk_kb", "direction", "method", "compute_ms", "wall_ms",
                                      "slowdown_pct", "gbps", "pct_copy_peak", "wall_over_max", "issue_us_per_layer",

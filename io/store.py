@@ -363,7 +363,7 @@ class KVStore:
             plan = Header.layout_regions(meta, sizes, [0] * len(sizes))
             final = self._path_for(digest)
             d = os.path.dirname(final)
-            if d not in self._shards_synced:
+            if d not in self._shards_synced or not os.path.isdir(d):  # (removed from outside: made again)
                 # the shard folder's own name must be durable before a put into it is: every put
                 # into a folder not yet synced (by this store) syncs its parent — not only the put
                 # that created it, which another put could overtake, or whose sync could fail

@@ -471,7 +471,7 @@ class LayerPipeline:
         Kernel backend for gather/scatter (``"auto"``).
     read_priority : bool
         SSD writes of saved entries wait while prefetch reads are in flight (default True), at
-        at most :data:`WRITE_MAX_DELAY_S` after each write was queued.
+        most :data:`WRITE_MAX_DELAY_S` after each write was queued.
     pack_priority : int
         CUDA priority of the pack stream (the gather / scatter kernels): 0 (default) is the
         compute stream's own; lower is higher (torch clamps to the device's range, -5..0 on the

@@ -118,7 +118,8 @@ def test_bench_pipeline_keeps_the_other_rows_when_a_variant_fails(tmp_path, monk
     assert (tmp_path / "pipeline.csv").exists()
     import json
 
-    assert any(f.startswith("[dma]: RuntimeError") for f in json.loads((tmp_path / "pipeline.json").read_text())["meta"]["failed_variants"])
+    for name in ("pipeline.json", "pipeline_timeline.json"):  # every result file says so
+        assert any(f.startswith("[dma]: RuntimeError") for f in json.loads((tmp_path / name).read_text())["meta"]["failed_variants"])
     assert bench_pipeline.main(["--tiny", "--no-plot", "--out", str(tmp_path / "m")]) == 3  # the rc says so
     monkeypatch.undo()
     assert bench_pipeline.main(["--tiny", "--no-plot", "--out", str(tmp_path / "ok")]) == 0

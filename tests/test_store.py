@@ -209,6 +209,11 @@ def test_the_first_put_into_a_new_shard_syncs_the_store_root(tmp_path, monkeypat
         synced.clear()
         store.put("k", buf, meta).result()  # the shard exists: only the rename is synced
         assert synced == [os.path.dirname(entry)]
+        import shutil
+
+        shutil.rmtree(os.path.dirname(entry))  # the shard removed from outside: the next put makes it again
+        store.put("k", buf, meta).result()
+        assert os.path.exists(entry)
     synced.clear()
     with KVStore(tmp_path / "nosync", fsync=False) as store:
         store.put("k", buf, meta).result()
