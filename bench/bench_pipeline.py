@@ -363,6 +363,28 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
     pipeline_rows(pipe)
     if profile_path is not None:
         _profile_issue(pipe, src, dst, L, device, profile_path, f"{model} {seq} tokens, {base['chunk_kb']} KB chunks")
+        # first case only: the offload issued as vLLM's connector issues it — start_load_kv every
+        # step (here nothing to restore) and wait_for_layer_load before each layer. Until the
+        # sixteenth session an empty restore still made the compute wait at each layer on the
+        # saves' gathers; predicted: the same slowdown as the kvk-pipeline offload row above
+        with _optional_rows("[vllm calls]"):
+            _sync(device)
+            pipe.get_finished()
+            vsaves = {"req": src}
+
+            def offload_as_vllm():
+                end = None
+                pipe.start_load({})
+                for l in range(L):
+                    pipe.wait_for_layer_load(l)
+                    end = compute_layer(l) or end
+                    pipe.save_layer(l, vsaves)
+                pipe.wait_for_save()
+                return end
+
+            add("kvk-pipeline[vllm calls]", "offload", offload_as_vllm)
+            _sync(device)
+            pipe.get_finished()
 
     rows += _ssd_rows(lay, proxy, src, dst, fmt, base, device, c_ms, c_wall, reps)
     if timeline_out is not None:
