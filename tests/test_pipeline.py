@@ -1933,9 +1933,10 @@ def test_failed_saves_are_bounded_and_can_be_taken(monkeypatch):
         assert pipe.take_failed_saves() == {"r5"}
 
 
-def test_a_steady_stream_of_prefetches_delays_an_ssd_write_only_so_long(monkeypatch):
-    """read_priority: a saved entry's write waits for a gap in the reads at most
-    WRITE_MAX_DELAY_S; reads that never stop must not hold it (and its save) forever."""
+def _saves_behind_endless_reads(monkeypatch, saves, delay_s=0.3):
+    """Save ``saves`` in one step while a prefetch read stays in flight the whole time (reads
+    never pause), with ``WRITE_MAX_DELAY_S = delay_s``; returns (keys reported saved, seconds until
+    all were, the store)."""
     import sys
     import types
 
@@ -1943,25 +1944,30 @@ def test_a_steady_stream_of_prefetches_delays_an_ssd_write_only_so_long(monkeypa
 
     monkeypatch.setitem(sys.modules, "kvkernels.io",
                         types.SimpleNamespace(EntryMeta=types.SimpleNamespace(for_layout=lambda lay, n: {"n": n})))
-    monkeypatch.setattr(pmod, "WRITE_MAX_DELAY_S", 0.3)
-    lay = cache()
+    monkeypatch.setattr(pmod, "WRITE_MAX_DELAY_S", delay_s)
     store = _SlowStore(delay=0.0)
-    with LayerPipeline(lay, host_bytes=1 << 20, store=store) as pipe:
+    with LayerPipeline(cache(), host_bytes=1 << 20, store=store) as pipe:
         with pipe._io_cv:
-            pipe._reads_inflight += 1  # a read in flight for the whole test (reads never pause)
+            pipe._reads_inflight += 1
         try:
             t0 = time.time()
-            run_step_saves(pipe, {"a": [1, 2]})
+            run_step_saves(pipe, saves)
             saved = set()
-            while "a" not in saved and time.time() - t0 < 10:
+            while len(saved) < len(saves) and time.time() - t0 < 10:
                 saved |= pipe.get_finished()[0]
                 time.sleep(0.01)
-            took = time.time() - t0
-            assert "a" in saved and "a" in store.data
-            assert 0.25 < took < 3.0, took  # it waited for a gap, then went
+            return saved, time.time() - t0, store
         finally:
             with pipe._io_cv:
                 pipe._reads_inflight -= 1
+
+
+def test_a_steady_stream_of_prefetches_delays_an_ssd_write_only_so_long(monkeypatch):
+    """read_priority: a saved entry's write waits for a gap in the reads at most
+    WRITE_MAX_DELAY_S; reads that never stop must not hold it (and its save) forever."""
+    saved, took, store = _saves_behind_endless_reads(monkeypatch, {"a": [1, 2]})
+    assert "a" in saved and "a" in store.data
+    assert 0.25 < took < 3.0, took  # it waited for a gap, then went
 
 
 def test_start_load_takes_an_entry_into_use_under_the_lock(monkeypatch):
@@ -1988,28 +1994,5 @@ def test_a_backlog_of_ssd_writes_waits_behind_reads_once_not_once_per_write(monk
     """The read-gap bound counts from when each write was queued: saves queued together go
     together after WRITE_MAX_DELAY_S (one writer thread: a per-write bound made the k-th wait k
     times as long)."""
-    import sys
-    import types
-
-    import kvkernels.pipeline as pmod
-
-    monkeypatch.setitem(sys.modules, "kvkernels.io",
-                        types.SimpleNamespace(EntryMeta=types.SimpleNamespace(for_layout=lambda lay, n: {"n": n})))
-    monkeypatch.setattr(pmod, "WRITE_MAX_DELAY_S", 0.3)
-    lay = cache()
-    store = _SlowStore(delay=0.0)
-    with LayerPipeline(lay, host_bytes=1 << 20, store=store) as pipe:
-        with pipe._io_cv:
-            pipe._reads_inflight += 1
-        try:
-            t0 = time.time()
-            run_step_saves(pipe, {f"r{i}": [2 * i, 2 * i + 1] for i in range(6)})
-            saved = set()
-            while len(saved) < 6 and time.time() - t0 < 10:
-                saved |= pipe.get_finished()[0]
-                time.sleep(0.01)
-            took = time.time() - t0
-            assert len(saved) == 6 and took < 0.3 * 3, took  # not 6 x 0.3 s
-        finally:
-            with pipe._io_cv:
-                pipe._reads_inflight -= 1
+    saved, took, _ = _saves_behind_endless_reads(monkeypatch, {f"r{i}": [2 * i, 2 * i + 1] for i in range(6)})
+    assert len(saved) == 6 and took < 0.3 * 3, took  # not 6 x 0.3 s
