@@ -121,8 +121,8 @@ _RAW_CURRENT = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 # server, so a key never saved again would otherwise stay for the process's life
 FAILED_SAVES_KEPT = 4096
 # with read_priority, a saved entry's SSD write waits for a gap in the reads at most this long
-# after it was queued (then it is put; the store still runs reads first): a steady prefetch stream must not hold
-# a finished save (and its host region) forever
+# after it was queued (then it is put; the store still runs reads first): a steady prefetch
+# stream must not hold a finished save (and its host region) forever
 WRITE_MAX_DELAY_S = 1.0
 
 
@@ -1428,8 +1428,8 @@ class LayerPipeline:
         self._pending_loads.append((ev, [(ent, None) for ent, *_ in loads]))
 
     def _issue_load_layer_work(self, layer: int) -> None:
-        if not self._loads:  # nothing to restore (a step's start_load({})): no event, so the
-            return  # compute waits for nothing (an event on the pack stream would order it after saves' gathers)
+        if not self._loads:  # nothing to restore (start_load({})): no event, so the compute waits
+            return  # for nothing (a pack-stream event would order it after the saves' gathers)
         done_on = self.pack_stream  # the stream whose work completes the layer
         if self._load_batch is not None:
             for ent, _, streamed, _ in self._loads:
@@ -1521,8 +1521,9 @@ class LayerPipeline:
         (stream waits), so it completes and is reported — up to a streamed layer whose SSD read
         is not in yet where only a host wait could gate it (CPU, no ``cuStreamWaitValue32``):
         those are issued by a later call (or by the next ``start_load``), never waited for here."""
-        L = self.layout.num_layers
-        if self._loads and (self._next_load_layer < L or self._last_waited < L - 1) and not self._closed:
+        # not waited to its last layer (an unissued layer implies that: waiting issues up to it),
+        # the same test as start_load's
+        if self._loads and self._last_waited < self.layout.num_layers - 1 and not self._closed:
             self._check_device()  # the issuing below may call the runtime directly (cudart, dma)
             try:
                 self._finish_issuing_loads(wait_reads=False)
