@@ -100,11 +100,8 @@ def _check_hnd_shape(kv_caches, ctor: str) -> None:
     HND), and read as HND its block size and head count would swap without an error. Such a
     tensor has a smaller stride on dim 2 than on dim 3, which no HND-shaped HND tensor has (a
     permuted view keeps a size-1 dim's physical stride: one KV head per rank is caught too)."""
-    if isinstance(kv_caches, torch.Tensor):
-        return  # _layer_list reports it
-    items = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else kv_caches
-    for i, t in enumerate(items):
-        if isinstance(t, torch.Tensor) and t.dim() == 5 and t.size(2) > 1 and t.stride(2) < t.stride(3):
+    for i, t in enumerate(_layer_list(kv_caches, "kv_caches")):  # from_layers' own list rules
+        if t.dim() == 5 and t.size(2) > 1 and t.stride(2) < t.stride(3):
             fail(f"kv_caches[{i}]", f"a tensor shaped [.., H, N, D] for {ctor}(..., 'HND') (dim 2's stride larger "
                  "than dim 3's)",
                  f"shape {tuple(t.shape)} with strides {t.stride()}: the logical [.., N, H, D] view vLLM hands "
