@@ -95,6 +95,39 @@ class _Entry:
     doomed: str | None = None  # dropped while being read: "" = unlink, ".corrupt" = rename, when the last reader leaves
 
 
+_LOCK_NAME = ".kvkernels.lock"
+
+
+def _lock_roots(roots: list[str]) -> list[int]:
+    """Take an exclusive, non-blocking ``flock`` on ``<root>/.kvkernels.lock`` for every root.
+
+    Returns the open descriptors (closed by :meth:`KVStore.close`, which releases the locks). A
+    root already locked by another store raises ``RuntimeError`` and releases the ones taken.
+    Without ``fcntl`` (not POSIX) no lock is taken.
+    """
+    try:
+        import fcntl  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - not on Linux
+        return []
+    fds: list[int] = []
+    try:
+        for root in roots:
+            fd = os.open(os.path.join(root, _LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+            fds.append(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RuntimeError(
+                    f"store folder {root!r} is in use by another KVStore (this process or another): one "
+                    f"store per folder; close the other one first, or give each its own folder"
+                ) from None
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
 def _fsync_dir(d: str) -> None:
     fd = os.open(d, os.O_RDONLY)
     try:
@@ -153,15 +186,26 @@ class KVStore:
         if capacity_bytes is not None:
             check_int(capacity_bytes, "capacity_bytes", lo=1)
         self.paths = [os.path.abspath(p) for p in paths]
+        self.fsync = bool(fsync)
         seen: dict[tuple[int, int], str] = {}
+        created: list[str] = []  # folders this call made, top down: their names need a parent fsync
         for p in self.paths:
+            missing = []
+            d = p
+            while not os.path.isdir(d) and os.path.dirname(d) != d:
+                missing.append(d)
+                d = os.path.dirname(d)
             os.makedirs(p, exist_ok=True)
+            created += [m for m in reversed(missing) if m not in created]
             st = os.stat(p)
             # the same folder twice (or through a link) would make recovery see every file twice and
             # delete it as its own duplicate
             check((st.st_dev, st.st_ino) not in seen, "paths", "distinct directories",
                   f"{p!r} is the same directory as {seen.get((st.st_dev, st.st_ino))!r}")
             seen[(st.st_dev, st.st_ino)] = p
+        if self.fsync:  # a put acknowledged as durable must not lose the folder it lives in
+            for d in created:
+                _fsync_dir(os.path.dirname(d))
         self.capacity_bytes = capacity_bytes
         self.engine = make_engine(engine)
         self.io_threads = io_threads if io_threads is not None else config.io_threads()
@@ -172,7 +216,6 @@ class KVStore:
                                    else config.env_int("KVKERNELS_IO_INFLIGHT_BYTES", 1 << 30, lo=1))
         self.read_priority = bool(read_priority)
         self.verify = bool(verify)
-        self.fsync = bool(fsync)
         self._lock = threading.RLock()
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU: oldest first
         self._used = 0
@@ -198,7 +241,19 @@ class KVStore:
         self._stats = {k: 0 for k in ("puts", "put_errors", "gets", "hits", "misses", "corrupt", "replaced_reads",
                                       "evictions", "bytes_written", "bytes_read", "unlink_errors", "disturbed_reads")}
         self._stats.update(write_s=0.0, read_s=0.0)
-        self.recovery = self._recover()
+        # one store per folder: a second one (this process or another) would delete the first's
+        # temporaries in its recovery and, with an index gone stale under the other's overwrites,
+        # rename good files to *.corrupt. An advisory lock on <root>/.kvkernels.lock refuses it.
+        self._locks = _lock_roots(self.paths)
+        try:
+            self.recovery = self._recover()
+        except BaseException:
+            for fd in self._locks:
+                os.close(fd)
+            self._locks = []
+            self._hasher.shutdown(wait=False)
+            self._committer.shutdown(wait=False)
+            raise
         self._workers = [threading.Thread(target=self._worker, name=f"kvk-store-{i}", daemon=True)
                          for i in range(self.io_threads)]
         for w in self._workers:
@@ -886,6 +941,9 @@ class KVStore:
             w.join()
         self._committer.shutdown(wait=True)
         self._hasher.shutdown(wait=True)
+        for fd in self._locks:  # the folders are free for the next store
+            os.close(fd)
+        self._locks = []
 
     def __enter__(self):
         return self

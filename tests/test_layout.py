@@ -190,7 +190,7 @@ def test_size_one_dims_do_not_decide_the_access_width(layout, heads, block_size)
     # torch gives a size-1 dimension an arbitrary stride (MLA's single head: 2 bytes); it is never
     # stepped, so it is reported as 0 and the kernels keep 16-byte accesses (on the H100 the MLA
     # gather ran in 2-byte words: 31 % of the copy peak on the CUDA backend)
-    from triton_ops import _paged
+    from kvkernels.triton_ops import _paged
 
     lay = make_cache(layout, num_layers=2, num_blocks=8, block_size=block_size, num_heads=heads, head_dim=576,
                      dtype=torch.bfloat16)

@@ -43,9 +43,10 @@ def staged(name="vllm-nhd", ids=(3, 9, 1), seed=0):
 
 
 def files(root):
+    """The store's entry files and temporaries under ``root`` (not its folder lock)."""
     out = []
     for dp, _, fs in os.walk(root):
-        out += [os.path.join(dp, f) for f in fs]
+        out += [os.path.join(dp, f) for f in fs if f != ".kvkernels.lock"]
     return sorted(out)
 
 
@@ -218,6 +219,64 @@ def test_the_first_put_into_a_new_shard_syncs_the_store_root(tmp_path, monkeypat
     with KVStore(tmp_path / "nosync", fsync=False) as store:
         store.put("k", buf, meta).result()
     assert synced == []
+
+
+def test_folders_the_store_creates_are_synced_into_their_parents(tmp_path, monkeypatch):
+    """With fsync, a store root that did not exist (LMCache's per-worker subfolder) is made durable
+    in its parent, and so is every folder created above it, top down, before any put is
+    acknowledged; existing folders are left alone."""
+    import kvkernels.io.store as store_mod
+
+    synced = []
+    real = store_mod._fsync_dir
+    monkeypatch.setattr(store_mod, "_fsync_dir", lambda d: (synced.append(d), real(d))[1])
+    root = tmp_path / "new" / "deeper" / "store"
+    with KVStore(root):
+        assert synced == [str(tmp_path), str(tmp_path / "new"), str(tmp_path / "new" / "deeper")]
+    synced.clear()
+    with KVStore(root):  # exists now: nothing to sync at open
+        assert synced == []
+
+
+def test_a_second_store_on_one_folder_is_refused_until_the_first_closes(tmp_path):
+    _, buf, meta = staged()
+    other = tmp_path / "other"
+    first = KVStore(tmp_path / "a")
+    try:
+        first.put("k", buf, meta).result()
+        with pytest.raises(RuntimeError, match="in use by another KVStore"):
+            KVStore(tmp_path / "a")
+        with pytest.raises(RuntimeError, match="in use by another KVStore"):  # any root shared
+            KVStore([other, tmp_path / "a"])
+        with KVStore(other):  # the refused store released what it had taken
+            pass
+        # another process is refused too (flock), and the first store's temporaries and entries survive
+        code = textwrap.dedent(f"""
+            from kvkernels.io import KVStore
+            try:
+                KVStore({str(tmp_path / "a")!r})
+            except RuntimeError as exc:
+                print("refused:", exc)
+        """)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert "refused:" in out.stdout and "in use by another KVStore" in out.stdout, out.stdout + out.stderr
+        assert torch.equal(first.get("k").result(), buf)
+    finally:
+        first.close()
+    with KVStore(tmp_path / "a") as again:  # closed: the folder is free, the entry still there
+        assert torch.equal(again.get("k").result(), buf)
+
+
+def test_a_store_that_fails_to_open_releases_its_folders(tmp_path, monkeypatch):
+    def broken(self):
+        raise OSError(errno.EIO, "simulated")
+
+    monkeypatch.setattr(KVStore, "_recover", broken)
+    with pytest.raises(OSError, match="simulated"):
+        KVStore(tmp_path)
+    monkeypatch.undo()
+    with KVStore(tmp_path):
+        pass
 
 
 def test_no_put_into_a_new_shard_is_acknowledged_before_the_shard_name_is_durable(tmp_path, monkeypatch):
