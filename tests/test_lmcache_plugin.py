@@ -447,10 +447,10 @@ def test_num_kv_heads_overrides_the_metadata_for_fp8_scales(tmp_path):
 
 # ----------------------------------------------------------------------------- layer-wise mode
 # LMCache's layer-wise mode (use_layerwise) stores one object per (chunk, layer) under a
-# LayerCacheEngineKey: KV_T2D [T, 2, H*D], KV_2TD [2, T, H*D] with blending, KV_MLA_FMT [T, D] for MLA.
+# LayerCacheEngineKey: KV_T2D [T, 2, H*D], KV_MLA_FMT [T, D] for MLA (KV_2TD [2, T, H*D], the
+# blending format, is refused: test_refused_with_layerwise_blending).
 LAYERWISE = {
     "T2D": ({"use_layerwise": True}, False, MemoryFormat.KV_T2D, (T, 2, H * D)),
-    "2TD": ({"use_layerwise": True, "enable_blending": True}, False, MemoryFormat.KV_2TD, (2, T, H * D)),
     "TD": ({"use_layerwise": True}, True, MemoryFormat.KV_MLA_FMT, (T, D)),
 }
 
@@ -1085,6 +1085,18 @@ def test_refused_in_lmcache_scheduler_role(tmp_path):
     meta.role = "scheduler"
     with pytest.raises(PluginConfigError, match="scheduler"):
         KVKernelsBackend(config=_config(tmp_path / "kv"), metadata=meta)
+
+
+@pytest.mark.parametrize("use_mla", [False, True])
+def test_refused_with_layerwise_blending(tmp_path, use_mla):
+    """LMCache's blending connector reads every layer-0 hit's cached_positions (None from kvkernels:
+    its retrieve failed on each hit); the plugin refuses that config at start instead, and LMCache
+    keeps its other tiers."""
+    cfg = _config(tmp_path / "kv", {"use_layerwise": True, "enable_blending": True})
+    with pytest.raises(PluginConfigError, match="enable_blending"):
+        KVKernelsBackend(config=cfg, metadata=_metadata(use_mla=use_mla))
+    assert not os.path.exists(tmp_path / "kv")  # refused before the store opened
+    KVKernelsBackend(config=_config(tmp_path / "ok", {"enable_blending": True}), metadata=_metadata()).close()
 
 
 def test_sync_layerwise_get_waits_for_room_and_frees_everything_when_the_plugin_closes(tmp_path):

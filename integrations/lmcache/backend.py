@@ -116,6 +116,15 @@ class KVKernelsBackend(StoragePluginInterface):
                    "second process would answer lookups from a stale index; disable bypass lookup")
             log.error(msg)
             raise PluginConfigError(msg)
+        if getattr(config, "use_layerwise", False) and getattr(config, "enable_blending", False):
+            # LMCache 0.5.6's blending connector (VLLMBufferLayerwiseGPUConnector) copies every layer-0
+            # hit's metadata.cached_positions into its position buffer; kvkernels entries do not carry
+            # them, so each hit would fail that retrieve (TypeError on None) instead of missing
+            msg = ("kvkernels LMCache plugin: not supported with use_layerwise + enable_blending: LMCache's "
+                   "blending retrieve needs each chunk's cached_positions, which kvkernels entries do not "
+                   "persist; disable blending or leave this plugin out of storage_plugins")
+            log.error(msg)
+            raise PluginConfigError(msg)
         try:
             extra = getattr(config, "extra_config", None) if config is not None else None
             self.settings: PluginSettings = parse_extra_config(extra)
@@ -214,13 +223,11 @@ class KVKernelsBackend(StoragePluginInterface):
     @staticmethod
     def _layerwise_order(config, metadata) -> Optional[str]:
         """The order of LMCache's layer-wise objects under this config, as its cache engine picks
-        their MemoryFormat: ``KV_MLA_FMT`` ``[T, D]`` for MLA, ``KV_2TD`` with blending, else
-        ``KV_T2D``; None when layer-wise mode is off."""
+        their MemoryFormat: ``KV_MLA_FMT`` ``[T, D]`` for MLA, else ``KV_T2D`` (``KV_2TD``, the
+        blending format, is refused at construction); None when layer-wise mode is off."""
         if not getattr(config, "use_layerwise", False):
             return None
-        if getattr(metadata, "use_mla", False):
-            return "TD"
-        return "2TD" if getattr(config, "enable_blending", False) else "T2D"
+        return "TD" if getattr(metadata, "use_mla", False) else "T2D"
 
     def _read_shape(self, key: CacheEngineKey, header) -> tuple[ChunkShape, MemoryFormat]:
         """Shape and MemoryFormat of the object a read of ``key`` fills: a layer key of layer-wise
