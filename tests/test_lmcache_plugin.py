@@ -517,6 +517,35 @@ def test_layerwise_objects_round_trip_in_their_own_format(tmp_path, order, quant
         m2.close()
 
 
+def test_layerwise_lookup_of_a_partly_stored_chunk_leaves_no_pins(tmp_path):
+    """LMCache 0.5.6's layer-wise lookup (StorageManager.batched_contains over a chunk's layer keys,
+    pin=True) records the pins only for a chunk found whole in one backend; a chunk with a layer
+    missing (a dropped put) kept its other layers pinned forever, unevictable. Whole chunks keep
+    their pins for LMCache to release."""
+    options, mla, fmt, shape = LAYERWISE["T2D"]
+    m = Manager(tmp_path / "kv", lmcache_options=options, use_mla=mla, fsync=False)
+    try:
+        keys, objs, _ = _layer_objs(m, fmt, shape, seed=5)
+        m.put(keys[:-1], objs[:-1])  # the last layer's put never happened
+        objs[-1].ref_count_down()
+        for _ in range(3):
+            hit, _mapping = m.sm.batched_contains(keys, None, True)
+            assert hit == L - 1
+        assert [m.plugin.pin_count(k) for k in keys] == [0] * L
+        assert m.plugin.store.stats()["pinned"] == 0
+        hit, _mapping = m.sm.batched_contains(keys[1:-1], None, True)  # another backend held layer 0
+        assert hit == L - 2 and m.plugin.store.stats()["pinned"] == 0
+        whole, wobjs, _ = _layer_objs(m, fmt, shape, seed=6)
+        m.put(whole, wobjs)
+        hit, mapping = m.sm.batched_contains(whole, None, True)
+        assert hit == L and [m.plugin.pin_count(k) for k in whole] == [1] * L
+        for k in whole:
+            m.plugin.unpin(k)
+        assert m.plugin.store.stats()["pinned"] == 0
+    finally:
+        m.close()
+
+
 def test_layerwise_keys_of_a_whole_chunk_entry_miss_and_plain_keys_still_work(tmp_path):
     """A layer key whose entry is not one layer (cannot be a layer-wise object) is a miss, not
     garbage; whole-chunk keys keep their KV_2LTD objects in layer-wise mode."""
@@ -1097,6 +1126,57 @@ def test_refused_with_layerwise_blending(tmp_path, use_mla):
         KVKernelsBackend(config=cfg, metadata=_metadata(use_mla=use_mla))
     assert not os.path.exists(tmp_path / "kv")  # refused before the store opened
     KVKernelsBackend(config=_config(tmp_path / "ok", {"enable_blending": True}), metadata=_metadata()).close()
+
+
+def test_blocking_gets_wait_a_bounded_time_for_room_then_miss(tmp_path):
+    """LMCache's pool is full of objects in use: get_blocking / batched_get_blocking give None after
+    _SYNC_ALLOC_WAIT_S (LMCache's busy_loop allocation waited forever), the batch waits once, not
+    once per key; with room again the same keys read back."""
+    import time
+    from kvkernels.integrations.lmcache import backend as backend_mod
+
+    m = Manager(tmp_path / "kv", fsync=False)
+    held = []
+    try:
+        keys, want = [_key(h) for h in (1, 2, 3)], []
+        objs = []
+        for h in (1, 2, 3):
+            o, ref = m.chunk(h)
+            objs.append(o)
+            want.append(ref)
+        m.put(keys, objs)
+        shape = torch.Size([2, L, T, H * D])
+        while (o := m.cpu.allocate(shape, torch.bfloat16, MemoryFormat.KV_2LTD, eviction=False,
+                                   busy_loop=False)) is not None:
+            held.append(o)
+        failures = m.plugin.stats()["alloc_failures"]
+        res = {}
+
+        def gets():  # on a thread: the waits this test is about used to be endless
+            res["one"] = m.plugin.get_blocking(keys[0])
+            res["batch"] = m.plugin.batched_get_blocking(keys)
+
+        t0 = time.monotonic()
+        th = threading.Thread(target=gets, daemon=True)
+        th.start()
+        th.join(60)
+        took = time.monotonic() - t0
+        assert not th.is_alive(), "blocking get still waiting for room after 60 s"
+        assert res == {"one": None, "batch": [None, None, None]}
+        wait = backend_mod._SYNC_ALLOC_WAIT_S
+        assert 2 * wait <= took < 2 * wait + 5, took  # two waits: one per call, not one per key
+        assert m.plugin.stats()["alloc_failures"] == failures + 4
+        for o in held:
+            o.ref_count_down()
+        held = []
+        got = m.plugin.batched_get_blocking(keys)
+        for o, ref in zip(got, want):
+            assert o is not None and bytes_equal(o.tensor, ref)
+            o.ref_count_down()
+    finally:
+        for o in held:
+            o.ref_count_down()
+        m.close()
 
 
 def test_sync_layerwise_get_waits_for_room_and_frees_everything_when_the_plugin_closes(tmp_path):

@@ -59,7 +59,7 @@ _ORDER_OF = {(MemoryFormat.KV_2LTD, 4): "LTD", (MemoryFormat.KV_MLA_FMT, 4): "LT
 # the lookup id LMCache's synchronous layer-wise retrieve passes to batched_get_non_blocking
 # (lmcache 0.5.6 storage_manager.py, layerwise_batched_get): every key it names must come back
 _SYNC_LOOKUP_ID = "fake_lookup_id"
-# how long that path waits for room in LMCache's CPU pool before it fails the retrieve
+# how long a synchronous get (the layer-wise retrieve, get_blocking) waits for room in LMCache's CPU pool
 _SYNC_ALLOC_WAIT_S = 2.0
 # reads kept in flight per batched get: store queue depth x 4 (bounded staging memory for the
 # reads that need a staging buffer; in-place reads use LMCache's own buffers)
@@ -282,11 +282,21 @@ class KVKernelsBackend(StoragePluginInterface):
         return n
 
     def batched_contains(self, keys: List[CacheEngineKey], pin: bool = False) -> int:
+        """Length of the prefix of ``keys`` stored here (pinned when ``pin``).
+
+        A chunk's layer keys (LMCache 0.5.6's layer-wise ``lookup``) keep their pins only when
+        every layer hits here: that lookup records pins (and unpins them later) only for a chunk
+        found whole in one backend, so pins of a partial hit, or of the tail after another
+        backend's part, were never released, and pinned entries are never evicted."""
         n = 0
         for key in keys:
             if not self.contains(key, pin=pin):
                 break
             n += 1
+        if pin and n and isinstance(keys[0], LayerCacheEngineKey) and (
+                n < len(keys) or getattr(keys[0], "layer_id", 0) != 0):
+            for key in keys[:n]:
+                self._unpin_ks(key_string(key))
         return n
 
     def _pin(self, ks: str) -> None:
@@ -505,18 +515,26 @@ class KVKernelsBackend(StoragePluginInterface):
         return self.batched_get_blocking([key])[0]
 
     def batched_get_blocking(self, keys: List[CacheEngineKey]) -> List[Optional[MemoryObj]]:
-        """Read chunks concurrently (the store's queue depth); ``None`` for misses and bad entries."""
+        """Read chunks concurrently (the store's queue depth); ``None`` for misses and bad entries.
+
+        Room in LMCache's pool is waited for up to :data:`_SYNC_ALLOC_WAIT_S` (LMCache's own
+        ``busy_loop`` waits forever, and the objects this call already holds may be what would free
+        it); after one such timeout the remaining keys get one try each."""
         self._count("gets", len(keys))
         kss = [key_string(k) for k in keys]
         objs: List[Optional[MemoryObj]] = []
         orders: List[str] = []
+        no_room = False
         for key, ks in zip(keys, kss):
             header = self.store.header(ks)
             obj, order = None, "LTD"
             if header is not None:
                 try:
                     shape, mfmt = self._read_shape(key, header)
-                    obj, order = self._allocate(shape, mfmt), shape.order
+                    obj = self._allocate(shape, mfmt, busy_loop=False) if no_room else \
+                        self._allocate_patiently(shape, mfmt)
+                    order = shape.order
+                    no_room = no_room or obj is None
                 except ValueError as exc:
                     log.warning("kvkernels LMCache plugin: %s unreadable: %s", ks, exc)
             else:
