@@ -516,6 +516,51 @@ def test_concurrent_stores_and_loads(adapter, l1):
             assert bytes_equal(_bytes(out[t * per + i]), _bytes(src[t][i]))
 
 
+@pytest.mark.parametrize("first_write_fails", [False, True])
+def test_a_task_storing_a_key_another_task_writes_reports_that_write(adapter, l1, first_write_fails):
+    """Two store tasks name one key: it is written once, and the second task's result is that
+    write's (it reported success while the only write of the key failed: LMCache could then count
+    the key as stored in L2)."""
+    from concurrent.futures import Future
+
+    real_put = adapter.io.put
+    gate, started = threading.Event(), threading.Event()
+
+    def held_put(ks, view, shape, meta):
+        fut, holds = real_put(ks, view, shape, meta)
+        out = Future()
+
+        def finish():
+            gate.wait(TIMEOUT)
+            try:
+                fut.result()
+                if first_write_fails:
+                    raise OSError(5, "simulated write failure")
+                out.set_result(None)
+            except Exception as exc:
+                out.set_exception(exc)
+
+        threading.Thread(target=finish, daemon=True).start()
+        started.set()
+        return out, holds
+
+    adapter.io.put = held_put
+    objs = l1.alloc(1, seed=7)
+    t1 = adapter.submit_store_task([_key(77)], objs)
+    assert started.wait(TIMEOUT)
+    t2 = adapter.submit_store_task([_key(77)], objs)
+    time.sleep(0.3)  # t2 has seen the key claimed and waits for t1's write
+    assert adapter.pop_completed_store_tasks() == {}
+    gate.set()
+    done: dict = {}
+    while len(done) < 2:
+        done.update(_wait(adapter.get_store_event_fd(), adapter.pop_completed_store_tasks))
+    assert done[t1].is_successful() is not first_write_fails
+    assert done[t2].is_successful() is not first_write_fails
+    assert adapter.store.stats()["puts"] == 1  # written once
+    assert adapter.report_status()["stores_in_flight"] == 0
+
+
 def test_close_finishes_submitted_work(l1, tmp_path):
     a = _make(l1, tmp_path / "kv")
     src = l1.alloc(2, seed=110)

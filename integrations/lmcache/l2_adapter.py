@@ -24,9 +24,10 @@ built-in adapters):
   store, lookup-and-lock and load completion; each is notified once per completed task, *after*
   the result is queryable;
 * every ``submit_*`` returns at once (work runs on adapter threads and the store's I/O threads);
-* store: per task, ``L2StoreResult(success, bytes_written)``; keys already stored or being
-  stored are skipped (no bytes, not a failure); a task succeeds when every write it issued is
-  durable;
+* store: per task, ``L2StoreResult(success, bytes_written)``; keys already stored are skipped (no
+  bytes, not a failure); a key another task is writing is not written twice, but waited for: that
+  write's failure fails this task too (no bytes either way); a task succeeds when every write it
+  issued or waited for is durable;
 * lookup-and-lock: a ``Bitmap`` over the keys (bit ``i`` = ``keys[i]`` has a complete entry); each
   hit takes one lock count; ``submit_unlock`` drops one per key (lookups and unlocks run in order
   on one thread). Locked keys are refused by :meth:`KVKernelsL2Adapter.delete`; when the store has
@@ -45,7 +46,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import SimpleNamespace
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -259,7 +260,9 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         self._done_lookup: dict[L2TaskId, Bitmap] = {}
         self._done_load: dict[L2TaskId, Bitmap] = {}
         self._locks: dict[str, int] = {}
-        self._storing: set[str] = set()
+        # key -> completion of the write one store task has claimed it for; another task storing the
+        # same key meanwhile waits for it and reports its outcome (not a success of its own)
+        self._storing: dict[str, Future] = {}
         self._told: dict[str, int] = {}  # key -> bytes reported stored to LMCache (until deleted)
         # KVStore.pin/unpin (when the store has them) keep locked entries out of its LRU eviction
         self._store_pins = callable(getattr(self.store, "pin", None)) and callable(getattr(self.store, "unpin", None))
@@ -362,54 +365,75 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         self._store_pool.submit(self._run_store, task_id, list(keys), list(objects))
         return task_id
 
+    def _release(self, ks: str, mine: Future, exc: BaseException | None = None) -> None:
+        """The write claimed for ``ks`` ended: free the key, tell the tasks that waited for it."""
+        with self._lock:
+            if self._storing.get(ks) is mine:
+                del self._storing[ks]
+        if exc is None:
+            mine.set_result(None)
+        else:
+            mine.set_exception(exc)
+
     def _run_store(self, task_id: L2TaskId, keys, objects) -> None:
         ok = True
-        pending = []  # (key, ks, future, nbytes)
+        pending = []  # (key, ks, future, nbytes, claim)
+        followed = []  # (ks, claim of another write of the same key): its outcome is this task's too
         try:
             if len(keys) != len(objects):
                 raise ValueError(f"store task: {len(keys)} keys but {len(objects)} objects")
             for key, obj in zip(keys, objects):
-                ks = None
+                ks, mine = None, None
                 try:
                     ks = object_key_string(key)
                     with self._lock:
-                        if ks in self._storing:
+                        other = self._storing.get(ks)
+                        if other is None:
+                            mine = self._storing[ks] = Future()
+                        else:
                             self.counters["store_skipped"] += 1
-                            continue
-                        self._storing.add(ks)
+                    if other is not None:
+                        followed.append((ks, other))
+                        continue
                     if self.store.contains(ks):
                         self._count("store_skipped")
-                        with self._lock:
-                            self._storing.discard(ks)
+                        self._release(ks, mine)
                         continue
                     plan = self._plan(obj)
                     # the task completes only when every write is done: the objects stay valid
                     fut, _holds = self.io.put(ks, self._chunk_view(obj, plan), plan.shape, plan.meta)
-                    pending.append((key, ks, fut, plan.nbytes))
+                    pending.append((key, ks, fut, plan.nbytes, mine))
                 except Exception as exc:
                     ok = False
                     self._count("store_errors")
                     log.warning("kvkernels L2 adapter: store of %s failed: %s: %s", ks, type(exc).__name__, exc)
-                    if ks is not None:
-                        with self._lock:
-                            self._storing.discard(ks)
+                    if mine is not None:
+                        self._release(ks, mine, exc)
         except Exception as exc:
             ok = False
             self._count("store_errors")
             log.warning("kvkernels L2 adapter: store task %s failed: %s: %s", task_id, type(exc).__name__, exc)
         stored, sizes = [], []
-        for key, ks, fut, nbytes in pending:
+        for key, ks, fut, nbytes, mine in pending:
+            err = None
             try:
                 fut.result()
                 stored.append(key)
                 sizes.append(nbytes)
             except Exception as exc:
-                ok = False
+                ok, err = False, exc
                 self._count("store_errors")
                 log.warning("kvkernels L2 adapter: write of %s failed: %s: %s", ks, type(exc).__name__, exc)
             finally:
-                with self._lock:
-                    self._storing.discard(ks)
+                self._release(ks, mine, err)
+        # after this task's own writes ended (a task waiting here never holds up one waiting for it)
+        for ks, other in followed:
+            try:
+                other.result()
+            except Exception as exc:  # noqa: BLE001 - counted and logged by the task that wrote it
+                ok = False
+                log.warning("kvkernels L2 adapter: %s was being stored by another task, whose write failed: %s: %s",
+                            ks, type(exc).__name__, exc)
         self._count("stored", len(stored))
         if stored:
             with self._lock:  # what LMCache counts for each key, to take back on delete
