@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._validate import check, check_int, check_tensor, describe, fail
+from ._validate import check, check_int, check_tensor, describe, fail, same_device
 from .quant import store_scheme
 from .staging import StagingFormat, normalize_layers
 
@@ -134,6 +134,23 @@ def _check_planes(element_size: int) -> int:
     return element_size
 
 
+def _check_bytes(t, name: str) -> None:
+    check_tensor(t, name)
+    check(t.dtype == torch.uint8, name, "dtype torch.uint8", t.dtype, TypeError)
+    check(t.dim() == 1 and (t.stride(0) == 1 or t.numel() <= 1), name, "a contiguous 1-D uint8 tensor", describe(t))
+
+
+def _check_out_bytes(out, src) -> None:
+    """``out`` of a plane (un)shuffle: uint8, 1-D, contiguous, as long as ``src``, on its device,
+    not overlapping it (the copies read ``src`` while they write ``out``)."""
+    _check_bytes(out, "out")
+    check(out.numel() == src.numel(), "out", f"{src.numel()} bytes (as many as the input)", out.numel())
+    check(out.device == src.device, "out", f"device {src.device} (the input's)", out.device)
+    lo, hi = src.data_ptr(), src.data_ptr() + src.numel()
+    check(not (out.numel() and out.data_ptr() < hi and lo < out.data_ptr() + out.numel()), "out",
+          "memory apart from the input (the shuffle is not in place)", "a buffer overlapping it")
+
+
 def byteshuffle(payload: torch.Tensor, element_size: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Split ``payload`` into byte planes, most significant plane first (``element_size`` 2).
 
@@ -154,10 +171,13 @@ def byteshuffle(payload: torch.Tensor, element_size: int, *, out: torch.Tensor |
         ``out[p * n:(p + 1) * n]``.
     """
     e = _check_planes(element_size)
+    _check_bytes(payload, "payload")
     check(payload.numel() % e == 0, "payload", f"a multiple of {e} bytes", payload.numel())
     n = payload.numel() // e
     if out is None:
         out = torch.empty(payload.numel(), dtype=torch.uint8, device=payload.device)
+    else:
+        _check_out_bytes(out, payload)
     for p in range(e):  # strided slice copies: ~10x faster on CPU than a flip + transpose
         out[p * n:(p + 1) * n].copy_(payload[e - 1 - p::e])
     return out
@@ -166,10 +186,13 @@ def byteshuffle(payload: torch.Tensor, element_size: int, *, out: torch.Tensor |
 def byteunshuffle(planes: torch.Tensor, element_size: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of :func:`byteshuffle`: ``[n * element_size]`` uint8 planes -> interleaved bytes."""
     e = _check_planes(element_size)
+    _check_bytes(planes, "planes")
     check(planes.numel() % e == 0, "planes", f"a multiple of {e} bytes", planes.numel())
     n = planes.numel() // e
     if out is None:
         out = torch.empty(planes.numel(), dtype=torch.uint8, device=planes.device)
+    else:
+        _check_out_bytes(out, planes)
     for p in range(e):
         out[e - 1 - p::e].copy_(planes[p * n:(p + 1) * n])
     return out
@@ -256,8 +279,9 @@ class CompressedStaging:
         codec = _check_codec(codec, allow_auto=False)
         stored = tuple(int(s) for s in stored_nbytes)
         check(len(stored) == fmt.num_regions, "stored_nbytes", f"{fmt.num_regions} sizes", len(stored))
+        lo = 0 if fmt.payload_nbytes == 0 else 1  # an empty staging (no blocks) stores empty regions
         for j, s in enumerate(stored):
-            check(0 < s <= fmt.region_nbytes, f"stored_nbytes[{j}]", f"1..{fmt.region_nbytes}", s)
+            check(lo <= s <= fmt.region_nbytes, f"stored_nbytes[{j}]", f"{lo}..{fmt.region_nbytes}", s)
         need = (fmt.num_regions - 1) * fmt.region_nbytes + stored[-1] if stored else 0
         check(buf.numel() >= need, "buf", f"at least {need} bytes (all stored regions)", f"{buf.numel()} bytes")
         check(isinstance(byteshuffle, bool), "byteshuffle", "a bool", type(byteshuffle).__name__, TypeError)
@@ -707,6 +731,9 @@ def _gpu_decompress(regions: list[torch.Tensor], codec: str, fmt, out: torch.Ten
                     dst_sizes.append(rz)
                     o += cz
                     pos += rz
+            # the decoder's chunk size (its scratch) must cover the largest frame: the encoder's
+            # chunk_nbytes is in the frame table, not in `chunk_hint` (from_buffer cannot know it)
+            chunk = max([chunk_hint] + dst_sizes)
             # frames copied to 16-byte aligned offsets of one buffer (nvCOMP input alignment)
             aoffs, tot = [], 0
             for p in pieces:
@@ -759,7 +786,11 @@ def compress_regions(
     ----------
     staging : Tensor
         ``[>= fmt.nbytes]`` uint8, contiguous, as written by :func:`kvkernels.gather` (CPU,
-        pinned or CUDA). Read only (with ``byteshuffle`` a shuffled copy is made).
+        pinned or CUDA). Read only (with ``byteshuffle`` a shuffled copy is made). Regions that
+        are stored raw (codec ``"none"``, or a region that did not compress and falls back to
+        its bytes, ``stored == raw``) are *views of this buffer*, not copies: keep it unchanged
+        until they are written or decoded (the pipeline and the LMCache plugin hold it until the
+        store's future completes).
     fmt : StagingFormat
         Its format (``StagingFormat.for_layout(layout, n, layers)``).
     codec : {"auto", "zstd", "ans", "gdeflate", "lz4", "none"}
@@ -941,6 +972,8 @@ def decompress_regions(
     check(len(cs.regions) == fmt.num_regions == len(cs.stored_nbytes) == len(cs.raw_nbytes), "compressed",
           f"{fmt.num_regions} regions with sizes", f"{len(cs.regions)} regions")
     _check_fmt(fmt)
+    if cs.byteshuffle:  # planes of 16-bit elements only (compress_regions and from_buffer refuse others)
+        _check_planes(_esize(fmt))
     sel = normalize_layers(layers, max(fmt.layers) + 1) if layers is not None else fmt.layers
     idx = [fmt.region_index(l) for l in sel]
     ofmt = _OutFmt(fmt.region_nbytes, len(idx))
@@ -965,6 +998,7 @@ def decompress_regions(
         out = torch.empty(ofmt.nbytes, dtype=torch.uint8, device=dev)
     else:
         check_tensor(out, "out")
+        check(same_device(out.device, dev), "out", f"a buffer on the decode device {dev} (`device`)", out.device)
         check(out.dtype == torch.uint8, "out", "dtype torch.uint8", out.dtype, TypeError)
         check(out.dim() == 1 and (out.stride(0) == 1 or out.numel() <= 1), "out", "a contiguous 1-D buffer", describe(out))
         check(out.numel() >= ofmt.nbytes, "out", f"at least {ofmt.nbytes} bytes", f"{out.numel()} bytes")

@@ -140,6 +140,60 @@ def test_chunk_size_is_recorded():
     assert big.nbytes <= small.nbytes
 
 
+def test_regions_read_back_with_from_buffer_decode_whatever_chunk_size_wrote_them():
+    """from_buffer (what a store read gives) cannot know the encoder's chunk_nbytes: the decoder
+    takes it from the frame table (on the GPU, nvCOMP's chunk size was the 64 KiB default while
+    the frames were 1 MiB); an empty staging (no blocks) reads back too."""
+    staging, fmt, _, _ = kv_like(SHAPES[3], torch.bfloat16, device=DEVICE)
+    for chunk in (4096, 1 << 20):
+        packed = compress_regions(staging, fmt, "zstd", chunk_nbytes=chunk)
+        assert max(packed.stored_nbytes) < fmt.payload_nbytes  # compressed, not the raw fallback
+        buf = torch.zeros(fmt.nbytes, dtype=torch.uint8, device=DEVICE)
+        for j, r in enumerate(packed.regions):
+            buf[j * fmt.region_nbytes: j * fmt.region_nbytes + r.numel()].copy_(r)
+        back = CompressedStaging.from_buffer(buf, fmt, packed.stored_nbytes, "zstd")
+        assert torch.equal(decompress_regions(back), staging)
+    lay = kv_like(SHAPES[0], torch.bfloat16)[2]
+    empty_fmt = kvkernels.StagingFormat.for_layout(lay, 0)
+    empty = compress_regions(torch.empty(empty_fmt.nbytes, dtype=torch.uint8), empty_fmt, "zstd")
+    back = CompressedStaging.from_buffer(torch.empty(0, dtype=torch.uint8), empty_fmt, empty.stored_nbytes, "zstd")
+    assert decompress_regions(back).numel() == empty_fmt.nbytes
+
+
+def test_plane_shuffles_refuse_bad_buffers():
+    x = torch.arange(64, dtype=torch.uint8)
+    assert torch.equal(byteunshuffle(byteshuffle(x, 2), 2), x)
+    with pytest.raises(TypeError, match="uint8"):
+        byteshuffle(x.view(torch.bfloat16), 2)  # values would be cast, not bytes moved
+    with pytest.raises(ValueError, match="apart from the input"):
+        byteshuffle(x, 2, out=x)
+    with pytest.raises(ValueError, match="apart from the input"):
+        byteunshuffle(x[:32], 2, out=x[16:48])
+    with pytest.raises(ValueError, match="64 bytes"):
+        byteshuffle(x, 2, out=torch.empty(80, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="uint8"):
+        byteshuffle(x, 2, out=torch.empty(16, dtype=torch.float32))
+    with pytest.raises(ValueError, match="contiguous"):
+        byteshuffle(torch.zeros(128, dtype=torch.uint8)[::2], 2)
+
+
+def test_decompress_refuses_planes_on_fp8_and_an_out_on_another_device():
+    from kvkernels.quant import QuantStagingFormat, gather_quant
+
+    _, _, lay, ids = kv_like(SHAPES[1], torch.bfloat16)
+    q = gather_quant(lay, ids, quant="fp8", backend="torch")
+    qfmt = QuantStagingFormat.for_layout(lay, len(ids))
+    packed = compress_regions(q, qfmt, "zstd")
+    forged = CompressedStaging(qfmt, "zstd", packed.regions, packed.stored_nbytes, packed.raw_nbytes, True,
+                               packed.chunk_nbytes)  # byteshuffle=True: compress_regions refuses it
+    with pytest.raises(ValueError, match="16-bit"):
+        decompress_regions(forged)
+    staging, fmt, _, _ = kv_like(SHAPES[1], torch.bfloat16)
+    packed = compress_regions(staging, fmt, "zstd")
+    with pytest.raises(ValueError, match="decode device"):
+        decompress_regions(packed, out=torch.empty(fmt.nbytes, dtype=torch.uint8), device="cuda")
+
+
 # ----------------------------------------------------------------------- portable stream format
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_regions_are_standard_zstd(shuffle):

@@ -62,6 +62,8 @@ TOL = {
     "REL": 2.0**-4,
     "SUB": 2.0**-10,
     "OUT": {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24},
+    # half the cache dtype's smallest subnormal: the final rounding of a subnormal x_hat
+    "TINY": {torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25, torch.float32: 2.0**-150},
     "RMSE": {"token": 0.032, "block": 0.035},
 }
 
@@ -469,10 +471,42 @@ def test_fp8_round_trip_error_within_tolerance(dtype, granularity):
         xh = dst.views[0][c][[1, 2, 3]].float()
         s = buf[fmt.scale_offset(0, c) :][: fmt.scale_nbytes].view(torch.float32)
         s = s.view(3, 16, 2, 1) if granularity == "token" else s.view(3, 1, 2, 1)
-        bound = (TOL["REL"] * x.abs() + TOL["SUB"] * s + TOL["OUT"][dtype] * xh.abs()) * 1.001
-        assert bool(((x - xh).abs() <= bound).all())
+        assert bool(((x - xh).abs() <= _bound(x, xh, s, dtype)).all())
         rmse = ((x - xh).pow(2).mean().sqrt() / x.pow(2).mean().sqrt()).item()
         assert rmse <= TOL["RMSE"][granularity], rmse
+
+
+def _bound(x, xh, s, dtype):
+    """docs/quant.md's round-trip tolerance (fp32 values of x, x_hat and their scales)."""
+    return (TOL["REL"] * x.abs() + TOL["SUB"] * s + TOL["OUT"][dtype] * xh.abs() + TOL["TINY"][dtype]) * 1.001
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_fp8_round_trip_bound_holds_for_fp16_subnormal_rows(granularity):
+    """An fp16 row of subnormals (|x| < 2^-14) has a normal fp32 scale, but its x_hat rounds to
+    fp16's subnormal grid: absolute error up to 2^-25, more than u * |x_hat| (the TINY term)."""
+    dtype = torch.float16
+    lay = cache("vllm-hnd", dtype=dtype, blocks=4, block_size=16, heads=2, fill="zero")
+    g = torch.Generator().manual_seed(3)
+    for row in lay.views:
+        for v in row:
+            v.copy_((torch.randn(v.shape, generator=g) * 2.0**-20).to(dtype))
+    ids = [3, 0]
+    buf = gather_quant(lay, ids, quant="fp8", granularity=granularity, backend="torch")
+    dst = cache("vllm-hnd", dtype=dtype, blocks=4, block_size=16, heads=2, fill="zero")
+    scatter_quant(buf, dst, [1, 2], quant="fp8", granularity=granularity, backend="torch")
+    fmt = QuantStagingFormat.for_layout(lay, 2, granularity=granularity)
+    worst = 0.0
+    for c in range(2):
+        x = lay.views[0][c][ids].float()
+        xh = dst.views[0][c][[1, 2]].float()
+        s = buf[fmt.scale_offset(0, c) :][: fmt.scale_nbytes].view(torch.float32)
+        s = s.view(2, 16, 2, 1) if granularity == "token" else s.view(2, 1, 2, 1)
+        assert bool((s > 2.0**-126).all())  # normal fp32 scales: the case the bound covers
+        assert bool(((x - xh).abs() <= _bound(x, xh, s, dtype)).all())
+        without = (TOL["REL"] * x.abs() + TOL["SUB"] * s + TOL["OUT"][dtype] * xh.abs()) * 1.001
+        worst = max(worst, float(((x - xh).abs() / without).max()))
+    assert worst > 1.0  # the term is needed: without it these rows break the bound
 
 
 def test_quantize_rows_and_dequantize_rows_are_inverse_on_grid_values():
