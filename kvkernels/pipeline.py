@@ -929,7 +929,8 @@ class LayerPipeline:
             _zero_region_padding(ent.buf, fmt)  # no copy writes it, and the SSD copy must not carry stale bytes
             self.entries[key] = ent
         self._saving[key] = ent
-        self._failed_saves.pop(key, None)  # the set reports each key's latest save
+        with self._lock:
+            self._failed_saves.pop(key, None)  # the set reports each key's latest save
         return ent
 
     def save_layer(self, layer: int, saves: Mapping[Hashable, object]) -> None:
@@ -1174,6 +1175,7 @@ class LayerPipeline:
         self._ensure_open()
         if self.store is None:
             fail("store", "a KVStore to prefetch from", None)
+        check_int(num_blocks, "num_blocks", lo=1)  # as saves and loads: at least one block
         fmt = StagingFormat.for_layout(self.layout, num_blocks)
         num_layers = self.layout.num_layers
         with self._lock:
@@ -1520,7 +1522,12 @@ class LayerPipeline:
         layers maybe not issued) is issued to the end here, the compute stream ordered after it
         (stream waits), so it completes and is reported — up to a streamed layer whose SSD read
         is not in yet where only a host wait could gate it (CPU, no ``cuStreamWaitValue32``):
-        those are issued by a later call (or by the next ``start_load``), never waited for here."""
+        those are issued by a later call (or by the next ``start_load``), never waited for here.
+
+        Both sets speak of each key's *latest* save, as :attr:`failed_saves` does: a new save of a
+        key replaces its entry, so an earlier save of it not yet reported is not reported (its
+        blocks were free once its gather ran; with ``copy_mode="dma"``, once ``wait_for_save``
+        returned) — the new save's outcome is."""
         # not waited to its last layer (an unissued layer implies that: waiting issues up to it),
         # the same test as start_load's
         if self._loads and self._last_waited < self.layout.num_layers - 1 and not self._closed:
@@ -1571,17 +1578,19 @@ class LayerPipeline:
         return bool((ent.gate.numpy() == GATE_FAILED).any())
 
     def _note_failed_save(self, key) -> None:
-        self._failed_saves.pop(key, None)
-        self._failed_saves[key] = None  # the newest last
-        while len(self._failed_saves) > FAILED_SAVES_KEPT:
-            del self._failed_saves[next(iter(self._failed_saves))]
+        with self._lock:  # take_failed_saves may run on another thread (a connector's)
+            self._failed_saves.pop(key, None)
+            self._failed_saves[key] = None  # the newest last
+            while len(self._failed_saves) > FAILED_SAVES_KEPT:
+                del self._failed_saves[next(iter(self._failed_saves))]
 
     @property
     def failed_saves(self) -> set:
         """Keys whose latest save failed (no host memory, not issued, a failed SSD put); a key
         leaves the set when a new save of it starts or :meth:`take_failed_saves` returns it.
         The latest :data:`FAILED_SAVES_KEPT` keys are kept."""
-        return set(self._failed_saves)
+        with self._lock:
+            return set(self._failed_saves)
 
     def take_failed_saves(self) -> set:
         """:attr:`failed_saves`, emptied: for a caller that polls each step (a connector reports

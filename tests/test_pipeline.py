@@ -845,6 +845,8 @@ def test_prefetch_of_a_key_held_with_another_block_count_is_refused(tmp_path):
         with pytest.raises(ValueError, match="num_blocks"):
             pipe.prefetch("k", num_blocks=1)
         assert pipe.prefetch("k", num_blocks=2).result(timeout=20).state == "saved"
+        with pytest.raises(ValueError, match="num_blocks"):  # no start_load could ever use it
+            pipe.prefetch("other", num_blocks=0)
 
 
 def test_a_start_load_whose_previous_restore_cannot_be_finished_reports_its_own(monkeypatch):
