@@ -93,7 +93,13 @@ def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool
     (staging, fmt, dtype), name = load_input(sample, tiny)
     staging = staging.to(device)
     have = [c for c in available_codecs(device) if c != "none"]
-    codecs = [c for c in (codecs or ["ans", "zstd", "gdeflate", "lz4"]) if c in have]
+    asked = list(codecs) if codecs else None
+    codecs = [c for c in (asked or ["ans", "zstd", "gdeflate", "lz4"]) if c in have]
+    left_out = [c for c in (asked or ["ans", "zstd", "gdeflate", "lz4"]) if c not in have]
+    if left_out:  # said, not silently dropped (nvCOMP's codecs need a GPU and nvCOMP)
+        print(f"# skipped (not available on {device}): {', '.join(left_out)}", flush=True)
+    if asked and not codecs:
+        raise ValueError(f"`codecs`: none of {asked} is available on {device} (available: {have})")
     variants = [("raw", staging, fmt, False), ("shuffled", staging, fmt, True)]
     f8, fmt8 = fp8_variant(staging.cpu(), fmt, dtype)
     variants.append(("fp8", f8.to(device), fmt8, False))
@@ -281,6 +287,14 @@ def main(argv=None, prog: str | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny synthetic input (CI smoke)")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
+    common.bench_out_arg(p, a.out)
+    common.bench_dir_arg(p, None)  # KVKERNELS_BENCH_DIR, when set: the store leg's folder
+    if a.codecs:
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        have = available_codecs(dev)
+        if not any(c in have for c in a.codecs):
+            p.error(f"argument --codecs: none of {a.codecs} is available on {dev} (available: {list(have)}; "
+                    "ans, gdeflate and lz4 need nvCOMP on a GPU)")
     run(sample=a.sample, out_dir=a.out, tiny=a.tiny, reps=a.reps, codecs=a.codecs, plot=not a.no_plot)
     return 0
 

@@ -237,6 +237,7 @@ def run(*, models=None, layouts=("nhd", "hnd"), pool=4096, blocks=2048, out_dir=
     if tiny:
         models = models or ["smollm2-135m"]
         pool, blocks, peak_nbytes = 32, 8, 1 << 20
+        print(f"[bench] tiny sizes: pool {pool}, {blocks} blocks (--pool / --blocks do not apply)")
     elif quick:
         models = models or ["llama3-8b", "deepseek-v3-mla"]
         blocks = min(blocks, 512)
@@ -276,6 +277,7 @@ def main(argv=None, prog: str | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny CPU-sized run")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
+    common.bench_out_arg(p, a.out)
     if a.blocks > a.pool:
         p.error(f"--blocks ({a.blocks}) must be <= --pool ({a.pool})")
     run(models=a.models, layouts=a.layouts, pool=a.pool, blocks=a.blocks, out_dir=a.out, quick=a.quick,

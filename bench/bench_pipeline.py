@@ -735,6 +735,8 @@ def run(*, models=("llama3-8b",), seqs=(4096, 8192), block_sizes=(16, 2), out_di
     tl_box: dict = {}
     _FAILED.clear()
     if tiny:
+        print("[bench] tiny: one smollm2-135m case, 64 tokens, block size 16 (--models / --seqs / --block-sizes "
+              "do not apply)")
         rows += bench_case("smollm2-135m", 64, 16, device=device, peaks=peaks, layers=2, reps=1, heads=1,
                            timeline_out=tl_box, profile_path=os.path.join(out_dir, "pipeline_issue_profile.txt"))
     else:
@@ -785,6 +787,8 @@ def main(argv=None, prog: str | None = None) -> int:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
+    common.bench_out_arg(p, a.out)
+    common.bench_dir_arg(p, None)  # KVKERNELS_BENCH_DIR, when set: the SSD restore's folder
     run(models=a.models, seqs=a.seqs, block_sizes=a.block_sizes, out_dir=a.out, tiny=a.tiny, plot=not a.no_plot)
     if _FAILED:  # the rows that ran are written; the exit code (and .ci/gpu-bench's rc) says some did not
         print(f"# {len(_FAILED)} variant(s) failed, their rows skipped:\n#   " + "\n#   ".join(_FAILED))

@@ -171,6 +171,12 @@ def main(argv=None, prog: str | None = None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None, help="directory for kernel_resources.json")
     a = p.parse_args(argv)
+    if a.out is not None:
+        try:
+            from kvkernels.bench import common
+        except ImportError:  # pragma: no cover - run as a script
+            import common  # type: ignore
+        common.bench_out_arg(p, a.out)
     if os.environ.get("TRITON_INTERPRET"):
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         return subprocess.run([sys.executable, "-m", "kvkernels.bench.bench_resources", *(sys.argv[1:] if argv is None else argv)],

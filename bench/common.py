@@ -39,20 +39,37 @@ def positive_int(text: str) -> int:
     return val
 
 
-def bench_dir_arg(parser: argparse.ArgumentParser, directory: str | None) -> None:
-    """Check a bench's ``--dir``: a directory (created when missing) this process can write in;
-    else ``parser.error`` (usage + one line, exit 2) instead of a traceback mid-run. The benches
-    write only into a fresh temporary folder inside it (and remove only that folder)."""
-    if directory is None:
-        return
+def _writable_dir(parser: argparse.ArgumentParser, directory: str, what: str) -> None:
+    """``directory`` exists (created when missing) and this process can write in it; else
+    ``parser.error`` naming ``what`` (usage + one line, exit 2)."""
+    if not directory:
+        parser.error(f"{what}: expected a directory, got an empty path")
     if os.path.exists(directory) and not os.path.isdir(directory):
-        parser.error(f"argument --dir: {directory!r} is not a directory")
+        parser.error(f"{what}: {directory!r} is not a directory")
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as exc:
-        parser.error(f"argument --dir: cannot create {directory!r}: {exc.strerror or exc}")
+        parser.error(f"{what}: cannot create {directory!r}: {exc.strerror or exc}")
     if not os.access(directory, os.W_OK | os.X_OK):
-        parser.error(f"argument --dir: {directory!r} is not writable")
+        parser.error(f"{what}: {directory!r} is not writable")
+
+
+def bench_dir_arg(parser: argparse.ArgumentParser, directory: str | None) -> None:
+    """Check a bench's ``--dir`` (or, without it, ``KVKERNELS_BENCH_DIR`` when set): a directory
+    (created when missing) this process can write in; else ``parser.error`` (usage + one line,
+    exit 2) instead of a traceback mid-run. The benches write only into a fresh temporary folder
+    inside it (and remove only that folder)."""
+    if directory is not None:
+        _writable_dir(parser, directory, "argument --dir")
+    elif os.environ.get("KVKERNELS_BENCH_DIR"):
+        _writable_dir(parser, os.environ["KVKERNELS_BENCH_DIR"], "KVKERNELS_BENCH_DIR")
+
+
+def bench_out_arg(parser: argparse.ArgumentParser, out: str | None) -> None:
+    """Check a bench's ``--out`` before it measures anything: results written only at the end
+    of a long run must not be lost to a path that cannot take them."""
+    if out is not None:
+        _writable_dir(parser, out, "argument --out")
 
 
 def fresh_bench_dir(directory: str | None, prefix: str, what: str) -> str:
@@ -61,7 +78,7 @@ def fresh_bench_dir(directory: str | None, prefix: str, what: str) -> str:
     already in ``directory`` is touched."""
     import tempfile
 
-    base = directory if directory is not None else os.environ.get("KVKERNELS_BENCH_DIR")
+    base = directory if directory is not None else (os.environ.get("KVKERNELS_BENCH_DIR") or None)
     if base is not None:
         if os.path.exists(base) and not os.path.isdir(base):
             raise NotADirectoryError(f"{what}: {base!r} is not a directory")

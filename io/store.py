@@ -183,6 +183,8 @@ class KVStore:
         except TypeError:
             fail("paths", "a directory or a list of directories", type(paths).__name__, TypeError)
         check(len(paths) > 0, "paths", "at least one directory", "none")
+        for p in paths:  # "" would be the working directory (abspath), silently
+            check(isinstance(p, str) and p.strip() != "", "paths", "non-empty directory paths", repr(p))
         if capacity_bytes is not None:
             check_int(capacity_bytes, "capacity_bytes", lo=1)
         self.paths = [os.path.abspath(p) for p in paths]

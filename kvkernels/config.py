@@ -18,7 +18,9 @@ __all__ = ["env_int", "env_str", "env_bool", "backend", "max_ctas", "validate_de
 
 
 def env_str(name: str, default: str) -> str:
-    return os.environ.get(name, default)
+    """The variable's value; unset, empty or blank means ``default`` (as for every variable)."""
+    raw = os.environ.get(name)
+    return default if raw is None or raw.strip() == "" else raw
 
 
 def env_int(name: str, default: int, *, lo: int | None = None, hi: int | None = None) -> int:
@@ -41,7 +43,7 @@ def env_int(name: str, default: int, *, lo: int | None = None, hi: int | None = 
 
 def env_bool(name: str, default: bool) -> bool:
     raw = os.environ.get(name)
-    if raw is None or raw == "":
+    if raw is None or raw.strip() == "":
         return default
     low = raw.strip().lower()
     if low in ("1", "true", "yes", "on"):

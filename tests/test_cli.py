@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -226,6 +227,53 @@ def test_bench_store_dir_that_is_a_file_fails_cleanly(tmp_path, capsys):
     assert e.value.code == 2
     assert "is not a directory" in capsys.readouterr().err
     assert f.read_text() == "data"
+
+
+@pytest.mark.parametrize("bench", ["store", "compress", "gather", "pipeline", "lmcache", "resources"])
+def test_bench_out_that_cannot_take_results_fails_before_measuring(tmp_path, capsys, bench):
+    # the results are written at the end of a run: a bad --out used to end a finished run in a traceback
+    f = tmp_path / "afile"
+    f.write_text("data")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", bench, "--out", str(f)] + ([] if bench == "resources" else ["--tiny", "--no-plot"]))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --out" in err and "is not a directory" in err
+    assert f.read_text() == "data"
+
+
+@pytest.mark.parametrize("bench", ["store", "compress", "pipeline", "lmcache"])
+def test_bench_dir_from_the_environment_is_checked_like_dir(tmp_path, capsys, monkeypatch, bench):
+    f = tmp_path / "afile"
+    f.write_text("data")
+    monkeypatch.setenv("KVKERNELS_BENCH_DIR", str(f))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", bench, "--tiny", "--no-plot", "--out", str(tmp_path / "out")])
+    assert e.value.code == 2
+    assert "KVKERNELS_BENCH_DIR" in capsys.readouterr().err
+
+
+def test_bench_compress_says_which_codecs_it_cannot_run(tmp_path, capsys):
+    if HAS_CUDA:
+        pytest.skip("every codec may be available on a GPU")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "compress", "--tiny", "--no-plot", "--codecs", "ans", "--out", str(tmp_path / "o")])
+    assert e.value.code == 2 and "need nvCOMP on a GPU" in capsys.readouterr().err
+    assert cli.main(["bench", "compress", "--tiny", "--no-plot", "--codecs", "ans", "zstd",
+                     "--out", str(tmp_path / "o")]) == 0
+    assert "# skipped (not available on cpu): ans" in capsys.readouterr().out
+
+
+def test_blank_variables_mean_their_defaults(monkeypatch):
+    from kvkernels import config
+
+    for blank in ("", "  "):
+        monkeypatch.setenv("KVKERNELS_BACKEND", blank)
+        monkeypatch.setenv("KVKERNELS_VALIDATE", blank)
+        monkeypatch.setenv("KVKERNELS_CACHE_DIR", blank)
+        assert config.backend() == "auto"
+        assert config.env_bool("KVKERNELS_VALIDATE", True) is True
+        assert config.cache_dir().endswith(os.path.join(".cache", "kvkernels"))
 
 
 def test_bench_resources_under_the_interpreter_passes_only_its_arguments(monkeypatch):

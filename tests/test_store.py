@@ -473,6 +473,9 @@ def test_bad_arguments(tmp_path):
     for paths in ([tmp_path, tmp_path], [tmp_path, tmp_path / "link"]):
         with pytest.raises(ValueError, match="distinct directories"):
             KVStore(paths)
+    for paths in ("", [tmp_path, "  "]):  # "" was the working directory, silently
+        with pytest.raises(ValueError, match="non-empty directory paths"):
+            KVStore(paths)
     with KVStore(tmp_path) as store:  # nothing was deleted by the refused opens
         assert store.contains("k")
     if not torch.cuda.is_available():
