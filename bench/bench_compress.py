@@ -212,7 +212,7 @@ def ssd_restore_rows(variants, codecs, packs, raw_bytes_per_token: float, dtype,
         from bench.bench_store import _drop_tree  # type: ignore
     from kvkernels.compress import CompressedStaging
 
-    root = tempfile.mkdtemp(prefix="kvk-bench-compress-", dir=os.environ.get("KVKERNELS_BENCH_DIR"))
+    root = tempfile.mkdtemp(prefix="kvk-bench-compress-", dir=common.bench_base_dir())
     rows: list[dict] = []
     try:
         with KVStore(os.path.join(root, "store")) as store:

@@ -61,8 +61,13 @@ def bench_dir_arg(parser: argparse.ArgumentParser, directory: str | None) -> Non
     inside it (and remove only that folder)."""
     if directory is not None:
         _writable_dir(parser, directory, "argument --dir")
-    elif os.environ.get("KVKERNELS_BENCH_DIR"):
-        _writable_dir(parser, os.environ["KVKERNELS_BENCH_DIR"], "KVKERNELS_BENCH_DIR")
+    elif bench_base_dir() is not None:
+        _writable_dir(parser, bench_base_dir(), "KVKERNELS_BENCH_DIR")
+
+
+def bench_base_dir() -> str | None:
+    """``KVKERNELS_BENCH_DIR`` (None when unset or blank: the system temp dir)."""
+    return (os.environ.get("KVKERNELS_BENCH_DIR") or "").strip() or None
 
 
 def bench_out_arg(parser: argparse.ArgumentParser, out: str | None) -> None:
@@ -78,7 +83,7 @@ def fresh_bench_dir(directory: str | None, prefix: str, what: str) -> str:
     already in ``directory`` is touched."""
     import tempfile
 
-    base = directory if directory is not None else (os.environ.get("KVKERNELS_BENCH_DIR") or None)
+    base = directory if directory is not None else bench_base_dir()
     if base is not None:
         if os.path.exists(base) and not os.path.isdir(base):
             raise NotADirectoryError(f"{what}: {base!r} is not a directory")

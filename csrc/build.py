@@ -82,7 +82,7 @@ def jit_lib_name() -> str:
 
 def cutlass_include() -> str | None:
     """Folder with the CuTe / CUTLASS headers, or None (see the module docstring)."""
-    env = os.environ.get("KVKERNELS_CUTLASS_INCLUDE")
+    env = (os.environ.get("KVKERNELS_CUTLASS_INCLUDE") or "").strip()  # blank: unset, as every variable
     if env:
         if not os.path.isfile(os.path.join(env, "cute", "arch", "copy_sm90_tma.hpp")):
             raise RuntimeError(f"`KVKERNELS_CUTLASS_INCLUDE`: {env!r} holds no cute/arch/copy_sm90_tma.hpp")

@@ -98,12 +98,34 @@ class _Entry:
 _LOCK_NAME = ".kvkernels.lock"
 
 
+# lock descriptors of this process's open stores: a forked child closes its copies (an flock
+# belongs to the open file, which fork shares: a living child kept the folder locked after the
+# parent's close)
+_HELD_LOCKS: set[int] = set()
+_HELD_LOCKS_MUTEX = threading.Lock()
+
+
+def _close_locks_in_child() -> None:
+    for fd in list(_HELD_LOCKS):
+        try:
+            os.close(fd)  # the child's copy only: the parent's lock stays (no LOCK_UN here)
+        except OSError:
+            pass
+    _HELD_LOCKS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_locks_in_child)
+
+
 def _lock_roots(roots: list[str]) -> list[int]:
     """Take an exclusive, non-blocking ``flock`` on ``<root>/.kvkernels.lock`` for every root.
 
-    Returns the open descriptors (closed by :meth:`KVStore.close`, which releases the locks). A
-    root already locked by another store raises ``RuntimeError`` and releases the ones taken.
-    Without ``fcntl`` (not POSIX) no lock is taken.
+    Returns the open descriptors (released by :func:`_unlock`). A root already locked by another
+    store raises ``RuntimeError`` and releases the ones taken. A lock file that cannot be opened
+    for writing (another user's, a read-only mount) is locked read-only; a root where neither
+    works, or whose file system has no ``flock`` (ENOSYS / ENOLCK / EOPNOTSUPP), is opened without
+    a lock, with a warning. Without ``fcntl`` (not POSIX) no lock is taken.
     """
     try:
         import fcntl  # noqa: PLC0415
@@ -112,7 +134,18 @@ def _lock_roots(roots: list[str]) -> list[int]:
     fds: list[int] = []
     try:
         for root in roots:
-            fd = os.open(os.path.join(root, _LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+            path = os.path.join(root, _LOCK_NAME)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                    raise
+                try:
+                    fd = os.open(path, os.O_RDONLY)  # flock needs no write access
+                except OSError as exc2:
+                    _log.warning("kvkernels store: %s cannot be opened (%s): folder %s is not locked "
+                                 "against a second store", path, exc2.strerror or exc2, root)
+                    continue
             fds.append(fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -121,11 +154,29 @@ def _lock_roots(roots: list[str]) -> list[int]:
                     f"store folder {root!r} is in use by another KVStore (this process or another): one "
                     f"store per folder; close the other one first, or give each its own folder"
                 ) from None
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                _log.warning("kvkernels store: the file system of %s has no flock (%s): the folder is not "
+                             "locked against a second store", root, exc.strerror or exc)
+                fds.pop()
+                os.close(fd)
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
+    with _HELD_LOCKS_MUTEX:
+        _HELD_LOCKS.update(fds)
     return fds
+
+
+def _unlock(fds: list[int]) -> None:
+    """Close the lock descriptors of :func:`_lock_roots` (the locks go with them)."""
+    with _HELD_LOCKS_MUTEX:
+        for fd in fds:
+            if fd in _HELD_LOCKS:
+                _HELD_LOCKS.discard(fd)
+                os.close(fd)
 
 
 def _fsync_dir(d: str) -> None:
@@ -249,17 +300,20 @@ class KVStore:
         self._locks = _lock_roots(self.paths)
         try:
             self.recovery = self._recover()
+            self._workers = [threading.Thread(target=self._worker, name=f"kvk-store-{i}", daemon=True)
+                             for i in range(self.io_threads)]
+            for w in self._workers:
+                w.start()
         except BaseException:
-            for fd in self._locks:
-                os.close(fd)
+            _unlock(self._locks)
             self._locks = []
+            self._closed = True
+            for w in getattr(self, "_workers", []):
+                if w.is_alive():
+                    self._q.put((9, next(self._seq), None, None))
             self._hasher.shutdown(wait=False)
             self._committer.shutdown(wait=False)
             raise
-        self._workers = [threading.Thread(target=self._worker, name=f"kvk-store-{i}", daemon=True)
-                         for i in range(self.io_threads)]
-        for w in self._workers:
-            w.start()
 
     # ------------------------------------------------------------------ naming
     def _path_for(self, digest: bytes) -> str:
@@ -939,13 +993,14 @@ class KVStore:
             self._closed = True
             for _ in self._workers:  # after everything queued so far (priority 9 sorts last)
                 self._q.put((9, next(self._seq), None, None))
-        for w in self._workers:
-            w.join()
-        self._committer.shutdown(wait=True)
-        self._hasher.shutdown(wait=True)
-        for fd in self._locks:  # the folders are free for the next store
-            os.close(fd)
-        self._locks = []
+        try:
+            for w in self._workers:
+                w.join()
+            self._committer.shutdown(wait=True)
+            self._hasher.shutdown(wait=True)
+        finally:  # the folders are free for the next store (also when the wait was interrupted)
+            _unlock(self._locks)
+            self._locks = []
 
     def __enter__(self):
         return self

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import config
 from ._validate import check, check_int, check_tensor, describe, fail, same_device
 from .quant import store_scheme
 from .staging import StagingFormat, normalize_layers
@@ -583,7 +584,7 @@ def _nvcomp_ready():
     and ``torch`` stays opt-in until ``.ci/gpu`` (which runs the nvCOMP tests under both) passes
     with it."""
     global _ALLOCATOR
-    want = os.environ.get("KVKERNELS_NVCOMP_ALLOCATOR", "nvcomp")
+    want = config.env_str("KVKERNELS_NVCOMP_ALLOCATOR", "nvcomp").strip().lower()
     check(want in NVCOMP_ALLOCATORS, "KVKERNELS_NVCOMP_ALLOCATOR", f"one of {NVCOMP_ALLOCATORS}", repr(want))
     nvcomp = _nvcomp()
     if want != _ALLOCATOR:

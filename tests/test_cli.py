@@ -266,8 +266,11 @@ def test_bench_compress_says_which_codecs_it_cannot_run(tmp_path, capsys):
 
 def test_blank_variables_mean_their_defaults(monkeypatch):
     from kvkernels import config
+    from kvkernels.bench import common
 
     for blank in ("", "  "):
+        monkeypatch.setenv("KVKERNELS_BENCH_DIR", blank)  # not a folder named "  " in the working directory
+        assert common.bench_base_dir() is None
         monkeypatch.setenv("KVKERNELS_BACKEND", blank)
         monkeypatch.setenv("KVKERNELS_VALIDATE", blank)
         monkeypatch.setenv("KVKERNELS_CACHE_DIR", blank)

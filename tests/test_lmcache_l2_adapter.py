@@ -549,7 +549,11 @@ def test_a_task_storing_a_key_another_task_writes_reports_that_write(adapter, l1
     t1 = adapter.submit_store_task([_key(77)], objs)
     assert started.wait(TIMEOUT)
     t2 = adapter.submit_store_task([_key(77)], objs)
-    time.sleep(0.3)  # t2 has seen the key claimed and waits for t1's write
+    t0 = time.monotonic()
+    while adapter.counters["store_skipped"] < 1 and time.monotonic() - t0 < TIMEOUT:
+        time.sleep(0.01)  # until t2 has seen the key claimed (it then waits for t1's write)
+    assert adapter.counters["store_skipped"] == 1
+    time.sleep(0.1)
     assert adapter.pop_completed_store_tasks() == {}
     gate.set()
     done: dict = {}

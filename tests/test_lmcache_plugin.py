@@ -1179,6 +1179,28 @@ def test_blocking_gets_wait_a_bounded_time_for_room_then_miss(tmp_path):
         m.close()
 
 
+def test_blocking_gets_without_a_cpu_pool_miss_at_once(tmp_path):
+    """LMCache gives plugins no LocalCPUBackend when max_local_cpu_size is 0: a hit cannot be
+    allocated, and the bounded wait for room must not apply (nothing can free any)."""
+    import time
+
+    m = Manager(tmp_path / "kv", fsync=False)
+    try:
+        obj, _ = m.chunk(1)
+        m.put([_key(1)], [obj])
+    finally:
+        m.close()
+    plugin = KVKernelsBackend(config=_config(tmp_path / "kv", fsync=False), metadata=_metadata())
+    try:
+        assert plugin.contains(_key(1))
+        t0 = time.monotonic()
+        assert plugin.get_blocking(_key(1)) is None
+        assert plugin.batched_get_blocking([_key(1), _key(1)]) == [None, None]
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        plugin.close()
+
+
 def test_sync_layerwise_get_waits_for_room_and_frees_everything_when_the_plugin_closes(tmp_path):
     """LMCache's pool has room for one of two chunks: the synchronous layer-wise get waits for room
     on a plugin thread (the event loop keeps running) and fails saying why; closed meanwhile

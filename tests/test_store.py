@@ -267,6 +267,57 @@ def test_a_second_store_on_one_folder_is_refused_until_the_first_closes(tmp_path
         assert torch.equal(again.get("k").result(), buf)
 
 
+def test_a_forked_child_does_not_keep_the_folder_locked(tmp_path):
+    """flock belongs to the open file, which fork shares: a living child kept the folder locked
+    after the parent closed its store (a restart in the parent was refused)."""
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork")
+    store = KVStore(tmp_path)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child: wait until the parent is done, then leave
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        store.close()
+        with KVStore(tmp_path):  # the child still lives
+            pass
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
+
+
+def test_a_lock_file_that_cannot_be_written_or_a_file_system_without_flock_still_opens(tmp_path, monkeypatch, caplog):
+    import fcntl
+
+    real_open = os.open
+
+    def no_write(path, flags, *a):
+        if str(path).endswith(".kvkernels.lock") and flags & (os.O_RDWR | os.O_CREAT):
+            raise PermissionError(errno.EACCES, "simulated: another user's lock file")
+        return real_open(path, flags, *a)
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / ".kvkernels.lock").write_text("")
+    monkeypatch.setattr(os, "open", no_write)
+    with KVStore(tmp_path / "a"):  # locked read-only: a second store is still refused
+        with pytest.raises(RuntimeError, match="in use by another KVStore"):
+            KVStore(tmp_path / "a")
+    monkeypatch.undo()
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "simulated: no lock daemon")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    _, buf, meta = staged()
+    with caplog.at_level("WARNING"), KVStore(tmp_path / "b") as store:
+        store.put("k", buf, meta).result()
+    assert "has no flock" in caplog.text
+
+
 def test_a_store_that_fails_to_open_releases_its_folders(tmp_path, monkeypatch):
     def broken(self):
         raise OSError(errno.EIO, "simulated")

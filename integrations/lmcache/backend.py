@@ -471,6 +471,8 @@ class KVKernelsBackend(StoragePluginInterface):
     def _allocate_patiently(self, shape: ChunkShape, mfmt: MemoryFormat) -> Optional[MemoryObj]:
         """Allocate on a plugin thread, retrying for up to :data:`_SYNC_ALLOC_WAIT_S` while
         LMCache's pool is full (bounded: the caller's earlier layers may hold what would free it)."""
+        if self.local_cpu_backend is None:  # no pool at all (max_local_cpu_size 0): nothing to wait for
+            return self._allocate(shape, mfmt, busy_loop=False)
         end = time.monotonic() + _SYNC_ALLOC_WAIT_S
         while True:
             obj = self._allocate(shape, mfmt, busy_loop=False, count=False)
