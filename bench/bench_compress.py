@@ -287,14 +287,13 @@ def main(argv=None, prog: str | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny synthetic input (CI smoke)")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
-    common.bench_out_arg(p, a.out)
-    common.bench_dir_arg(p, None)  # KVKERNELS_BENCH_DIR, when set: the store leg's folder
     if a.codecs:
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         have = available_codecs(dev)
         if not any(c in have for c in a.codecs):
             p.error(f"argument --codecs: none of {a.codecs} is available on {dev} (available: {list(have)}; "
                     "ans, gdeflate and lz4 need nvCOMP on a GPU)")
+    common.bench_paths(p, out=a.out, scratch=True)  # KVKERNELS_BENCH_DIR, when set: the store leg's folder
     run(sample=a.sample, out_dir=a.out, tiny=a.tiny, reps=a.reps, codecs=a.codecs, plot=not a.no_plot)
     return 0
 

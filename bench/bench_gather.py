@@ -277,9 +277,9 @@ def main(argv=None, prog: str | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny CPU-sized run")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
-    common.bench_out_arg(p, a.out)
     if a.blocks > a.pool:
         p.error(f"--blocks ({a.blocks}) must be <= --pool ({a.pool})")
+    common.bench_paths(p, out=a.out)
     run(models=a.models, layouts=a.layouts, pool=a.pool, blocks=a.blocks, out_dir=a.out, quick=a.quick,
         tiny=a.tiny, plot=not a.no_plot)
     return 0

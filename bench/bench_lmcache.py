@@ -493,8 +493,7 @@ def main(argv=None, prog: str | None = None) -> int:
     mode.add_argument("--layerwise", action="store_true",
                       help="layer-wise mode: one KV_T2D object per (chunk, layer), --chunks 8 by default")
     a = p.parse_args(argv)
-    common.bench_dir_arg(p, a.dir)
-    common.bench_out_arg(p, a.out)
+    common.bench_paths(p, out=a.out, directory=a.dir, scratch=True)
     if a.layerwise:
         run_layerwise(directory=a.dir, chunks=8 if a.chunks is None else a.chunks, reps=a.reps,
                       out_dir=a.out, tiny=a.tiny)

@@ -787,8 +787,7 @@ def main(argv=None, prog: str | None = None) -> int:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
-    common.bench_out_arg(p, a.out)
-    common.bench_dir_arg(p, None)  # KVKERNELS_BENCH_DIR, when set: the SSD restore's folder
+    common.bench_paths(p, out=a.out, scratch=True)  # KVKERNELS_BENCH_DIR, when set: the SSD restore's folder
     run(models=a.models, seqs=a.seqs, block_sizes=a.block_sizes, out_dir=a.out, tiny=a.tiny, plot=not a.no_plot)
     if _FAILED:  # the rows that ran are written; the exit code (and .ci/gpu-bench's rc) says some did not
         print(f"# {len(_FAILED)} variant(s) failed, their rows skipped:\n#   " + "\n#   ".join(_FAILED))

@@ -176,7 +176,7 @@ def main(argv=None, prog: str | None = None) -> int:
             from kvkernels.bench import common
         except ImportError:  # pragma: no cover - run as a script
             import common  # type: ignore
-        common.bench_out_arg(p, a.out)
+        common.bench_paths(p, out=a.out)
     if os.environ.get("TRITON_INTERPRET"):
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         return subprocess.run([sys.executable, "-m", "kvkernels.bench.bench_resources", *(sys.argv[1:] if argv is None else argv)],

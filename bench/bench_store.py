@@ -283,8 +283,7 @@ def main(argv=None, prog: str | None = None) -> int:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
-    common.bench_dir_arg(p, a.dir)
-    common.bench_out_arg(p, a.out)
+    common.bench_paths(p, out=a.out, directory=a.dir, scratch=True)
     run(directory=a.dir, blocks=a.blocks, entries=a.entries, dd_bytes=a.dd_bytes, out_dir=a.out, tiny=a.tiny,
         plot=not a.no_plot, reps=a.reps)
     return 0

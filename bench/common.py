@@ -39,42 +39,50 @@ def positive_int(text: str) -> int:
     return val
 
 
-def _writable_dir(parser: argparse.ArgumentParser, directory: str, what: str) -> None:
-    """``directory`` exists (created when missing) and this process can write in it; else
-    ``parser.error`` naming ``what`` (usage + one line, exit 2)."""
+def _check_dir(parser: argparse.ArgumentParser, directory: str, what: str) -> None:
+    """``directory`` is, or can be created as, a folder this process can write in; else
+    ``parser.error`` naming ``what`` (usage + one line, exit 2). Creates nothing."""
     if not directory:
         parser.error(f"{what}: expected a directory, got an empty path")
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        parser.error(f"{what}: {directory!r} is not a directory")
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as exc:
-        parser.error(f"{what}: cannot create {directory!r}: {exc.strerror or exc}")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        parser.error(f"{what}: {directory!r} is not writable")
+    if os.path.exists(directory):
+        if not os.path.isdir(directory):
+            parser.error(f"{what}: {directory!r} is not a directory")
+        if not os.access(directory, os.W_OK | os.X_OK):
+            parser.error(f"{what}: {directory!r} is not writable")
+        return
+    parent = os.path.dirname(os.path.abspath(directory))
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        parser.error(f"{what}: cannot create {directory!r} ({parent!r} is not a writable directory)")
 
 
-def bench_dir_arg(parser: argparse.ArgumentParser, directory: str | None) -> None:
-    """Check a bench's ``--dir`` (or, without it, ``KVKERNELS_BENCH_DIR`` when set): a directory
-    (created when missing) this process can write in; else ``parser.error`` (usage + one line,
-    exit 2) instead of a traceback mid-run. The benches write only into a fresh temporary folder
-    inside it (and remove only that folder)."""
+def bench_paths(parser: argparse.ArgumentParser, *, out: str | None = None, directory: str | None = None,
+                scratch: bool = False) -> None:
+    """Check a bench's folders before it measures anything, then create them: ``--out`` (results
+    are written only at the end of a long run: a path that cannot take them lost the run), ``--dir``,
+    or with ``scratch`` and no ``--dir`` ``KVKERNELS_BENCH_DIR`` when set. Every check runs before
+    any folder is made, so a refused call leaves nothing behind. The benches write only into a
+    fresh temporary folder inside the scratch folder (and remove only that folder)."""
+    todo = []
     if directory is not None:
-        _writable_dir(parser, directory, "argument --dir")
-    elif bench_base_dir() is not None:
-        _writable_dir(parser, bench_base_dir(), "KVKERNELS_BENCH_DIR")
+        todo.append((directory, "argument --dir"))
+    elif scratch and bench_base_dir() is not None:
+        todo.append((bench_base_dir(), "KVKERNELS_BENCH_DIR"))
+    if out is not None:
+        todo.append((out, "argument --out"))
+    for d, what in todo:
+        _check_dir(parser, d, what)
+    for d, what in todo:
+        try:
+            os.makedirs(d, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"{what}: cannot create {d!r}: {exc.strerror or exc}")
 
 
 def bench_base_dir() -> str | None:
     """``KVKERNELS_BENCH_DIR`` (None when unset or blank: the system temp dir)."""
     return (os.environ.get("KVKERNELS_BENCH_DIR") or "").strip() or None
-
-
-def bench_out_arg(parser: argparse.ArgumentParser, out: str | None) -> None:
-    """Check a bench's ``--out`` before it measures anything: results written only at the end
-    of a long run must not be lost to a path that cannot take them."""
-    if out is not None:
-        _writable_dir(parser, out, "argument --out")
 
 
 def fresh_bench_dir(directory: str | None, prefix: str, what: str) -> str:

@@ -98,10 +98,21 @@ class _Entry:
 _LOCK_NAME = ".kvkernels.lock"
 
 
-# lock descriptors of this process's open stores: a forked child closes its copies (an flock
-# belongs to the open file, which fork shares: a living child kept the folder locked after the
-# parent's close)
-_HELD_LOCKS: set[int] = set()
+class _FolderLocks:
+    """The lock descriptors one store took (:func:`_lock_roots`); released by :func:`_unlock`."""
+
+    __slots__ = ("fds",)
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+
+
+# lock descriptors of this process's open stores -> their owner. An flock belongs to the open file,
+# which fork shares, so a forked child closes its copies (a living child kept the folder locked
+# after the parent's close); the owner check keeps a store inherited by a child from closing
+# descriptors the child opened later under the same numbers. The mutex is held across a fork, so
+# a child never inherits it locked, nor a descriptor opened but not yet registered.
+_HELD_LOCKS: dict[int, _FolderLocks] = {}
 _HELD_LOCKS_MUTEX = threading.Lock()
 
 
@@ -112,71 +123,82 @@ def _close_locks_in_child() -> None:
         except OSError:
             pass
     _HELD_LOCKS.clear()
+    _HELD_LOCKS_MUTEX.release()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_locks_in_child)
+    os.register_at_fork(before=_HELD_LOCKS_MUTEX.acquire, after_in_parent=_HELD_LOCKS_MUTEX.release,
+                        after_in_child=_close_locks_in_child)
+
+# flock errors that mean "this file system cannot lock" (EBADF: NFS maps flock to POSIX locks,
+# which a read-only descriptor cannot take exclusively)
+_NO_FLOCK = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF)
 
 
-def _lock_roots(roots: list[str]) -> list[int]:
+def _lock_roots(roots: list[str]) -> _FolderLocks:
     """Take an exclusive, non-blocking ``flock`` on ``<root>/.kvkernels.lock`` for every root.
 
-    Returns the open descriptors (released by :func:`_unlock`). A root already locked by another
-    store raises ``RuntimeError`` and releases the ones taken. A lock file that cannot be opened
-    for writing (another user's, a read-only mount) is locked read-only; a root where neither
-    works, or whose file system has no ``flock`` (ENOSYS / ENOLCK / EOPNOTSUPP), is opened without
-    a lock, with a warning. Without ``fcntl`` (not POSIX) no lock is taken.
+    A root already locked by another store raises ``RuntimeError`` and releases the ones taken. A
+    lock file that cannot be opened for writing (another user's, a read-only mount) is locked
+    read-only; a root where neither works, or whose file system has no ``flock`` (ENOSYS /
+    ENOLCK / EOPNOTSUPP), is opened without a lock, with a warning. Without ``fcntl`` (not POSIX)
+    no lock is taken.
     """
+    locks = _FolderLocks()
     try:
         import fcntl  # noqa: PLC0415
     except ImportError:  # pragma: no cover - not on Linux
-        return []
-    fds: list[int] = []
-    try:
-        for root in roots:
-            path = os.path.join(root, _LOCK_NAME)
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as exc:
-                if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-                    raise
+        return locks
+    with _HELD_LOCKS_MUTEX:  # opened, locked and registered with no fork in between
+        try:
+            for root in roots:
+                path = os.path.join(root, _LOCK_NAME)
+                writable = True
                 try:
-                    fd = os.open(path, os.O_RDONLY)  # flock needs no write access
-                except OSError as exc2:
-                    _log.warning("kvkernels store: %s cannot be opened (%s): folder %s is not locked "
-                                 "against a second store", path, exc2.strerror or exc2, root)
-                    continue
-            fds.append(fd)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise RuntimeError(
-                    f"store folder {root!r} is in use by another KVStore (this process or another): one "
-                    f"store per folder; close the other one first, or give each its own folder"
-                ) from None
-            except OSError as exc:
-                if exc.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                _log.warning("kvkernels store: the file system of %s has no flock (%s): the folder is not "
-                             "locked against a second store", root, exc.strerror or exc)
-                fds.pop()
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                except OSError as exc:
+                    if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                        raise
+                    writable = False
+                    try:
+                        fd = os.open(path, os.O_RDONLY)  # flock needs no write access
+                    except OSError as exc2:
+                        _log.warning("kvkernels store: %s cannot be opened (%s): folder %s is not locked "
+                                     "against a second store", path, exc2.strerror or exc2, root)
+                        continue
+                locks.fds.append(fd)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise RuntimeError(
+                        f"store folder {root!r} is in use by another KVStore (this process or another): one "
+                        f"store per folder; close the other one first, or give each its own folder"
+                    ) from None
+                except OSError as exc:
+                    if exc.errno not in _NO_FLOCK or (exc.errno == errno.EBADF and writable):
+                        raise
+                    _log.warning("kvkernels store: %s cannot be locked (%s): folder %s is not locked against "
+                                 "a second store", path, exc.strerror or exc, root)
+                    locks.fds.pop()
+                    os.close(fd)
+        except BaseException:
+            for fd in locks.fds:
                 os.close(fd)
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    with _HELD_LOCKS_MUTEX:
-        _HELD_LOCKS.update(fds)
-    return fds
+            raise
+        for fd in locks.fds:
+            _HELD_LOCKS[fd] = locks
+    return locks
 
 
-def _unlock(fds: list[int]) -> None:
-    """Close the lock descriptors of :func:`_lock_roots` (the locks go with them)."""
+def _unlock(locks: _FolderLocks) -> None:
+    """Close the lock descriptors of :func:`_lock_roots` (the locks go with them); idempotent, and
+    a no-op in a forked child for a store it inherited."""
     with _HELD_LOCKS_MUTEX:
-        for fd in fds:
-            if fd in _HELD_LOCKS:
-                _HELD_LOCKS.discard(fd)
+        for fd in locks.fds:
+            if _HELD_LOCKS.get(fd) is locks:
+                del _HELD_LOCKS[fd]
                 os.close(fd)
+        locks.fds = []
 
 
 def _fsync_dir(d: str) -> None:
@@ -290,6 +312,7 @@ class KVStore:
         # puts end (header, fdatasync, rename, directory fsync) on these threads, off the workers
         self._committer = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="kvk-store-commit")
         self._closed = False
+        self._close_done = False  # close() ran to its end (an interrupted one did not)
         self._submit_lock = threading.Lock()
         self._stats = {k: 0 for k in ("puts", "put_errors", "gets", "hits", "misses", "corrupt", "replaced_reads",
                                       "evictions", "bytes_written", "bytes_read", "unlink_errors", "disturbed_reads")}
@@ -306,8 +329,7 @@ class KVStore:
                 w.start()
         except BaseException:
             _unlock(self._locks)
-            self._locks = []
-            self._closed = True
+            self._closed = self._close_done = True
             for w in getattr(self, "_workers", []):
                 if w.is_alive():
                     self._q.put((9, next(self._seq), None, None))
@@ -986,21 +1008,22 @@ class KVStore:
         return len(self._index)
 
     def close(self) -> None:
-        """Finish queued work, stop the workers. Idempotent."""
+        """Finish queued work, stop the workers, release the folders. Idempotent; a call that was
+        interrupted (KeyboardInterrupt in the wait) is finished by the next one, and the folders
+        stay locked until then: queued writes may still be running."""
         with self._submit_lock:
-            if self._closed:
+            if self._close_done:
                 return
-            self._closed = True
-            for _ in self._workers:  # after everything queued so far (priority 9 sorts last)
-                self._q.put((9, next(self._seq), None, None))
-        try:
-            for w in self._workers:
-                w.join()
-            self._committer.shutdown(wait=True)
-            self._hasher.shutdown(wait=True)
-        finally:  # the folders are free for the next store (also when the wait was interrupted)
-            _unlock(self._locks)
-            self._locks = []
+            if not self._closed:
+                self._closed = True
+                for _ in self._workers:  # after everything queued so far (priority 9 sorts last)
+                    self._q.put((9, next(self._seq), None, None))
+        for w in self._workers:
+            w.join()
+        self._committer.shutdown(wait=True)
+        self._hasher.shutdown(wait=True)
+        self._close_done = True
+        _unlock(self._locks)  # the folders are free for the next store
 
     def __enter__(self):
         return self

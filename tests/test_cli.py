@@ -242,6 +242,16 @@ def test_bench_out_that_cannot_take_results_fails_before_measuring(tmp_path, cap
     assert f.read_text() == "data"
 
 
+def test_a_refused_bench_call_leaves_no_folder_behind(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "gather", "--blocks", "10", "--pool", "5"])  # bench_results not made
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "store", "--tiny", "--dir", "d2", "--out", "/dev/null/x"])  # d2 not made
+    assert sorted(os.listdir(tmp_path)) == []
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize("bench", ["store", "compress", "pipeline", "lmcache"])
 def test_bench_dir_from_the_environment_is_checked_like_dir(tmp_path, capsys, monkeypatch, bench):
     f = tmp_path / "afile"

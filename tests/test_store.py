@@ -272,22 +272,37 @@ def test_a_forked_child_does_not_keep_the_folder_locked(tmp_path):
     after the parent closed its store (a restart in the parent was refused)."""
     if not hasattr(os, "fork"):
         pytest.skip("no fork")
-    store = KVStore(tmp_path)
+    store = KVStore(tmp_path / "a")
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child: wait until the parent is done, then leave
-        os.close(w)
-        os.read(r, 1)
-        os._exit(0)
+    if pid == 0:  # pragma: no cover - the child (reports through its exit status)
+        code = 0
+        try:
+            os.close(w)
+            # the child's own store may get the inherited lock's descriptor number: closing the
+            # inherited store must not close it (the child's folder would be unlocked)
+            own = KVStore(tmp_path / "b", io_threads=1)
+            store.close()
+            try:
+                KVStore(tmp_path / "b", io_threads=1)
+                code = 3  # a second store on the child's folder opened: its lock was lost
+            except RuntimeError:
+                pass
+            own.close()
+            os.read(r, 1)  # wait until the parent is done
+        except BaseException:  # noqa: BLE001
+            code = 4
+        os._exit(code)
     os.close(r)
     try:
         store.close()
-        with KVStore(tmp_path):  # the child still lives
+        with KVStore(tmp_path / "a"):  # the child still lives
             pass
     finally:
         os.write(w, b"x")
         os.close(w)
-        os.waitpid(pid, 0)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_a_lock_file_that_cannot_be_written_or_a_file_system_without_flock_still_opens(tmp_path, monkeypatch, caplog):
@@ -315,7 +330,7 @@ def test_a_lock_file_that_cannot_be_written_or_a_file_system_without_flock_still
     _, buf, meta = staged()
     with caplog.at_level("WARNING"), KVStore(tmp_path / "b") as store:
         store.put("k", buf, meta).result()
-    assert "has no flock" in caplog.text
+    assert "cannot be locked" in caplog.text and "not locked against a second store" in caplog.text
 
 
 def test_a_store_that_fails_to_open_releases_its_folders(tmp_path, monkeypatch):
