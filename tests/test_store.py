@@ -274,11 +274,14 @@ def test_a_forked_child_does_not_keep_the_folder_locked(tmp_path):
         pytest.skip("no fork")
     store = KVStore(tmp_path / "a")
     r, w = os.pipe()
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child (reports through its exit status)
         code = 0
         try:
             os.close(w)
+            os.close(ready_r)
+            os.write(ready_w, b"r")  # running: its fork hooks have run (until then it holds the copy)
             # the child's own store may get the inherited lock's descriptor number: closing the
             # inherited store must not close it (the child's folder would be unlocked)
             own = KVStore(tmp_path / "b", io_threads=1)
@@ -294,13 +297,16 @@ def test_a_forked_child_does_not_keep_the_folder_locked(tmp_path):
             code = 4
         os._exit(code)
     os.close(r)
+    os.close(ready_w)
     try:
+        assert os.read(ready_r, 1) == b"r"
         store.close()
         with KVStore(tmp_path / "a"):  # the child still lives
             pass
     finally:
         os.write(w, b"x")
         os.close(w)
+        os.close(ready_r)
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
 
