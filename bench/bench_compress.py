@@ -201,7 +201,6 @@ def ssd_restore_rows(variants, codecs, packs, raw_bytes_per_token: float, dtype,
     of those tokens (``raw_bytes_per_token`` each) restored per second, ``speedup_vs_raw`` the
     tokens/s over the raw variant's."""
     import shutil
-    import tempfile
     import time
 
     from kvkernels.io import EntryMeta, KVStore
@@ -212,7 +211,7 @@ def ssd_restore_rows(variants, codecs, packs, raw_bytes_per_token: float, dtype,
         from bench.bench_store import _drop_tree  # type: ignore
     from kvkernels.compress import CompressedStaging
 
-    root = tempfile.mkdtemp(prefix="kvk-bench-compress-", dir=common.bench_base_dir())
+    root = common.fresh_bench_dir(None, "kvk-bench-compress-", "bench compress")
     rows: list[dict] = []
     try:
         with KVStore(os.path.join(root, "store")) as store:

@@ -76,7 +76,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 
@@ -654,7 +653,7 @@ def _ssd_rows(lay, proxy, src, dst, fmt, base, device, c_ms, c_wall, reps) -> li
     directory."""
     L = lay.num_layers
     payload = fmt.num_regions * fmt.payload_nbytes
-    root = tempfile.mkdtemp(prefix="kvk-bench-pipeline-", dir=common.bench_base_dir())
+    root = common.fresh_bench_dir(None, "kvk-bench-pipeline-", "bench pipeline")
     rows: list[dict] = []
     try:
         # the disk's ceiling as bench_store takes it: median of 3, each the better of 1 and the

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from kvkernels import config
 
 _T0 = time.perf_counter()
 
@@ -82,7 +83,7 @@ def bench_paths(parser: argparse.ArgumentParser, *, out: str | None = None, dire
 
 def bench_base_dir() -> str | None:
     """``KVKERNELS_BENCH_DIR`` (None when unset or blank: the system temp dir)."""
-    return (os.environ.get("KVKERNELS_BENCH_DIR") or "").strip() or None
+    return config.env_str("KVKERNELS_BENCH_DIR", "").strip() or None
 
 
 def fresh_bench_dir(directory: str | None, prefix: str, what: str) -> str:

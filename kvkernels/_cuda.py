@@ -76,7 +76,7 @@ def _jit_library(mod, jit: str) -> str | None:
 def _load() -> tuple[object | None, str]:
     if not torch.cuda.is_available():
         return None, "no CUDA device"
-    env = (os.environ.get("KVKERNELS_CUDA_LIB") or "").strip()  # blank: unset, as every variable
+    env = config.env_str("KVKERNELS_CUDA_LIB", "").strip()  # blank: unset, as every variable
     if env:  # asked for by path: that library or none (never silently another one)
         if not os.path.isfile(env):
             return None, f"`KVKERNELS_CUDA_LIB`: {env!r} is not a file"

@@ -136,9 +136,15 @@ def _check_planes(element_size: int) -> int:
 
 
 def _check_bytes(t, name: str) -> None:
+    """A byte buffer argument: a tensor, uint8, 1-D, contiguous."""
     check_tensor(t, name)
     check(t.dtype == torch.uint8, name, "dtype torch.uint8", t.dtype, TypeError)
-    check(t.dim() == 1 and (t.stride(0) == 1 or t.numel() <= 1), name, "a contiguous 1-D uint8 tensor", describe(t))
+    check(t.dim() == 1 and (t.stride(0) == 1 or t.numel() <= 1), name, "a contiguous 1-D buffer", describe(t))
+
+
+def _overlaps(a_ptr: int, a_len: int, b_ptr: int, b_len: int) -> bool:
+    """Whether two non-empty byte ranges share memory."""
+    return a_len > 0 and b_len > 0 and a_ptr < b_ptr + b_len and b_ptr < a_ptr + a_len
 
 
 def _check_out_bytes(out, src) -> None:
@@ -147,8 +153,7 @@ def _check_out_bytes(out, src) -> None:
     _check_bytes(out, "out")
     check(out.numel() == src.numel(), "out", f"{src.numel()} bytes (as many as the input)", out.numel())
     check(out.device == src.device, "out", f"device {src.device} (the input's)", out.device)
-    lo, hi = src.data_ptr(), src.data_ptr() + src.numel()
-    check(not (out.numel() and out.data_ptr() < hi and lo < out.data_ptr() + out.numel()), "out",
+    check(not _overlaps(out.data_ptr(), out.numel(), src.data_ptr(), src.numel()), "out",
           "memory apart from the input (the shuffle is not in place)", "a buffer overlapping it")
 
 
@@ -822,11 +827,8 @@ def compress_regions(
     -------
     CompressedStaging
     """
-    check_tensor(staging, "staging")
+    _check_bytes(staging, "staging")
     _check_fmt(fmt)
-    check(staging.dtype == torch.uint8, "staging", "dtype torch.uint8", staging.dtype, TypeError)
-    check(staging.dim() == 1 and (staging.stride(0) == 1 or staging.numel() <= 1), "staging",
-          "a contiguous 1-D buffer", describe(staging))
     check(staging.numel() >= fmt.nbytes, "staging", f"at least {fmt.nbytes} bytes", f"{staging.numel()} bytes")
     check(isinstance(byteshuffle, bool), "byteshuffle", "a bool", type(byteshuffle).__name__, TypeError)
     check(isinstance(staging_shuffled, bool), "staging_shuffled", "a bool", type(staging_shuffled).__name__, TypeError)
@@ -998,16 +1000,13 @@ def decompress_regions(
     if out is None:
         out = torch.empty(ofmt.nbytes, dtype=torch.uint8, device=dev)
     else:
-        check_tensor(out, "out")
+        _check_bytes(out, "out")
         check(same_device(out.device, dev), "out", f"a buffer on the decode device {dev} (`device`)", out.device)
-        check(out.dtype == torch.uint8, "out", "dtype torch.uint8", out.dtype, TypeError)
-        check(out.dim() == 1 and (out.stride(0) == 1 or out.numel() <= 1), "out", "a contiguous 1-D buffer", describe(out))
         check(out.numel() >= ofmt.nbytes, "out", f"at least {ofmt.nbytes} bytes", f"{out.numel()} bytes")
         if out.device.type == src_dev.type:  # decoding in place would overwrite frames not yet read
-            lo, hi = out.data_ptr(), out.data_ptr() + ofmt.nbytes
             for j in idx:
                 r = cs.regions[j]
-                if r.numel() and r.data_ptr() < hi and lo < r.data_ptr() + r.numel():
+                if _overlaps(out.data_ptr(), ofmt.nbytes, r.data_ptr(), r.numel()):
                     fail("out", "memory apart from the compressed regions (decoding is not in place)",
                          f"a buffer overlapping region {j}")
     if ofmt.nbytes == 0:
