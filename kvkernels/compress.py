@@ -308,13 +308,24 @@ class CompressedStaging:
 
 
 # ------------------------------------------------------------------------------------- helpers
+_NVCOMP_IMPORT: list = []  # [module] once nvCOMP imported, [ImportError] once it did not
+
+
 def _nvcomp():
-    """Import nvCOMP lazily (``ImportError`` with install hint)."""
-    try:
-        import nvidia.nvcomp as nvcomp  # noqa: PLC0415
-    except ImportError as exc:  # pragma: no cover - depends on the machine
-        raise RuntimeError("nvCOMP is not installed: pip install nvidia-nvcomp-cu13 (or '.[gpu]' from a kvkernels checkout)") from exc
-    return nvcomp
+    """Import nvCOMP lazily (``RuntimeError`` with install hint). The outcome is kept: a missing
+    nvCOMP made every CUDA call of ``_resolve_codec`` / ``available_codecs`` search the import
+    path again."""
+    if not _NVCOMP_IMPORT:
+        try:
+            import nvidia.nvcomp as nvcomp  # noqa: PLC0415
+        except ImportError as exc:  # pragma: no cover - depends on the machine
+            _NVCOMP_IMPORT.append(exc)
+        else:
+            _NVCOMP_IMPORT.append(nvcomp)
+    got = _NVCOMP_IMPORT[0]
+    if isinstance(got, ImportError):
+        raise RuntimeError("nvCOMP is not installed: pip install nvidia-nvcomp-cu13 (or '.[gpu]' from a kvkernels checkout)") from got
+    return got
 
 
 def available_codecs(device="cpu") -> tuple[str, ...]:

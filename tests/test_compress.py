@@ -625,6 +625,31 @@ def test_nvcomp_roundtrip(codec, shuffle):
         assert packed.ratio > 1.05
 
 
+def test_nvcomp_import_is_tried_once(monkeypatch):
+    """Whether nvCOMP imports is found out once per process: a missing nvCOMP made every CUDA
+    codec resolution search the import path again."""
+    import builtins
+
+    import kvkernels.compress as cmod
+
+    tries = []
+    real_import = builtins.__import__
+
+    def counting(name, *args, **kw):
+        if name.startswith("nvidia"):
+            tries.append(name)
+        return real_import(name, *args, **kw)
+
+    monkeypatch.setattr(cmod, "_NVCOMP_IMPORT", [])
+    monkeypatch.setattr(builtins, "__import__", counting)
+    first = cmod._have_nvcomp()
+    assert [cmod._have_nvcomp() for _ in range(3)] == [first] * 3
+    assert len(tries) == 1, tries
+    if not first:
+        with pytest.raises(RuntimeError, match="pip install nvidia-nvcomp"):
+            cmod._nvcomp()
+
+
 @pytest.mark.gpu
 @nvcomp
 def test_auto_is_ans_on_gpu():
