@@ -51,6 +51,7 @@ _FIXED = struct.Struct("<8sII8s16sIIIIIIII16s16s16sQ")
 _REGION = struct.Struct("<IIQQQQ")
 assert _FIXED.size == 128 and _REGION.size == 40  # noqa: S101 - layout constants, not user input
 MAX_REGIONS = 4096
+MAX_FILE_NBYTES = 1 << 62  # far above any SSD; keeps every offset and size clear of the u64 fields
 
 
 class CorruptEntryError(OSError):
@@ -138,6 +139,10 @@ class EntryMeta:
             check_int(getattr(self, name), f"meta.{name}", lo=1, hi=2**31 - 1)
         check(self.num_kv in (1, 2), "meta.num_kv", "1 or 2", self.num_kv)
         check(max(self.layers) < self.num_layers, "meta.layers", f"layers < num_layers={self.num_layers}", self.layers)
+        # each field fits its u32, but their product must fit the header's u64 sizes and offsets
+        total = self.fmt.nbytes + _round_up(_FIXED.size + _REGION.size * len(self.layers))
+        check(total < MAX_FILE_NBYTES, "meta", f"a buffer of fewer than {MAX_FILE_NBYTES} bytes (2**62)",
+              f"{self.fmt.nbytes} bytes ({len(self.layers)} regions of {self.fmt.region_nbytes})")
         for name in ("dtype", "scheme", "codec"):
             _ascii(getattr(self, name), f"meta.{name}")
         return self

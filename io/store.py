@@ -360,6 +360,10 @@ class KVStore:
                             report["removed_temporaries"] += 1
                         except FileNotFoundError:
                             pass
+                        except OSError as exc:  # a read-only folder: open anyway (the file is no entry)
+                            self._stats["unlink_errors"] += 1
+                            report["bad_files"].append((p, f"a put's temporary that could not be deleted: {exc}"))
+                            _log.warning("kvkernels store: could not delete the temporary %s: %s", p, exc)
                         continue
                     if not name.endswith(_SUFFIX):
                         continue
@@ -602,12 +606,20 @@ class KVStore:
             self._stats["put_errors"] += 1
             self._reserved -= reserved
             self._room.notify_all()
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-        self._release_inflight(nbytes)
+        try:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:  # e.g. EROFS after an EIO remounted the file system read-only:
+                    # the put's own error stays the one its future reports, and the next open's
+                    # recovery deletes the temporary
+                    with self._lock:
+                        self._stats["unlink_errors"] += 1
+                    _log.warning("kvkernels store: could not delete a failed put's temporary %s: %s", tmp, exc)
+        finally:  # in-flight bytes never stay counted (they would block every later put)
+            self._release_inflight(nbytes)
 
     def _make_room(self, need: int, exclude: bytes) -> int:
         """Evict LRU entries until ``need`` more bytes fit, and reserve them (returned; released

@@ -473,6 +473,30 @@ def test_entries_persist_after_close_and_reopen(l1, tmp_path):
         b.close()
 
 
+def test_deleting_an_entry_recovered_from_an_earlier_run_keeps_the_usage_true(l1, tmp_path):
+    """A key stored by an earlier process was never counted in this process's usage: deleting it
+    removes the entry and reports it with size 0 (the usage used to drop by its bytes, below what
+    the keys this process stored hold)."""
+    a = _make(l1, tmp_path / "kv")
+    assert _store(a, [_key(90)], l1.alloc(1, seed=90)).is_successful()
+    a.close()
+    b = _make(l1, tmp_path / "kv")
+    try:
+        src = l1.alloc(1, seed=91)
+        assert _store(b, [_key(91)], src).is_successful()
+        used = b.get_usage().total_bytes_used
+        assert used == src[0].get_size()
+        b.delete([_key(90)])
+        assert b.get_usage().total_bytes_used == used
+        assert b.counters["deleted"] == 1 and b.counters["deleted_recovered"] == 1
+        assert _lookup(b, [_key(90), _key(91)]) == [1]
+        _unlock_and_settle(b, [_key(91)])  # (the lookup locked its hit)
+        b.delete([_key(91)])  # a key this process stored: its size comes off
+        assert b.get_usage().total_bytes_used == 0 and b.counters["deleted_recovered"] == 1
+    finally:
+        b.close()
+
+
 def test_concurrent_stores_and_loads(adapter, l1):
     n_threads, per = 4, 3
     base = l1.alloc(per, seed=90)

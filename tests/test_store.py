@@ -181,6 +181,26 @@ def test_a_header_whose_region_claims_more_stored_than_raw_bytes_is_corrupt(tmp_
         Header.unpack(bad.pack())
 
 
+def test_a_meta_too_large_for_the_header_is_refused_up_front(tmp_path):
+    """Each field fits its u32 but the buffer they describe (and its offsets) would not fit the
+    header's u64 fields: the put is refused with a ValueError naming the meta (the future used
+    to fail later with a bare struct.error), and a header claiming it is corrupt."""
+    from dataclasses import replace
+
+    _, buf, meta = staged()
+    top = 2**31 - 1
+    big = replace(meta, num_blocks=top, block_size=top, num_heads=top, head_dim=top)
+    with KVStore(tmp_path) as store:
+        with pytest.raises(ValueError, match="meta.*2\\*\\*62"):
+            store.put("big", [torch.zeros(4096, dtype=torch.uint8)] * len(meta.layers), big)
+        assert store.stats()["put_errors"] == 0 and len(store) == 0
+        h = store.put("k", buf, meta).result()
+    with pytest.raises(ValueError, match="2\\*\\*62"):
+        big.validate()
+    ok = replace(meta, num_blocks=top)  # large, but every size fits: still a valid meta
+    assert ok.validate() is ok and h.meta.validate() == meta
+
+
 def test_recovery_deletes_only_its_own_temporaries(tmp_path):
     _, buf, meta = staged()
     with KVStore(tmp_path) as store:
@@ -349,6 +369,76 @@ def test_a_store_that_fails_to_open_releases_its_folders(tmp_path, monkeypatch):
     monkeypatch.undo()
     with KVStore(tmp_path):
         pass
+
+
+def test_a_failed_put_whose_temporary_cannot_be_deleted_gives_back_its_bytes(tmp_path, monkeypatch):
+    """The body write fails (EIO) and the file system then refuses the temporary's delete (EROFS,
+    an ext4 remounted read-only): the put's future reports the EIO, its in-flight bytes are given
+    back (later puts used to block for ever once they reached max_inflight_bytes), the refusal is
+    counted, and the next open deletes the temporary."""
+    import kvkernels.io.store as store_mod
+
+    _, buf, meta = staged()
+    real_unlink = os.unlink
+
+    def refuse_tmp(p, *a, **kw):
+        if ".kvk.tmp." in str(p) and os.path.exists(p):  # (a missing file is ENOENT first)
+            raise OSError(errno.EROFS, "Read-only file system (simulated)", p)
+        return real_unlink(p, *a, **kw)
+
+    with KVStore(tmp_path, max_inflight_bytes=2 * buf.numel()) as store:
+        real_write = store.engine.write_file
+
+        def eio(*a, **kw):
+            raise OSError(errno.EIO, "write failed (simulated)")
+
+        monkeypatch.setattr(store.engine, "write_file", eio)
+        monkeypatch.setattr(store_mod.os, "unlink", refuse_tmp)
+        for i in range(3):
+            with pytest.raises(OSError, match="write failed"):
+                store.put(f"k{i}", buf, meta).result(timeout=10)
+        assert store._inflight == 0 and store._reserved == 0
+        assert store.stats()["unlink_errors"] == 0  # the engine failed before creating a file
+        monkeypatch.setattr(store.engine, "write_file", real_write)
+
+        def header_eio(*a, **kw):
+            raise OSError(errno.EIO, "header write failed (simulated)")
+
+        monkeypatch.setattr(store.engine, "write_header", header_eio)
+        for i in range(3):  # the body is on disk now: its temporary's delete is refused
+            with pytest.raises(OSError, match="header write failed"):
+                store.put(f"h{i}", buf, meta).result(timeout=10)
+        assert store._inflight == 0 and store._reserved == 0 and store.stats()["unlink_errors"] == 3
+        monkeypatch.undo()
+        store.put("ok", buf, meta).result(timeout=10)  # nothing is left blocking the next put
+        assert torch.equal(store.get("ok").result(), buf)
+    assert sum(".kvk.tmp." in p for p in files(tmp_path)) == 3
+    with KVStore(tmp_path) as again:
+        assert again.stats()["recovery"]["removed_temporaries"] == 3 and len(again) == 1
+    assert not [p for p in files(tmp_path) if ".kvk.tmp." in p]
+
+
+def test_a_temporary_recovery_cannot_delete_does_not_stop_the_open(tmp_path, monkeypatch):
+    """A put's leftover temporary on a folder the store may not write (a read-only mount): the
+    open goes on, the file is listed as bad and the refusal counted."""
+    import kvkernels.io.store as store_mod
+
+    _, buf, meta = staged()
+    with KVStore(tmp_path) as store:
+        store.put("k", buf, meta).result()
+    (entry,) = files(tmp_path)
+    leftover = entry + ".tmp.123.4"
+    open(leftover, "wb").write(b"x" * 10)
+
+    def refuse(p, *a, **kw):
+        raise OSError(errno.EROFS, "Read-only file system (simulated)", p)
+
+    monkeypatch.setattr(store_mod.os, "unlink", refuse)
+    with KVStore(tmp_path) as store:
+        rec = store.stats()["recovery"]
+        assert len(store) == 1 and rec["removed_temporaries"] == 0 and store.stats()["unlink_errors"] == 1
+        assert [p for p, _ in rec["bad_files"]] == [leftover] and "could not be deleted" in rec["bad_files"][0][1]
+        assert torch.equal(store.get("k").result(), buf)
 
 
 def test_no_put_into_a_new_shard_is_acknowledged_before_the_shard_name_is_durable(tmp_path, monkeypatch):

@@ -279,7 +279,8 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         self._closed = False
         self.counters = {k: 0 for k in ("store_tasks", "stored", "store_skipped", "store_errors", "lookup_tasks",
                                         "lookup_hits", "load_tasks", "loaded", "load_misses", "load_mismatch",
-                                        "corrupt", "load_errors", "deleted", "deleted_already_evicted", "delete_refused_locked")}
+                                        "corrupt", "load_errors", "deleted", "deleted_already_evicted", "deleted_recovered",
+                                        "delete_refused_locked")}
         log.info("kvkernels L2 adapter: store %s, engine %s, capacity %s, %d entries recovered", self.store.paths,
                  self.store.engine.name, settings.capacity_bytes, len(self.store))
 
@@ -620,7 +621,9 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         """Remove the entries of ``keys``; locked keys are kept (refused). A key the store no
         longer holds (its own LRU evicted it) is still reported deleted with the size LMCache was
         told when it was stored: otherwise LMCache's usage never comes down and its eviction
-        keeps choosing keys that free nothing."""
+        keeps choosing keys that free nothing. An entry this process never stored (recovered
+        from an earlier run: LMCache's usage never counted it) is removed and reported with size
+        0, so its listeners drop the key and the usage stays true."""
         deleted, sizes = [], []
         for key in keys:
             ks = object_key_string(key)
@@ -629,12 +632,11 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                     self.counters["delete_refused_locked"] += 1
                     continue
                 told = self._told.pop(ks, None)
-                header = self.store.header(ks)
-                if header is not None and self.store.remove(ks):
+                if self.store.remove(ks):
                     self.counters["deleted"] += 1
-                    m = header.meta
-                    told = m.num_kv * len(m.layers) * m.num_blocks * m.block_size * m.num_heads * m.head_dim \
-                        * m.element_size
+                    if told is None:  # recovered, never counted in LMCache's usage
+                        self.counters["deleted_recovered"] += 1
+                        told = 0
                 elif told is not None:
                     self.counters["deleted_already_evicted"] += 1
                 else:
