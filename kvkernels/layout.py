@@ -265,14 +265,15 @@ class PagedLayout:
         return cls._trusted(_checked_views(views, _names), kind)
 
     @classmethod
-    def from_tensor(cls, kv_cache: torch.Tensor, order: str, *, kind: str = "tensor") -> "PagedLayout":
+    def from_tensor(cls, kv_cache: torch.Tensor, order: str, *, kind: str = "tensor",
+                    _name: str = "kv_cache") -> "PagedLayout":
         """One tensor whose dims are named by ``order`` (letters ``LBKNHD`` or ``C``; see module doc).
 
         ``"KBNHD"`` is one vLLM FlashAttention layer, ``"BLKNHD"`` a block-major cross-layer cache.
+        (``_name``: the argument a preset's errors name.)
         """
-        check_tensor(kv_cache, "kv_cache")
-        return cls.from_views(_views_from_order(kv_cache, order, "kv_cache"), kind=kind,
-                              _names=lambda li, ci: "kv_cache")
+        check_tensor(kv_cache, _name)
+        return cls.from_views(_views_from_order(kv_cache, order, _name), kind=kind, _names=lambda li, ci: _name)
 
     @classmethod
     def from_layers(cls, kv_caches, order: str, *, kind: str = "layers") -> "PagedLayout":
@@ -361,7 +362,7 @@ class PagedLayout:
                     torch.as_strided(t, (nb, block_size, num_heads, head_dim), (*strides, 1), base + off)
                 )
             views.append(row)
-        return cls.from_views(views, kind=kind)
+        return cls.from_views(views, kind=kind, _names=lambda li, ci: f"tensors[{li}]")
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -415,7 +416,7 @@ class PagedLayout:
         if isinstance(kv_caches, torch.Tensor):
             order = "LBNHC" if order is None else str(order).upper()
             check(order in VLLM_PACKED_ORDERS, "order", f"one of {VLLM_PACKED_ORDERS}", repr(order))
-            return cls.from_tensor(kv_caches, order, kind=f"vllm-packed-{order}")
+            return cls.from_tensor(kv_caches, order, kind=f"vllm-packed-{order}", _name="kv_caches")
         if order is not None:  # per-layer tensors whose dims are in that physical order (L dropped)
             order = str(order).upper()
             check(order in VLLM_PACKED_ORDERS, "order", f"one of {VLLM_PACKED_ORDERS}", repr(order))

@@ -124,6 +124,8 @@ class QuantStagingFormat(RegionArithmetic):
 
     @classmethod
     def for_layout(cls, layout, num_blocks: int, layers=None, granularity: str = "token") -> "QuantStagingFormat":
+        if not isinstance(layout, PagedLayout):
+            fail("layout", "a kvkernels.PagedLayout", type(layout).__name__, TypeError)
         check_int(num_blocks, "num_blocks", lo=0)
         _check_granularity(granularity)
         return cls(

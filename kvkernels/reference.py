@@ -97,8 +97,8 @@ def scatter(staging: torch.Tensor, layout: PagedLayout, block_ids: torch.Tensor,
     sel = valid.nonzero().flatten()
     dst_ids = ids.index_select(0, sel)
     src_buf = staging[: fmt.nbytes]  # only the format's bytes cross devices (a pool may be far larger)
-    if src_buf.device != dev:
-        src_buf = src_buf.to(dev, non_blocking=True)
+    if src_buf.device != dev:  # blocking into a CPU cache: a non-blocking D2H copy returns before its bytes land
+        src_buf = src_buf.to(dev, non_blocking=dev.type != "cpu")
     for j, layer in enumerate(fmt.layers):
         for c in range(fmt.num_kv):
             off = j * fmt.region_nbytes + c * fmt.entry_nbytes

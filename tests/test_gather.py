@@ -198,6 +198,23 @@ def test_scatter_matches_reference_bytes(backend):
     assert all(torch.equal(x, y) for x, y in zip(all_bytes(a), all_bytes(b)))
 
 
+@pytest.mark.gpu
+def test_reference_scatter_of_a_gpu_staging_into_a_cpu_cache_waits_for_the_copy():
+    """reference.scatter takes a staging buffer on any device: a CUDA one into a CPU cache was
+    copied with non_blocking=True and read before the copy had landed (behind a busy stream)."""
+    src = cache("vllm-nhd", dtype=torch.float32, seed=5)
+    staging = kvkernels.gather(src, IDS).cuda()
+    cpu_lay = make_cache("vllm-nhd", num_layers=L, num_blocks=NB, block_size=BS, num_heads=H,
+                         head_dim=D, dtype=torch.float32, device="cpu", fill="zero")
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # queue work ahead of the copy on the current stream
+        busy = busy @ busy / 4096
+    fmt = StagingFormat.for_layout(cpu_lay, len(IDS))
+    reference.scatter(staging, cpu_lay, torch.arange(len(IDS)), fmt)
+    back = reference.gather(cpu_lay, torch.arange(len(IDS)), fmt, torch.empty(fmt.nbytes, dtype=torch.uint8))
+    assert torch.equal(back, staging.cpu())
+
+
 def _fmt_with_layers(fmt, layers):
     return dataclasses.replace(fmt, layers=tuple(layers))
 

@@ -229,6 +229,14 @@ def test_preset_errors_name_the_presets_own_arguments():
         kvkernels.PagedLayout.from_sglang([torch.zeros(16, 1, 8)], [torch.zeros(8, 1, 8)], 4)
     with pytest.raises(ValueError, match=r"`kv_cache`: expected at least one layer"):
         kvkernels.PagedLayout.from_tensor(torch.zeros(0, 2, 4, 2, 2, 8), "LKBNHD")
+    a, b = torch.zeros(100), torch.zeros(100, dtype=torch.float64)
+    geo = dict(block_size=2, num_heads=1, head_dim=4, strides=(8, 4, 0), num_blocks=2)
+    with pytest.raises(TypeError, match=r"`tensors\[1\]`: expected dtype torch.float32"):
+        kvkernels.PagedLayout.from_strides([a, b], **geo)
+    with pytest.raises(ValueError, match=r"`tensors\[0\]`: expected a tensor that does not require grad"):
+        kvkernels.PagedLayout.from_strides([torch.zeros(100, requires_grad=True)], **geo)
+    with pytest.raises(ValueError, match=r"`kv_caches`: expected 5 dims"):  # one packed tensor
+        kvkernels.PagedLayout.from_vllm_packed(torch.zeros(2, 3, 4, 5))
 
 
 def test_staging_format_cache_keeps_the_checks():

@@ -193,6 +193,9 @@ def test_quant_format_worked_example():
     assert raw.region_nbytes == 196608  # fp8 is 0.52x of bf16 here
     assert quant_staging_nbytes(lay, 3, [1, 3], quant="fp8") == 204800
     assert quant_staging_nbytes(lay, 3, [1, 3], shuffle=True) == raw.nbytes
+    for q in ("fp8", None):  # a non-layout is a TypeError naming it (fp8 raised AttributeError)
+        with pytest.raises(TypeError, match="`layout`: expected a kvkernels.PagedLayout"):
+            quant_staging_nbytes(None, 3, quant=q)
     # element-level positions of the docs: (slot 1 = block 2, token 5, head 2, dim 7) of layer 3's V
     lay.views[3][1][2, 5, 2, 7] = torch.tensor(0x4123, dtype=torch.int16).view(torch.bfloat16)
     buf = gather_quant(lay, [0, 2, 1], quant="fp8", layers=[3, 1])
