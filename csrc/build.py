@@ -57,7 +57,8 @@ def source_key() -> str:
 
 def toolchain_key() -> str:
     """What else a build depends on: the nvcc found (path, size, modification time) and the
-    CUTLASS include folder found (kvkernels/_cuda.py names a just-in-time build after its hash,
+    CUTLASS include folder found, with the size and time of its version header and of the TMA
+    header the bulk copy uses (kvkernels/_cuda.py names a just-in-time build after its hash,
     :func:`jit_lib_name`)."""
     exe = nvcc()
     parts = ["nvcc=none"]
@@ -65,7 +66,15 @@ def toolchain_key() -> str:
         st = os.stat(exe)
         parts = [f"nvcc={os.path.realpath(exe)}:{st.st_size}:{st.st_mtime_ns}"]
     try:
-        parts.append(f"cutlass={cutlass_include()}")
+        inc = cutlass_include()
+        parts.append(f"cutlass={inc}")
+        if inc is not None:  # an in-place upgrade (pip install -U nvidia-cutlass) rewrites these
+            for h in ("cutlass/version.h", "cute/arch/copy_sm90_tma.hpp"):
+                try:
+                    st = os.stat(os.path.join(inc, h))
+                    parts.append(f"{h}:{st.st_size}:{st.st_mtime_ns}")
+                except OSError:
+                    parts.append(f"{h}:missing")
     except RuntimeError:
         parts.append("cutlass=invalid")
     return ";".join(parts)

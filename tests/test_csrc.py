@@ -1070,6 +1070,23 @@ def test_jit_cache_folder_follows_the_sources(tmp_path, monkeypatch):
     assert build.source_key() == k0 and build.toolchain_key() != tool
 
 
+def test_an_in_place_cutlass_upgrade_changes_the_toolchain_key(tmp_path, monkeypatch):
+    """The just-in-time build is named after the toolchain: CUTLASS headers rewritten at the same
+    path (pip install -U nvidia-cutlass) must not load the build made against the old ones."""
+    inc = tmp_path / "include"
+    for h in ("cute/arch/copy_sm90_tma.hpp", "cutlass/version.h"):
+        (inc / h).parent.mkdir(parents=True, exist_ok=True)
+        (inc / h).write_text("// v1\n")
+    monkeypatch.setenv("KVKERNELS_CUTLASS_INCLUDE", str(inc))
+    k1 = build.toolchain_key()
+    assert build.toolchain_key() == k1 and str(inc) in k1
+    (inc / "cutlass" / "version.h").write_text("// v2, a longer header\n")
+    k2 = build.toolchain_key()
+    assert k2 != k1
+    os.utime(inc / "cute" / "arch" / "copy_sm90_tma.hpp", ns=(1, 1))  # same size, another time
+    assert build.toolchain_key() != k2
+
+
 @needs_nvcc
 def test_jit_builds_one_file_per_toolchain_and_loads_without_nvcc(tmp_path, monkeypatch):
     """Processes with different toolchains sharing a cache each build their own file once (they

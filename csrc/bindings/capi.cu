@@ -423,7 +423,7 @@ int kvk_bulk_copy(int to_staging, const int64_t* ptr_tab, const void* block_ids,
   if (row_bytes % 16 || stride_b % 16 || region_bytes % 16 || entry_bytes % 16 ||
       reinterpret_cast<uintptr_t>(staging) % 16)
     return fail("row_bytes, stride_b, region_bytes, entry_bytes, staging: expected multiples of 16");
-  if ((H > 1 && stride_h != row_bytes) || (rows > H && stride_n != H * row_bytes))
+  if ((H > 1 && stride_h != row_bytes) || (rows > H && stride_n != prod(H, row_bytes)))  // prod: no wrap-around
     return fail("stride_n, stride_h: a (block, entry) chunk is not contiguous in the cache");
   if (!holds(entry_bytes, prod(n, rows, row_bytes)) || !holds(region_bytes, prod(C, entry_bytes)))
     return fail("entry_bytes, region_bytes: smaller than the payload they must hold");
@@ -434,22 +434,26 @@ int kvk_bulk_copy(int to_staging, const int64_t* ptr_tab, const void* block_ids,
   cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (e != cudaSuccess) return guard.release("cudaDeviceGetAttribute", e);
   if (major < 9) {
-    guard.release("", cudaSuccess);
+    if (int rc = guard.release("", cudaSuccess)) return rc;  // a failed restore is reported first
     return fail("bulk copy: needs a device of compute capability >= 9.0 (cp.async.bulk)");
   }
   cudaPointerAttributes attr;
   e = cudaPointerGetAttributes(&attr, staging);
   if (e != cudaSuccess) return guard.release("cudaPointerGetAttributes", e);
   if (attr.type != cudaMemoryTypeDevice) {
-    guard.release("", cudaSuccess);
+    if (int rc = guard.release("", cudaSuccess)) return rc;
     return fail("staging: bulk copy needs device memory (use kvk_paged_copy for host staging)");
+  }
+  if (attr.device != device) {  // cp.async.bulk on a peer's memory faults (or runs unordered)
+    if (int rc = guard.release("", cudaSuccess)) return rc;
+    return fail("staging: expected memory of the launch's device (bulk copy)");
   }
   kvk::PagedCopyParams p{ptr_tab, block_ids, staging, err, n, num_blocks, num_regions * C * n,
                          stride_b, stride_n, stride_h, region_bytes, entry_bytes, C, H, rows, row_bytes, ids_64 != 0};
   const kvk::BulkPlan plan = kvk::bulk_plan(rows * row_bytes);
   const int64_t units = prod(p.num_items, plan.pieces);
   if (units < 0) {
-    guard.release("", cudaSuccess);
+    if (int rc = guard.release("", cudaSuccess)) return rc;
     return fail("bulk copy: num_items * pieces: expected < 2^63 copy units");
   }
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
