@@ -917,6 +917,7 @@ class LayerPipeline:
                 self._release(old)  # a D2H still writing it is ordered before ours (same stream)
         off = self._alloc_host(fmt.nbytes)
         if off is None:
+            self._forget_older(key)
             self._note_failed_save(key)
             if self.layout.num_layers > 1:  # its later layers must not start a partial entry
                 self._saves_failing[key] = {layer}
@@ -1002,6 +1003,7 @@ class LayerPipeline:
             if cur is not None:
                 self._abandon_save(key, cur, f"not issued at layer {layer} (its save_layer call raised)")
             else:
+                self._forget_older(key)
                 self._note_failed_save(key)
             if layer + 1 < self.layout.num_layers:
                 self._saves_failing[key] = set(range(layer + 1))
@@ -1017,6 +1019,15 @@ class LayerPipeline:
             if layer + 1 < self.layout.num_layers:
                 self._saves_failing[key] = set(range(layer + 1))
 
+    def _forget_older(self, key) -> None:
+        """A new save of ``key`` failed before it had an entry: the key's older entry leaves the
+        pool too (freed once nothing uses it), so neither ``get_finished`` nor a restore gives
+        an older save in place of the failed latest one."""
+        with self._lock:
+            old = self.entries.pop(key, None)
+            if old is not None:
+                self._drop(old)
+
     def _abandon_save(self, key, ent: HostEntry, why: str) -> None:
         """Drop a save under way (reported in ``failed_saves``). Its region goes back to the pool
         only once the D2H copies already queued into it are done (a fresh event on the D2H
@@ -1024,16 +1035,18 @@ class LayerPipeline:
         event cannot be recorded (a failing runtime), the region is never reused."""
         if self._saving.get(key) is ent:
             del self._saving[key]
-        ent.state, ent.error, ent.save_ids = "failed", f"save {why}", None
         try:
             ev = self._event()
             ev.record(self.d2h_stream if self.cuda else None)
-            ent.done_event = ev
-            reusable = True
         except Exception:
             log.exception("kvkernels: a failed save's copies cannot be tracked; its host region is not reused")
-            reusable = False
-        with self._lock:
+            ev = None
+        reusable = ev is not None
+        with self._lock:  # "failed" and its event together: a prefetch on another thread that saw
+            # the state without the event could free the region under the queued D2H copies
+            ent.state, ent.error, ent.save_ids = "failed", f"save {why}", None
+            if ev is not None:
+                ent.done_event = ev
             if self.entries.get(key) is ent:
                 del self.entries[key]
                 if reusable:
@@ -1189,7 +1202,7 @@ class LayerPipeline:
                 return fut
             if ent is not None:  # a failed earlier read: its pool region goes back before the retry
                 del self.entries[key]
-                self._release(ent)
+                self._drop(ent)  # (freed once nothing uses it: _in_use checks its copies' event)
             off = self._alloc_host(fmt.nbytes)
             if off is None:
                 fail("host_bytes", f"room for {fmt.nbytes} more bytes in the host pool", f"{self.pool.free_bytes} free")
@@ -1247,10 +1260,23 @@ class LayerPipeline:
                     self._io_cv.notify_all()
             return ent
 
+        # the caller gets a future of its own that is already running: cancelling the executor's
+        # queued future skipped run(), and its finally, for good (the entry stayed "loading",
+        # its region held, its gates shut, and every later SSD write waited WRITE_MAX_DELAY_S)
+        done: Future = Future()
+        done.set_running_or_notify_cancel()
+
+        def job():
+            try:
+                done.set_result(run())
+            except BaseException as exc:  # noqa: BLE001 - delivered through the future
+                done.set_exception(exc)
+
         with self._io_cv:
             self._reads_inflight += 1
         try:
-            return self._io_reads.submit(run)
+            self._io_reads.submit(job)
+            return done
         except RuntimeError:  # close() shut the readers down meanwhile: undo, leave nothing loading
             with self._io_cv:
                 self._reads_inflight -= 1
@@ -1291,7 +1317,9 @@ class LayerPipeline:
         bytes), restores the others, and reports all the key's destination blocks (after the
         step, through the same getter; the key is not reported loaded).
         Issues the first ``prefetch_depth`` layers and returns without waiting. Bad arguments
-        raise before anything is issued or changed.
+        raise before anything is issued or changed; a failure after the checks (an allocation, a
+        runtime call) raises with every restore of the call reported as a load error, none left
+        half started.
         """
         self._ensure_open()
         self._check_device()
@@ -1316,6 +1344,20 @@ class LayerPipeline:
         self._load_events = {}
         self._next_load_layer = 0
         self._last_waited = -1
+        handled: set = set()  # keys of this call already restoring or reported failed
+        try:
+            self._begin_loads(checked, handled, dma)
+        except BaseException:  # e.g. an allocation or a runtime call failing after the checks: no
+            # restore of this call is left half started (its entries in use, to be issued by the
+            # next call into blocks the caller was told were not restored); all are load errors
+            for key, ids, hk, given in checked:
+                if key not in handled:
+                    self._load_errors.append(hk if hk is not None else given)
+            self._fail_loads()
+            raise
+
+    def _begin_loads(self, checked, handled: set, dma: bool) -> None:
+        """``start_load`` after its checks: the entries taken into use, the first layers issued."""
         start = self._ready["load"]
         self._record(start, self._compute())  # earlier users of the destination blocks are done
         self._wait(self.h2d_stream, start)
@@ -1330,13 +1372,14 @@ class LayerPipeline:
                 # what a failure reports: host ids as given (their device copy is still queued on the
                 # pack stream); device ids are read back off the step path, in the getter
                 err = hk if hk is not None else given
+                handled.add(key)
                 if not ok:
                     self._load_errors.append(err)
                     continue
-                ent.users += 1
+                ent.users += 1  # (listed at once: a failure below gives the use back through _fail_loads)
+                self._loads.append((ent, ids, ent.state == "loading", err))  # streamed: gate each layer
                 if ent.done_event is not None and self.cuda:
                     self._wait(self.h2d_stream, ent.done_event)  # a save of it still in flight
-                self._loads.append((ent, ids, ent.state == "loading", err))  # streamed: gate each layer
         # several restores that fit one slot together: one scatter per layer for all of them
         self._load_cat = None
         self._load_batch = None

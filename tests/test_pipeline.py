@@ -668,6 +668,27 @@ def test_streamed_ssd_read_failing_part_way_zeroes_that_layer_and_reports(monkey
                 assert not b.view(-1).view(torch.uint8).any()
 
 
+def test_a_queued_prefetch_cannot_be_cancelled_into_an_entry_stuck_loading(monkeypatch):
+    """Three prefetches, two readers: the third waits in the queue. Its future used to be the
+    executor's own, so cancel() skipped the read and its clean-up for good (the entry stayed
+    "loading" with its region held and its gates shut: a restore of it waited for ever)."""
+    lay = cache()
+    expect = snapshot(lay, [5, 6])
+    store = _SlowStore(delay=0.1)
+    with _saved_to(store, lay, [5, 6], monkeypatch) as pipe:
+        for k in ("a", "b"):
+            store.data[k] = store.data["k"].clone()
+        futs = [pipe.prefetch(k, num_blocks=2) for k in ("a", "b", "k")]
+        assert not futs[2].cancel()
+        assert [f.result(timeout=20).state for f in futs] == ["ready"] * 3
+        assert pipe._reads_inflight == 0
+        run_step_loads(pipe, {"k": ids([20, 21])})
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert _drain_loads(pipe) == {"k"}
+    assert_blocks_hold(lay, [20, 21], expect)
+
+
 @pytest.mark.parametrize("copy_mode, src", [("gather", [3, 9, 4]), ("dma", [3, 4, 9])])
 def test_offload_to_ssd_then_streamed_restore_with_the_real_store(tmp_path, monkeypatch, copy_mode, src):
     """dma: list ids (host ids), no kernel; each layer's batched DMA waits for its read's gate."""
@@ -1109,6 +1130,80 @@ def test_a_save_whose_first_layer_raised_is_never_completed_by_the_next_step():
         pipe.wait_for_save()
         assert drain(pipe)[0] == set() and pipe.failed_saves == {"x", "a"} and not pipe.entries
         save_step_then_restore(pipe, lay, "a", ids([5, 6]), ids([20, 21]))  # all layers from [5, 6]
+
+
+@pytest.mark.parametrize("reported", [False, True])
+def test_a_failed_new_save_never_leaves_the_older_save_to_be_restored(reported):
+    """A key's complete save, then a new save of it whose first call raises: the key's latest
+    save failed, so it is not reported saved and its restore is a load error (the older entry
+    stayed: get_finished reported the key saved and a restore gave the older bytes)."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        run_step_saves(pipe, {"a": ids([1, 2])})
+        if reported:
+            assert drain(pipe)[0] == {"a"}
+        with pytest.raises(ValueError):
+            pipe.save_layer(0, {"a": ids([3, 4]), "b": ids([NB + 9])})
+        for layer in range(1, L):
+            pipe.save_layer(layer, {"a": ids([3, 4])})
+        pipe.wait_for_save()
+        assert drain(pipe)[0] == set() and pipe.failed_saves == {"a", "b"} and "a" not in pipe.entries
+        before = snapshot(lay, [10, 11])
+        run_step_loads(pipe, {"a": ids([10, 11])})
+        assert drain(pipe)[1] == set() and pipe.get_block_ids_with_load_errors() == {10, 11}
+        assert_blocks_hold(lay, [10, 11], before)
+
+
+def test_a_new_save_without_host_memory_drops_the_older_entry_a_restore_still_reads():
+    """The older entry is being restored when a new save of the key finds no host memory: that
+    restore completes from it, the entry leaves the pool (its region freed once the restore is
+    reported), and the next restore of the key is a load error, not the older save."""
+    lay = cache()
+    one = kvkernels.staging_nbytes(lay, 4)
+    with LayerPipeline(lay, host_bytes=one, slot_bytes=1 << 16) as pipe:
+        expect = snapshot(lay, [0, 1, 2, 3])
+        run_step_saves(pipe, {"a": ids([0, 1, 2, 3])})
+        assert drain(pipe)[0] == {"a"}
+        run_step_loads(pipe, {"a": ids([20, 21, 22, 23])})  # not yet reported: the entry is in use
+        run_step_saves(pipe, {"a": ids([4, 5, 6, 7])})
+        assert pipe.failed_saves == {"a"} and "a" not in pipe.entries
+        assert drain(pipe) == (set(), {"a"})  # the restore issued before the new save
+        assert_blocks_hold(lay, [20, 21, 22, 23], expect)
+        assert pipe.pool.free_bytes == one  # the older region went back once the restore was seen
+        run_step_loads(pipe, {"a": ids([24, 25, 26, 27])})
+        assert pipe.get_block_ids_with_load_errors() == {24, 25, 26, 27}
+
+
+def test_a_start_load_failing_after_its_checks_leaves_no_restore_half_started(monkeypatch):
+    """torch.cat (the shared slot's ids) raises after the entries were taken into use: the call
+    raises with both restores reported as load errors, the entries are given back, and the next
+    step's restore does not issue the failed one into blocks the caller has given away."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        run_step_saves(pipe, {"a": ids([1, 2]), "b": ids([3, 4])})
+        assert drain(pipe)[0] == {"a", "b"}
+        real_cat = torch.cat
+
+        def oom(*a, **kw):
+            raise RuntimeError("CUDA out of memory (simulated)")
+
+        monkeypatch.setattr(torch, "cat", oom)
+        with pytest.raises(RuntimeError, match="simulated"):
+            pipe.start_load({"a": ids([20, 21]), "b": ids([22, 23])})  # one slot: ids concatenated
+        monkeypatch.setattr(torch, "cat", real_cat)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert drain(pipe)[1] == set()
+        assert pipe.get_block_ids_with_load_errors() == {20, 21, 22, 23}
+        assert pipe.entries["a"].users == 0 and pipe.entries["b"].users == 0 and pipe.evict("a")
+        given_away = snapshot(lay, [22, 23])  # the blocks' new owners' KV
+        expect = snapshot(lay, [3, 4])
+        run_step_loads(pipe, {"b": ids([30, 31])})
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert drain(pipe)[1] == {"b"}
+        assert_blocks_hold(lay, [22, 23], given_away)
+        assert_blocks_hold(lay, [30, 31], expect)
 
 
 def test_restore_ids_are_copied_at_start_load():
