@@ -51,7 +51,7 @@ import mmap
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping
 
@@ -611,6 +611,7 @@ class LayerPipeline:
         # starts only while no read is in flight (reads first: mixed read/write costs SSDs ~60 %)
         self._io_reads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvk-pipeline-read")
         self._io_writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvk-pipeline-write")
+        self._ssd_removals: dict = {}  # key -> its queued store.remove (see _forget_older)
         self._reads_inflight = 0
         self._io_cv = threading.Condition()
         self.read_priority = bool(read_priority)
@@ -1021,12 +1022,35 @@ class LayerPipeline:
 
     def _forget_older(self, key) -> None:
         """A new save of ``key`` failed before it had an entry: the key's older entry leaves the
-        pool too (freed once nothing uses it), so neither ``get_finished`` nor a restore gives
-        an older save in place of the failed latest one."""
+        pool too (freed once nothing uses it), and the SSD store's copy is removed (queued on
+        the one writer thread, so after an older save's put still queued there), so neither
+        ``get_finished`` nor a restore or prefetch gives an older save in place of the failed
+        latest one. A store without ``remove`` keeps its copy."""
         with self._lock:
             old = self.entries.pop(key, None)
             if old is not None:
                 self._drop(old)
+        remove = getattr(self.store, "remove", None)
+        if remove is not None:
+            def run():
+                try:
+                    remove(key)
+                except Exception as exc:  # noqa: BLE001 - a closed or failing store: logged, nothing waits on it
+                    log.warning("kvkernels: could not remove the SSD copy of %r after its new save failed: %s",
+                                key, exc)
+
+            try:
+                fut = self._io_writes.submit(run)
+            except RuntimeError:  # the pipeline is closing: its writer takes nothing more
+                return
+            with self._lock:  # a prefetch of the key reads only after it (see prefetch's run)
+                self._ssd_removals[key] = fut
+            fut.add_done_callback(lambda f: self._removal_done(key, f))
+
+    def _removal_done(self, key, fut: Future) -> None:
+        with self._lock:
+            if self._ssd_removals.get(key) is fut:
+                del self._ssd_removals[key]
 
     def _abandon_save(self, key, ent: HostEntry, why: str) -> None:
         """Drop a save under way (reported in ``failed_saves``). Its region goes back to the pool
@@ -1220,6 +1244,10 @@ class LayerPipeline:
             # gates released in layer order as the groups complete
             errors: list[str] = []
             try:
+                with self._lock:
+                    removal = self._ssd_removals.get(key)
+                if removal is not None:  # an older copy being removed (its key's new save failed)
+                    wait([removal])
                 reads = []
                 mismatch = self._stored_mismatch(key, num_blocks)
                 for g in _layer_groups(num_layers):

@@ -1154,6 +1154,38 @@ def test_a_failed_new_save_never_leaves_the_older_save_to_be_restored(reported):
         assert_blocks_hold(lay, [10, 11], before)
 
 
+def test_a_failed_new_save_removes_the_older_ssd_copy_before_any_prefetch_reads_it(tmp_path):
+    """With an SSD store the older save's copy is removed too (after any put of it, on the
+    writer thread): a prefetch right after the failure waits for that removal and fails instead
+    of reading the older bytes."""
+    from kvkernels.io import KVStore
+
+    lay = cache()
+    with KVStore(tmp_path) as store, LayerPipeline(lay, host_bytes=1 << 20, store=store) as pipe:
+        run_step_saves(pipe, {"a": ids([1, 2])})
+        pipe.entries["a"].ssd_future.result(timeout=20)  # the older copy is on the SSD
+        real_remove = store.remove
+        store.remove = lambda key: (time.sleep(0.3), real_remove(key))[1]  # a slow disk
+        with pytest.raises(ValueError):
+            pipe.save_layer(0, {"a": ids([3, 4]), "b": ids([NB + 9])})
+        for layer in range(1, L):
+            pipe.save_layer(layer, {"a": ids([3, 4])})
+        pipe.wait_for_save()
+        ent = pipe.prefetch("a", num_blocks=2).result(timeout=20)
+        assert ent.state == "failed" and not store.contains("a")
+        assert drain(pipe)[0] == set() and "a" in pipe.failed_saves
+        before = snapshot(lay, [10, 11])
+        run_step_loads(pipe, {"a": ids([10, 11])})
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert drain(pipe)[1] == set() and pipe.get_block_ids_with_load_errors() == {10, 11}
+        assert_blocks_hold(lay, [10, 11], before)
+        run_step_saves(pipe, {"a": ids([5, 6])})  # the next save is stored again
+        pipe.entries["a"].ssd_future.result(timeout=20)
+        assert drain(pipe)[0] == {"a"} and "a" not in pipe.failed_saves
+        assert store.contains("a") and not pipe._ssd_removals
+
+
 def test_a_new_save_without_host_memory_drops_the_older_entry_a_restore_still_reads():
     """The older entry is being restored when a new save of the key finds no host memory: that
     restore completes from it, the entry leaves the pool (its region freed once the restore is

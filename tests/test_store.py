@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import kvkernels
 from kvkernels import StagingFormat
 from kvkernels.io import CorruptEntryError, EntryMeta, Header, KVStore
+from kvkernels.io.format import RegionInfo
 from kvkernels.models import make_cache
 from kvtest import DEVICE, bytes_equal
 
@@ -197,6 +198,14 @@ def test_a_meta_too_large_for_the_header_is_refused_up_front(tmp_path):
         h = store.put("k", buf, meta).result()
     with pytest.raises(ValueError, match="2\\*\\*62"):
         big.validate()
+    # a header (checksum valid) whose fields fit their u32s and the region's u64 but describe a
+    # buffer past 2**62 bytes is corrupt, never a size to allocate
+    huge = replace(meta, layers=(0,), num_blocks=top, block_size=top, num_heads=1, head_dim=1, element_size=1,
+                   num_layers=1)
+    assert 2**62 < huge.fmt.region_nbytes < 2**64
+    crafted = Header(h.digest, huge, (RegionInfo(0, 4096, 4096, huge.fmt.region_nbytes, 0),), h.created_ns)
+    with pytest.raises(CorruptEntryError, match="2\\*\\*62"):
+        Header.unpack(crafted.pack())
     ok = replace(meta, num_blocks=top)  # large, but every size fits: still a valid meta
     assert ok.validate() is ok and h.meta.validate() == meta
 
