@@ -1004,7 +1004,8 @@ class LayerPipeline:
             if cur is not None:
                 self._abandon_save(key, cur, f"not issued at layer {layer} (its save_layer call raised)")
             else:
-                self._forget_older(key)
+                if key not in self._saves_failing:  # (else its older copies went at the first failure)
+                    self._forget_older(key)
                 self._note_failed_save(key)
             if layer + 1 < self.layout.num_layers:
                 self._saves_failing[key] = set(range(layer + 1))
