@@ -496,6 +496,7 @@ def _check_nv_regions(regions: list[torch.Tensor], js: list[int], raw: int, code
     heads = [r[:h] for r in regions]
     if len({t.device for t in heads}) == 1:
         cuda = heads[0].device.type == "cuda"
+        _after_current(stream, heads[0].device)  # regions the caller copied in on the current stream
         with torch.cuda.stream(stream) if (stream is not None and cuda) else _nullctx():
             host = torch.stack(heads).cpu()  # host sync (CUDA regions): the headers
         rows = [bytes(host[i].numpy()) for i in range(len(heads))]
@@ -640,6 +641,15 @@ def _codec(nvcomp, codec: str, stream_ptr: int, device: int, element_size: int, 
     return c
 
 
+def _after_current(stream, device: torch.device) -> None:
+    """Order a caller-given CUDA ``stream`` after the current stream's work so far (no host
+    wait): the buffers it is about to read or write were produced, or allocated, there."""
+    if stream is not None and device.type == "cuda":
+        cur = torch.cuda.current_stream(device)
+        if stream != cur:
+            stream.wait_stream(cur)
+
+
 def _encode_into(c, nvcomp, base: torch.Tensor, offs: list[int], sizes: list[int], chunk: int, ptr: int,
                  s, lead: int = 0) -> tuple[torch.Tensor, list[int], list[int]]:
     """Encode ``base[offs[i] : offs[i] + sizes[i]]`` (one batch) into one torch-owned buffer: each
@@ -731,6 +741,10 @@ def _gpu_decompress(regions: list[torch.Tensor], codec: str, fmt, out: torch.Ten
     ``regions`` are the streams (after that header); ``checksum``: verify nvCOMP's checksums."""
     nvcomp = _nvcomp_ready()
     dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
+    # `out` / scratch come from the current stream's pool and the regions were copied there: the
+    # codec's stream writes and reads them only after that stream's work (a scatter still
+    # reading a reused `out`, a block the allocator just handed back)
+    _after_current(stream, out.device)
     s = stream if stream is not None else torch.cuda.current_stream(out.device)
     ptr = s.cuda_stream
     n = fmt.payload_nbytes
@@ -814,7 +828,8 @@ def compress_regions(
         See the module docs. CPU buffers: ``"zstd"`` / ``"none"``; the nvCOMP codecs raise
         ``RuntimeError`` there.
     stream : torch.cuda.Stream, optional
-        CUDA stream for nvCOMP (default: the current stream). Host syncs: reading the
+        CUDA stream for nvCOMP (default: the current stream). It first waits (a stream wait)
+        for the current stream's work so far, which wrote the staging. Host syncs: reading the
         compressed sizes, and (nvCOMP codecs) after writing the region headers; the regions
         are complete when this returns.
     byteshuffle : bool
@@ -832,7 +847,8 @@ def compress_regions(
         (``ChecksumPolicy.COMPUTE_AND_VERIFY``, recorded in the region header) so that
         :func:`decompress_regions` verifies them: a damaged region is an error, not garbage.
         ``False`` saves that pass where something else checks the bytes (the store's per-region
-        checksum). zstd frames always carry their own checksums; ``"none"`` has none.
+        checksum). No effect on zstd (the CPU encoder's frames carry zstd's content checksum;
+        nvCOMP's RAW frames are not known to) or ``"none"``.
 
     Returns
     -------
@@ -863,6 +879,7 @@ def compress_regions(
                                  (n,) * len(offsets), byteshuffle, chunk_nbytes, staging_scheme=staging_scheme)
 
     base = staging
+    _after_current(stream, dev)  # the staging's writer (a gather) ran on the current stream
     if byteshuffle:
         ctx = torch.cuda.stream(stream) if (stream is not None and dev.type == "cuda") else _nullctx()
         with ctx:
@@ -958,7 +975,9 @@ def decompress_regions(
         Stored layers to decode (default all); region ``j`` of ``out`` is the ``j``-th of them,
         as :func:`kvkernels.scatter(..., layers=)` expects.
     stream : torch.cuda.Stream, optional
-        nvCOMP stream (GPU codecs).
+        nvCOMP stream (GPU codecs; default: the current stream). It first waits (a stream wait)
+        for the current stream's work so far (earlier users of ``out``, regions copied in);
+        ``out`` is ready for the current stream's next work when this returns.
     device : torch.device, optional
         Where to allocate ``out``.
 
@@ -971,7 +990,7 @@ def decompress_regions(
     ------
     ValueError
         A truncated or corrupted region, or a size mismatch (raised before returning; the
-        cache is untouched because scatter has not run). For the nvCOMP codecs the region
+        cache is untouched because scatter has not run; ``out`` may hold part of the decode). For the nvCOMP codecs the region
         headers are checked first, also on a machine without a GPU (truncation, codec and
         option mismatches), then nvCOMP verifies its checksums while decoding when the
         regions were compressed with ``checksum=True``.

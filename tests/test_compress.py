@@ -658,6 +658,31 @@ def test_auto_is_ans_on_gpu():
 
 
 @pytest.mark.gpu
+@nvcomp
+@pytest.mark.parametrize("codec", ["ans", "zstd"])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_side_stream_codec_is_ordered_after_the_current_streams_work(codec, shuffle):
+    """stream= another stream: the codec read the staging and wrote `out` there without waiting
+    for the current stream, where the staging's writer and out's earlier user were still queued."""
+    staging, fmt, _, _ = kv_like(SHAPES[3], torch.bfloat16, device=DEVICE)
+    side = torch.cuda.Stream()
+    busy = torch.randn(4096, 4096, device=DEVICE)
+    fresh = torch.zeros_like(staging)
+    torch.cuda.synchronize()
+    for _ in range(30):  # work queued ahead on the current stream
+        busy = busy @ busy / 4096
+    fresh.copy_(staging)  # the staging's writer, behind that work
+    packed = compress_regions(fresh, fmt, codec, stream=side, byteshuffle=shuffle)
+    out = torch.full_like(staging, 7)
+    for _ in range(30):
+        busy = busy @ busy / 4096
+    out.zero_()  # an earlier user of `out` on the current stream, behind work
+    back = decompress_regions(packed, out=out, stream=side)
+    torch.cuda.synchronize()
+    assert torch.equal(back, staging)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_a_gpu_without_nvcomp_writes_and_reads_zstd_through_the_host(monkeypatch, shuffle):
     """codec="auto" on a CUDA buffer falls back to zstd when nvCOMP does not import: encoded and
