@@ -114,7 +114,7 @@ def fp8_fma_div() -> bool:
     """``KVKERNELS_FP8_FMA_DIV``: the Triton FP8 quantizing gather on a GPU computes ``x / s`` from
     one reciprocal per row and an FMA correction per element (the same bytes) instead of
     ``div.rn.f32`` per element. Default 1: on the H100 (2026-11-23) the GPU tests passed with it
-    (bit-for-bit against torch's ``x / s``) and it ran 3.1-4.6x faster (bench/fp8_tuning.py, no
+    (bit-for-bit against torch's ``x / s``) and it ran 2.9-3.7x faster (bench/fp8_tuning.py, no
     byte differing); 0 restores the division (the interpreter always divides)."""
     return env_bool("KVKERNELS_FP8_FMA_DIV", True)
 

@@ -1,6 +1,6 @@
 // Host-only wrappers around csrc/kernels/fp8.cuh, so the exact encode / decode / rounding code the
 // kernels run (integer operations: same result on host and device) is checked on a GPU-less
-// machine against torch (tests/test_csrc.py::test_fp8_host_functions_match_torch).
+// machine against torch (tests/test_csrc.py::test_fp8_host_*).
 // Built with `nvcc -shared -Xcompiler -fPIC` (or g++ -x c++): no device code, no CUDA runtime call.
 #include <cstdint>
 
