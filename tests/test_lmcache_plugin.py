@@ -148,6 +148,29 @@ def test_bad_config_names_the_key(extra, key):
         parse_extra_config(extra)
 
 
+def test_zstd_without_the_zstandard_package_is_a_config_error(monkeypatch):
+    """The [lmcache] extra does not bring zstandard: compression zstd without it was accepted and
+    then failed every put (one warning each, nothing stored)."""
+    from kvkernels.integrations.lmcache import config as cfg_mod
+
+    extra = {"kvkernels.paths": "/tmp/x", "kvkernels.compression": "zstd"}
+    assert parse_extra_config(extra).compression == "zstd"  # installed here
+    monkeypatch.setattr(cfg_mod, "_have_zstandard", lambda: False)
+    with pytest.raises(PluginConfigError, match=r"kvkernels\.compression.*zstandard"):
+        parse_extra_config(extra)
+    assert parse_extra_config({"kvkernels.paths": "/tmp/x"}).compression == "none"
+
+
+def test_keys_lmcache_holds_equal_share_an_entry_and_others_do_not():
+    """Tag values True / 1 / 1.0 are one key to LMCache (equal, same hash): one entry; "7" and 7
+    are two keys: two entries."""
+    def k(v):
+        return CacheEngineKey(MODEL, 1, 0, 5, torch.bfloat16, request_configs={"lmcache.tag.user": v})
+
+    for a, b in [(1, 1.0), (1, True), (0, -0.0), (2.5, 2.5), ("7", 7), (1.5, 1), ("a", "b")]:
+        assert (k(a) == k(b)) == (key_string(k(a)) == key_string(k(b))), (a, b)
+
+
 def test_broken_config_is_loud(tmp_path, caplog):
     """Direct construction raises naming the key; through LMCache's launcher (which only logs
     plugin failures) our logger reports it at error level and no plugin is registered."""
@@ -362,6 +385,25 @@ def test_ref_count_and_callback_contract(mgr):
     for o in objs:
         o.ref_count_down()
         o.ref_count_down()
+
+
+def test_flush_returns_after_the_callbacks_and_the_futures(mgr):
+    """flush() waited for the put tasks only: a slow on_complete_callback (and the put's future,
+    resolved after it) could still be running when it returned."""
+    import time
+
+    done = []
+
+    def slow(k):
+        time.sleep(0.3)
+        done.append(k)
+
+    o, _ = mgr.chunk(77)
+    futs = mgr.plugin.batched_submit_put_task([_key(77)], [o], on_complete_callback=slow)
+    o.ref_count_down()
+    mgr.plugin.flush(timeout=30)
+    assert len(done) == 1 and futs[0].done() and mgr.plugin.stats()["puts"] >= 1
+    assert not mgr.plugin.exists_in_put_tasks(_key(77)) and mgr.plugin.contains(_key(77))
 
 
 def test_batched_get_blocking_and_layer_read(mgr):

@@ -8,16 +8,19 @@ Contract with LMCache 0.5.6 (``StoragePluginInterface``, read from its storage m
 * ``batched_submit_put_task`` returns at once. For every key that is neither stored nor being
   stored it takes one reference on the ``MemoryObj`` (``ref_count_up``; the storage manager drops
   its own right after the call), converts the chunk to the staging format on a plugin thread,
-  drops the reference as soon as the copy is made (LMCache's CPU pool gets the memory back before
-  the disk write), writes through the store, then calls ``on_complete_callback(key)`` once for
+  writes through the store and drops the reference when the write is done (in place, the
+  default: the store reads LMCache's memory itself; with ``inplace_io: false`` as soon as the
+  staging copy is made), then calls ``on_complete_callback(key)`` once for
   that key (only when the entry is durable; exceptions from the callback are logged).
 * ``get_blocking`` / ``batched_get_blocking`` / ``batched_get_non_blocking`` allocate the result
   from ``local_cpu_backend`` (the caller owns one reference) and return ``None`` (or a shorter
   prefix) on a miss, a corrupted entry (checksum mismatch: the store drops it) or a failed
   allocation: never wrong bytes.
 * ``contains(key, pin=True)`` / ``batched_async_contains(..., pin=True)`` pin hits;
-  ``batched_get_non_blocking`` unpins the keys it was asked for (as LocalDiskBackend does); the
-  sync path unpins through ``StorageManager.batched_unpin``. Pinned entries are protected from
+  ``batched_get_non_blocking`` releases the lookup's pins of the keys it was asked for
+  (LocalDiskBackend takes and releases a pin of its own there and leaves the lookup's: here an
+  asynchronous lookup's pins cannot outlive the get); the sync path unpins through
+  ``StorageManager.batched_unpin``. Pinned entries are protected from
   the store's LRU eviction when the store offers ``pin``/``unpin``; otherwise pins are counted
   only and an entry evicted between lookup and retrieval is a miss (LMCache's prefix accounting
   handles that).
@@ -66,10 +69,20 @@ _SYNC_ALLOC_WAIT_S = 2.0
 _READ_WINDOW_PER_THREAD = 4
 
 
+def _tag_value(v) -> list:
+    """A tag value as ``[type name, value]``: numbers Python holds equal (``True``, ``1``,
+    ``1.0``: LMCache's key equality and hash treat them as one) encode alike, as ``int``; a
+    string stays apart from a number (``"7"`` is not ``7``)."""
+    if isinstance(v, bool) or (isinstance(v, float) and v.is_integer()):
+        v = int(v)
+    return [type(v).__name__, v if v is None or isinstance(v, (str, int, float)) else repr(v)]
+
+
 def key_string(key) -> str:
     """Store key of an LMCache key: ``lmcache/2:`` + a JSON list of every field of LMCache's key
     equality — model name, world size, worker id, chunk hash, dtype, the layer id of a
-    ``LayerCacheEngineKey`` (null otherwise) and the tags, each tag value with its type name.
+    ``LayerCacheEngineKey`` (null otherwise) and the tags, each tag value with its type name
+    (numbers that compare equal, ``True`` / ``1`` / ``1.0``, as ``int``).
 
     ``CacheEngineKey.to_string`` is not used: its ``@`` / ``%`` separators are ambiguous (tags
     ``{user: "alice@b%c"}`` and ``{user: "alice", b: "c"}`` print alike, as do the tag values
@@ -79,8 +92,7 @@ def key_string(key) -> str:
     path.
     """
     tags = key.tags
-    enc = None if tags is None else [[k, type(v).__name__, v if v is None or isinstance(v, (str, int, float)) else repr(v)]
-                                     for k, v in tags]
+    enc = None if tags is None else [[k, *_tag_value(v)] for k, v in tags]
     fields = [key.model_name, key.world_size, key.worker_id, key.chunk_hash, str(key.dtype),
               getattr(key, "layer_id", None), enc]
     return "lmcache/2:" + json.dumps(fields, separators=(",", ":"), ensure_ascii=False)
@@ -442,19 +454,22 @@ class KVKernelsBackend(StoragePluginInterface):
             obj.ref_count_down()
         with self._lock:
             self._held -= nbytes
-            self._put_tasks.pop(ks, None)
-        if exc is not None:
-            self._count("put_errors")
-            log.warning("kvkernels LMCache plugin: put of %s failed: %s: %s", ks, type(exc).__name__, exc)
-            fut.set_exception(exc)
-            return
-        self._count("puts")
-        if callback is not None:
-            try:
-                callback(key)
-            except Exception as cexc:  # LMCache's contract: callback errors are logged, not raised
-                log.warning("kvkernels LMCache plugin: on_complete_callback failed for %s: %s", ks, cexc)
-        fut.set_result(sfut.result())
+        try:
+            if exc is not None:
+                self._count("put_errors")
+                log.warning("kvkernels LMCache plugin: put of %s failed: %s: %s", ks, type(exc).__name__, exc)
+                fut.set_exception(exc)
+                return
+            self._count("puts")
+            if callback is not None:
+                try:
+                    callback(key)
+                except Exception as cexc:  # LMCache's contract: callback errors are logged, not raised
+                    log.warning("kvkernels LMCache plugin: on_complete_callback failed for %s: %s", ks, cexc)
+            fut.set_result(sfut.result())
+        finally:  # last: flush() returns only once the counters, the callback and the future are done
+            with self._lock:
+                self._put_tasks.pop(ks, None)
 
     # ------------------------------------------------------------------ gets
     def _allocate(self, shape: ChunkShape, mfmt: MemoryFormat, busy_loop: bool = True,
@@ -641,6 +656,9 @@ class KVKernelsBackend(StoragePluginInterface):
 
     def get_layers(self, key: CacheEngineKey, layers) -> Optional[torch.Tensor]:
         """Read only ``layers`` of a stored chunk: ``[num_kv, len(layers), T, H*D]`` CPU tensor, or None.
+
+        Slot ``j`` holds the ``j``-th of ``layers`` *in ascending order*, as everywhere in
+        kvkernels (``layers=[3, 1]`` gives layer 1, then layer 3).
 
         One aligned region read per layer (contiguous layers coalesce): what a layer-wise
         restore needs, without reading the whole chunk.

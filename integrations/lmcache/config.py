@@ -8,6 +8,8 @@ then serves without it.
 
 from __future__ import annotations
 
+import importlib.util
+
 import os
 from dataclasses import dataclass, field
 
@@ -48,6 +50,14 @@ _CODECS = ("none", "zstd")
 
 class PluginConfigError(ValueError):
     """The ``kvkernels.*`` extra_config of LMCache is missing a key or has a bad value."""
+
+
+def _have_zstandard() -> bool:
+    """Whether the portable codec's package is installed (found, not imported)."""
+    try:
+        return importlib.util.find_spec("zstandard") is not None
+    except (ImportError, ValueError):  # a broken or blocked entry in sys.modules
+        return False
 
 
 def _err(key: str, expected: str, got) -> PluginConfigError:
@@ -163,6 +173,10 @@ def parse_extra_config(extra: dict | None) -> PluginSettings:
         if not isinstance(c, str) or c.lower() not in _CODECS:
             raise _err("compression", f"one of {_CODECS}", c)
         kw["compression"] = c.lower()
+        if kw["compression"] == "zstd" and not _have_zstandard():
+            # at start, not as one failed put after another (the [lmcache] extra does not bring it)
+            raise _err("compression", "'none', or 'zstd' with the zstandard package installed "
+                       "(pip install zstandard, or the [compress] extra)", c)
     for k, allowed in (("quant", ("none", "fp8")), ("quant_granularity", ("token", "block"))):
         v = get(k)
         if v is not None:
