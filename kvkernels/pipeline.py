@@ -1031,6 +1031,11 @@ class LayerPipeline:
             old = self.entries.pop(key, None)
             if old is not None:
                 self._drop(old)
+        self._forget_ssd(key)
+
+    def _forget_ssd(self, key) -> None:
+        """Queue the removal of ``key``'s SSD copy on the writer thread (after any put of it
+        queued there, before any later save's put); a prefetch of the key waits for it."""
         remove = getattr(self.store, "remove", None)
         if remove is not None:
             def run():
@@ -1076,6 +1081,7 @@ class LayerPipeline:
                 del self.entries[key]
                 if reusable:
                     self._drop(ent)
+        self._forget_ssd(key)  # the older save's copy (its host entry went when this one began)
         self._note_failed_save(key)
 
     def _issue_saves(self, layer: int, todo, gather, dma) -> None:
@@ -1248,7 +1254,14 @@ class LayerPipeline:
                 with self._lock:
                     removal = self._ssd_removals.get(key)
                 if removal is not None:  # an older copy being removed (its key's new save failed)
-                    wait([removal])
+                    with self._io_cv:  # not a read in flight while it waits: writes queued ahead of
+                        self._reads_inflight -= 1  # the removal must not wait for it
+                        self._io_cv.notify_all()
+                    try:
+                        wait([removal])
+                    finally:
+                        with self._io_cv:
+                            self._reads_inflight += 1
                 reads = []
                 mismatch = self._stored_mismatch(key, num_blocks)
                 for g in _layer_groups(num_layers):
@@ -1619,6 +1632,7 @@ class LayerPipeline:
                     if ent.ssd_future.exception() is not None:
                         ent.error = repr(ent.ssd_future.exception())
                         self._note_failed_save(key)
+                        self._forget_ssd(key)  # the store kept the older copy: a prefetch must not get it
                 ent.state = "saved"
                 saved.add(key)
         loaded = set()

@@ -6,6 +6,7 @@ with real streams, and the gpu-marked ones check the no-host-sync contract.
 
 from __future__ import annotations
 
+import errno
 import time
 from concurrent.futures import Future
 
@@ -1184,6 +1185,66 @@ def test_a_failed_new_save_removes_the_older_ssd_copy_before_any_prefetch_reads_
         pipe.entries["a"].ssd_future.result(timeout=20)
         assert drain(pipe)[0] == {"a"} and "a" not in pipe.failed_saves
         assert store.contains("a") and not pipe._ssd_removals
+
+
+@pytest.mark.parametrize("how", ["raise-at-layer-1", "step-ends-early", "ssd-put-fails"])
+def test_no_failed_save_leaves_the_older_ssd_copy_to_be_prefetched(tmp_path, how):
+    """A save failing after it had an entry (a later layer's call raised, or its step ended before
+    its last layer) or whose SSD put failed: the older save's SSD copy is removed as well, so a
+    prefetch of the key fails instead of giving the older bytes."""
+    from kvkernels.io import KVStore
+
+    lay = cache()
+    with KVStore(tmp_path) as store, LayerPipeline(lay, host_bytes=1 << 20, store=store) as pipe:
+        run_step_saves(pipe, {"a": ids([1, 2])})
+        pipe.entries["a"].ssd_future.result(timeout=20)
+        assert drain(pipe)[0] == {"a"} and store.contains("a")
+        if how == "ssd-put-fails":
+            real_put = store.put
+
+            def refuse(*a, **kw):
+                raise OSError(errno.ENOSPC, "no space (simulated)")
+
+            store.put = refuse
+            run_step_saves(pipe, {"a": ids([3, 4])})
+            with pytest.raises(OSError):
+                pipe.entries["a"].ssd_future.result(timeout=20)
+            drain(pipe)
+            store.put = real_put
+            assert pipe.evict("a")  # the host copy (the latest save) goes; the SSD has no valid one
+        else:
+            pipe.save_layer(0, {"a": ids([3, 4])})
+            if how == "raise-at-layer-1":
+                with pytest.raises(ValueError):
+                    pipe.save_layer(1, {"a": ids([3, 4]), "b": ids([NB + 9])})
+            pipe.wait_for_save()
+        assert "a" in pipe.failed_saves and "a" not in pipe.entries
+        ent = pipe.prefetch("a", num_blocks=2).result(timeout=20)
+        assert ent.state == "failed" and not store.contains("a") and not pipe._ssd_removals
+
+
+def test_a_prefetch_waiting_for_a_removal_does_not_hold_the_writes_ahead_of_it(tmp_path, monkeypatch):
+    """The prefetch counted as a read in flight while it waited for the removal, so each write
+    queued ahead of that removal waited its whole WRITE_MAX_DELAY_S for it: the prefetch waited
+    on itself."""
+    import kvkernels.pipeline as pmod
+    from kvkernels.io import KVStore
+
+    monkeypatch.setattr(pmod, "WRITE_MAX_DELAY_S", 10.0)
+    lay = cache()
+    with KVStore(tmp_path) as store, LayerPipeline(lay, host_bytes=1 << 20, store=store) as pipe:
+        run_step_saves(pipe, {"a": ids([1, 2])})
+        pipe.entries["a"].ssd_future.result(timeout=20)
+        real_put = store.put
+        store.put = lambda *a, **kw: (time.sleep(0.2), real_put(*a, **kw))[1]  # a slow disk
+        run_step_saves(pipe, {"c": ids([5, 6])})
+        run_step_saves(pipe, {"d": ids([7, 8])})  # queued behind c's write
+        with pytest.raises(ValueError):
+            pipe.save_layer(0, {"a": ids([3, 4]), "b": ids([NB + 9])})
+        pipe.wait_for_save()
+        t0 = time.monotonic()
+        ent = pipe.prefetch("a", num_blocks=2).result(timeout=30)
+        assert ent.state == "failed" and time.monotonic() - t0 < 5.0  # two 0.2 s writes, not 10 s waits
 
 
 def test_a_new_save_without_host_memory_drops_the_older_entry_a_restore_still_reads():
