@@ -243,7 +243,7 @@ def run(*, models=None, layouts=("nhd", "hnd"), pool=4096, blocks=2048, out_dir=
         blocks = min(blocks, 512)
     # the shapes with open targets first (4 KB chunks, MLA), so a time-capped run still has them
     models = models or sorted(MODELS, key=lambda m: (m not in FIRST, FIRST.index(m) if m in FIRST else 0))
-    meta = common.env_record()
+    meta = common.env_record(tiny=tiny)
     peaks = common.measure_peaks(device, peak_nbytes)
     meta["peaks"] = peaks
     rows: list[dict] = []

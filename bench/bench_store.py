@@ -159,7 +159,7 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
     if tiny:
         blocks, entries, dd_bytes = 8, 4, 32 << 20
     work = common.fresh_bench_dir(directory, "kvk-bench-store-", "bench store")  # ours alone: removed at the end
-    meta = common.env_record()
+    meta = common.env_record(tiny=tiny)
     meta["directory"] = work
     from kvkernels.io.engines import kvikio_status
 

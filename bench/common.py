@@ -122,9 +122,29 @@ def env(**values: str):
                 os.environ[k] = v
 
 
-def env_record() -> dict:
-    """GPU, versions and date, stored with every result file."""
+def _git_state() -> tuple[str | None, bool | None]:
+    """(commit, whether the tree has uncommitted changes) of the checkout this script runs from;
+    (None, None) where there is no git or no repository (a copied tree)."""
+    import subprocess  # noqa: PLC0415
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode:
+            return None, None
+        st = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                            capture_output=True, text=True, timeout=10)
+        return head.stdout.strip(), (bool(st.stdout.strip()) if st.returncode == 0 else None)
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
+def env_record(*, tiny: bool | None = None) -> dict:
+    """GPU, versions, date, the commit and the command line, stored with every result file;
+    ``tiny`` (where the bench has the mode): a tiny run's numbers prove the script runs, nothing
+    more, also on a GPU."""
     cuda = torch.cuda.is_available()
+    commit, dirty = _git_state()
 
     def ver(d):
         try:
@@ -144,6 +164,10 @@ def env_record() -> dict:
         "device": torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)",
         "sms": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None,
         "driver": _driver() if cuda else None,
+        "commit": commit,
+        "dirty": dirty,
+        "argv": list(sys.argv),
+        "tiny": tiny,
     }
 
 

@@ -7,7 +7,9 @@ any machine (no GPU needed), by replacing the Triton kernel, the CUDA C call and
 
     python bench/host_overhead.py [--calls 3000]
 
-Prints medians in microseconds. Numbers are for the host it runs on (docs/PERF_NOTES.md).
+Prints the median and the mean per call in microseconds (for the pipeline's per-layer calls the
+mean is a whole step's host time over its layers). Numbers are for the host it runs on
+(docs/PERF_NOTES.md).
 """
 
 from __future__ import annotations
@@ -31,14 +33,19 @@ except ImportError:  # pragma: no cover
     import common  # type: ignore
 
 
-def _median_us(fn, calls: int) -> float:
+def _median_us(fn, calls: int, cycle: int = 1) -> dict:
+    """Median and mean of ``fn``'s calls, in µs. ``cycle``: the calls are steps of that many
+    layers, whose first and last calls carry the step's own work (``start_load``, the entry, the
+    step's end): the count is rounded up to whole steps, so the mean is a step's whole host time
+    over its layers (the median shows a middle layer's call and hides that work)."""
     fn()
+    calls = -(-calls // cycle) * cycle
     ts = []
     for _ in range(calls):
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(ts)
+    return {"median_us": 1e6 * statistics.median(ts), "mean_us": 1e6 * statistics.fmean(ts)}
 
 
 class _NoKernel:
@@ -94,7 +101,7 @@ def run(calls: int = 3000) -> dict:
                         pipe.wait_for_save()
                         pipe.get_finished()
 
-                res[f"LayerPipeline.save_layer minus gather and DMA, {name}"] = _median_us(save, calls)
+                res[f"LayerPipeline.save_layer minus gather and DMA, {name}"] = _median_us(save, calls, 32)
                 if name.startswith("a tensor"):
                     # the restore side: a step is start_load + one wait_for_layer_load per layer
                     pipe.wait_for_save()
@@ -110,8 +117,8 @@ def run(calls: int = 3000) -> dict:
                             if l == 31:
                                 pipe.get_finished()
 
-                        res["LayerPipeline restore per layer (start_load / 32 + wait_for_layer_load) minus "
-                            "scatter and DMA"] = _median_us(restore, calls)
+                        res["LayerPipeline restore per layer (a step: start_load + 32 wait_for_layer_load) "
+                            "minus scatter and DMA"] = _median_us(restore, calls, 32)
         finally:
             pipe.close()
     return res
@@ -122,8 +129,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=common.positive_int, default=3000)
     a = p.parse_args(argv)
+    print(f"{'per call, µs (pipeline rows: the mean is a whole step over its 32 layers)':88s} {'median':>8s} {'mean':>8s}")
     for k, v in run(a.calls).items():
-        print(f"{k:72s} {v:8.1f} us")
+        print(f"{k:88s} {v['median_us']:8.1f} {v['mean_us']:8.1f}")
     return 0
 
 
