@@ -38,7 +38,8 @@ def _median_us(fn, calls: int, cycle: int = 1) -> dict:
     layers, whose first and last calls carry the step's own work (``start_load``, the entry, the
     step's end): the count is rounded up to whole steps, so the mean is a step's whole host time
     over its layers (the median shows a middle layer's call and hides that work)."""
-    fn()
+    for _ in range(cycle):  # a whole step of warm-up: the timed calls start and end at a step's edges
+        fn()
     calls = -(-calls // cycle) * cycle
     ts = []
     for _ in range(calls):
@@ -119,6 +120,9 @@ def run(calls: int = 3000) -> dict:
 
                         res["LayerPipeline restore per layer (a step: start_load + 32 wait_for_layer_load) "
                             "minus scatter and DMA"] = _median_us(restore, calls, 32)
+                    # what was timed restored the saved entry (a missing key is the error path)
+                    if "req" not in pipe.entries or pipe.get_block_ids_with_load_errors():
+                        raise RuntimeError("host_overhead: the timed restores did not restore the saved entry")
         finally:
             pipe.close()
     return res

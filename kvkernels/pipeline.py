@@ -51,7 +51,7 @@ import mmap
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping
 
@@ -1251,17 +1251,6 @@ class LayerPipeline:
             # gates released in layer order as the groups complete
             errors: list[str] = []
             try:
-                with self._lock:
-                    removal = self._ssd_removals.get(key)
-                if removal is not None:  # an older copy being removed (its key's new save failed)
-                    with self._io_cv:  # not a read in flight while it waits: writes queued ahead of
-                        self._reads_inflight -= 1  # the removal must not wait for it
-                        self._io_cv.notify_all()
-                    try:
-                        wait([removal])
-                    finally:
-                        with self._io_cv:
-                            self._reads_inflight += 1
                 reads = []
                 mismatch = self._stored_mismatch(key, num_blocks)
                 for g in _layer_groups(num_layers):
@@ -1314,24 +1303,43 @@ class LayerPipeline:
             except BaseException as exc:  # noqa: BLE001 - delivered through the future
                 done.set_exception(exc)
 
-        with self._io_cv:
-            self._reads_inflight += 1
-        try:
-            self._io_reads.submit(job)
-            return done
-        except RuntimeError:  # close() shut the readers down meanwhile: undo, leave nothing loading
+        def submit() -> bool:
+            """Queue the read (counted in flight from here); False, the entry failed, when
+            close() has shut the readers down meanwhile: nothing is left loading."""
             with self._io_cv:
-                self._reads_inflight -= 1
-                self._io_cv.notify_all()
-            with self._lock:
-                if self.entries.get(key) is ent:
-                    del self.entries[key]
-                ent.state, ent.error = "failed", "LayerPipeline is closed"
-                gate[:] = GATE_FAILED
-                for e in ent.layer_read:
-                    e.set()
-                self._release(ent)
+                self._reads_inflight += 1
+            try:
+                self._io_reads.submit(job)
+                return True
+            except RuntimeError:
+                with self._io_cv:
+                    self._reads_inflight -= 1
+                    self._io_cv.notify_all()
+                with self._lock:
+                    if self.entries.get(key) is ent:
+                        del self.entries[key]
+                    ent.state, ent.error = "failed", "LayerPipeline is closed"
+                    gate[:] = GATE_FAILED
+                    for e in ent.layer_read:
+                        e.set()
+                    self._drop(ent)  # (a restore may have taken the entry while it waited: freed after it)
+                return False
+
+        with self._lock:
+            removal = self._ssd_removals.get(key)
+        if removal is not None:
+            # the key's older SSD copy is being removed (its new save failed): the read is queued
+            # once that is done, holding no reader thread meanwhile and not counted as a read in
+            # flight (the writes queued ahead of the removal must not wait for it)
+            def after_removal(_f: Future) -> None:
+                if not submit():
+                    done.set_result(ent)
+
+            removal.add_done_callback(after_removal)
+            return done
+        if not submit():
             raise RuntimeError("LayerPipeline is closed") from None
+        return done
 
     def _stored_mismatch(self, key, num_blocks: int) -> str | None:
         """Why the store's entry for ``key`` is not what ``prefetch(key, num_blocks=)`` expects

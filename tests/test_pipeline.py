@@ -1247,6 +1247,63 @@ def test_a_prefetch_waiting_for_a_removal_does_not_hold_the_writes_ahead_of_it(t
         assert ent.state == "failed" and time.monotonic() - t0 < 5.0  # two 0.2 s writes, not 10 s waits
 
 
+def test_prefetches_waiting_for_removals_hold_no_reader_and_no_write(tmp_path, monkeypatch):
+    """Two prefetches wait for their keys' removals and a third, of another key, is queued: the
+    waiting ones held both reader threads and the third counted as a read in flight, so the writes
+    ahead of the removals waited their whole WRITE_MAX_DELAY_S."""
+    import kvkernels.pipeline as pmod
+    from kvkernels.io import KVStore
+
+    monkeypatch.setattr(pmod, "WRITE_MAX_DELAY_S", 10.0)
+    lay = cache()
+    with KVStore(tmp_path) as store, LayerPipeline(lay, host_bytes=1 << 20, store=store) as pipe:
+        expect = snapshot(lay, [5, 6])
+        for k, b in (("a1", [1, 2]), ("a2", [3, 4]), ("a3", [5, 6])):
+            run_step_saves(pipe, {k: ids(b)})
+            pipe.entries[k].ssd_future.result(timeout=20)
+        drain(pipe)
+        assert pipe.evict("a3")
+        real_put = store.put
+        store.put = lambda *a, **kw: (time.sleep(0.2), real_put(*a, **kw))[1]  # a slow disk
+        run_step_saves(pipe, {"c": ids([7, 8])})
+        run_step_saves(pipe, {"d": ids([9, 10])})
+        for k in ("a1", "a2"):
+            with pytest.raises(ValueError):
+                pipe.save_layer(0, {k: ids([11, 12]), "b": ids([NB + 9])})
+            pipe.wait_for_save()
+        t0 = time.monotonic()
+        futs = [pipe.prefetch(k, num_blocks=2) for k in ("a1", "a2", "a3")]
+        states = [f.result(timeout=30).state for f in futs]
+        assert states == ["failed", "failed", "ready"] and time.monotonic() - t0 < 5.0
+        assert pipe._reads_inflight == 0 and not pipe._ssd_removals
+        run_step_loads(pipe, {"a3": ids([20, 21])})
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert _drain_loads(pipe) == {"a3"}
+    assert_blocks_hold(lay, [20, 21], expect)
+
+
+def test_a_prefetch_waiting_for_a_removal_is_failed_by_close_not_left_loading(tmp_path):
+    """close() while a prefetch waits for its key's removal: the read is never queued, the
+    prefetch's future resolves with a failed entry."""
+    from kvkernels.io import KVStore
+
+    lay = cache()
+    with KVStore(tmp_path) as store:
+        pipe = LayerPipeline(lay, host_bytes=1 << 20, store=store)
+        run_step_saves(pipe, {"a": ids([1, 2])})
+        pipe.entries["a"].ssd_future.result(timeout=20)
+        real_remove = store.remove
+        store.remove = lambda key: (time.sleep(0.5), real_remove(key))[1]  # a slow disk
+        with pytest.raises(ValueError):
+            pipe.save_layer(0, {"a": ids([3, 4]), "b": ids([NB + 9])})
+        pipe.wait_for_save()
+        fut = pipe.prefetch("a", num_blocks=2)
+        pipe.close()
+        ent = fut.result(timeout=20)
+        assert ent.state == "failed" and "closed" in ent.error and pipe._reads_inflight == 0
+
+
 def test_a_new_save_without_host_memory_drops_the_older_entry_a_restore_still_reads():
     """The older entry is being restored when a new save of the key finds no host memory: that
     restore completes from it, the entry leaves the pool (its region freed once the restore is
