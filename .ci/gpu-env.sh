@@ -15,10 +15,20 @@ _kvk_no_wheels() {
   echo "GPU CI env: ERROR: $1 (run .ci/fetch_wheels.sh here and carry .whl; KVK_ALLOW_NO_WHEELS=1 to go on without them)" >&2
   return 1
 }
+# a warm machine (a later call of the same session) has them already: the stamp names the wheels
+# installed there (their hashes), so the same set is not installed again (5-30 s per call)
+_kvk_stamp=""
+if compgen -G ".whl/*.whl" >/dev/null; then
+  _kvk_stamp=$(sha256sum .whl/*.whl 2>/dev/null | sha256sum | cut -c1-64)
+fi
 if ! compgen -G ".whl/*.whl" >/dev/null; then
   _kvk_no_wheels "no wheels in $(pwd)/.whl" || return 1
-elif python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kvk-site .whl/*.whl; then
+elif [ -n "$_kvk_stamp" ] && [ "$(cat /tmp/kvk-site/.kvk-stamp 2>/dev/null)" = "$_kvk_stamp" ]; then
   export PYTHONPATH=/tmp/kvk-site${PYTHONPATH:+:$PYTHONPATH}
+  echo "GPU CI env: the wheels of .whl are in /tmp/kvk-site already (same hashes): not installed again"
+elif rm -rf /tmp/kvk-site && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kvk-site .whl/*.whl; then
+  export PYTHONPATH=/tmp/kvk-site${PYTHONPATH:+:$PYTHONPATH}
+  [ -n "$_kvk_stamp" ] && { echo "$_kvk_stamp" >/tmp/kvk-site/.kvk-stamp; } 2>/dev/null
   echo "GPU CI env: installed $(compgen -G '.whl/*.whl' | wc -l) wheels from .whl into /tmp/kvk-site"
 else
   _kvk_no_wheels "pip install of .whl/*.whl into /tmp/kvk-site failed (pip's error above: two versions of one package? or this is not Python 3.12, which .ci/fetch_wheels.sh fetches for the GPU image)" || return 1

@@ -124,18 +124,23 @@ def env(**values: str):
 
 def _git_state() -> tuple[str | None, bool | None]:
     """(commit, whether the tree has uncommitted changes) of the checkout this script runs from;
-    (None, None) where there is no git or no repository (a copied tree)."""
+    without git or a repository (the device machine gets a copied tree), ``KVK_COMMIT`` (the
+    hash, ``-dirty`` appended for a changed tree: set it in the device call), else (None, None)."""
     import subprocess  # noqa: PLC0415
+
+    given = config.env_str("KVK_COMMIT", "").strip()
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if head.returncode:
-            return None, None
+            raise OSError("not a git checkout")
         st = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
                             capture_output=True, text=True, timeout=10)
         return head.stdout.strip(), (bool(st.stdout.strip()) if st.returncode == 0 else None)
     except (OSError, subprocess.SubprocessError):
+        if given:
+            return given.removesuffix("-dirty"), given.endswith("-dirty")
         return None, None
 
 
