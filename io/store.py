@@ -92,6 +92,7 @@ class _Entry:
     header: Header
     nbytes: int
     readers: int = 0
+    seq: int = 0  # the rename that put this file at `path` (0: found by recovery)
     doomed: str | None = None  # dropped while being read: "" = unlink, ".corrupt" = rename, when the last reader leaves
 
 
@@ -300,6 +301,8 @@ class KVStore:
         # older version must not unlink or rename the path, which already holds the new file
         self._publishing: dict[bytes, int] = {}
         self._renames: dict[bytes, int] = {}  # digest -> count of renames while some are publishing
+        self._file_seq: dict[bytes, int] = {}  # digest -> rename seq of the file now at _path_for(digest)
+        self._rename_seq = itertools.count(1)
         self._pins: dict[bytes, int] = {}  # digest -> pin count: pinned entries are never evicted
         self._inflight = 0
         self._inflight_cv = threading.Condition()
@@ -548,6 +551,7 @@ class KVStore:
                 os.replace(tmp, final)
                 self._publishing[digest] = self._publishing.get(digest, 0) + 1
                 gen = self._renames[digest] = self._renames.get(digest, 0) + 1  # this rename's order
+                seq = self._file_seq[digest] = next(self._rename_seq)
         except BaseException:
             self._put_failed(tmp, nbytes, reserved)
             raise
@@ -566,7 +570,7 @@ class KVStore:
                 if old is not None:
                     self._used -= old.nbytes
                     self._retire(old, final)
-                self._index[digest] = _Entry(final, header, header.file_nbytes)
+                self._index[digest] = _Entry(final, header, header.file_nbytes, seq=seq)
                 self._used += header.file_nbytes
             self._unpublish(digest)
             self._reserved -= reserved
@@ -667,11 +671,18 @@ class KVStore:
             self._used -= ent.nbytes
             if ent.readers:
                 ent.doomed = rename_to or ""
-            elif not (digest in self._publishing and self._path_for(digest) == ent.path):
-                # (a put of this key being published at the same path holds the new version there;
-                # a copy under another root, from before the paths changed, is this entry's own)
-                self._unlink(ent.path, rename_to)
+            elif self._owns_file(digest, ent):
+                self._unlink_entry(digest, ent, rename_to)
             return True
+
+    def _owns_file(self, digest: bytes, ent: "_Entry") -> bool:
+        """The file at ent.path is still ent's own (no later rename replaced it; lock held)."""
+        return ent.path != self._path_for(digest) or self._file_seq.get(digest, 0) == ent.seq
+
+    def _unlink_entry(self, digest: bytes, ent: "_Entry", rename_to: str | None) -> None:
+        if ent.path == self._path_for(digest):
+            self._file_seq.pop(digest, None)
+        self._unlink(ent.path, rename_to)
 
     def _unlink(self, path: str, rename_to: str | None = None) -> None:
         """Delete (or rename aside) a file that has already left the index. Called with the lock
@@ -804,7 +815,7 @@ class KVStore:
                 "shared with another read, or written meanwhile? The destination must not be used")
         with self._lock:
             cur = self._index.get(digest)
-            replaced = cur is not ent or digest in self._publishing  # ent is no longer the indexed version
+            replaced = cur is not ent or not self._owns_file(digest, ent)
             if replaced:
                 self._stats["replaced_reads"] += 1
                 # (cur is ent while the new version is renamed but not yet indexed: nothing to retry on)
@@ -875,11 +886,8 @@ class KVStore:
             if ent.readers == 0 and ent.doomed is not None:
                 # unless a newer version of the key lives (or is being published) at the same path
                 digest = ent.header.digest
-                cur = self._index.get(digest)
-                same_path = (cur is not None and cur.path == ent.path) or (
-                    digest in self._publishing and self._path_for(digest) == ent.path)
-                if not same_path:
-                    self._unlink(ent.path, ent.doomed or None)
+                if self._owns_file(digest, ent):
+                    self._unlink_entry(digest, ent, ent.doomed or None)
                 ent.doomed = None
 
     def _do_get(self, digest: bytes, ent: _Entry, sel, dests: list[list[torch.Tensor]], out, attempt: int = 0) -> object:
@@ -928,7 +936,7 @@ class KVStore:
         store's own match their checksums (a mismatch seen in the caller's destination was not
         the file's). False when the file fails again, is gone or was replaced meanwhile."""
         with self._lock:
-            if self._index.get(digest) is not ent or digest in self._publishing:
+            if self._index.get(digest) is not ent or not self._owns_file(digest, ent):
                 return False
             ent.readers += 1
         try:

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import kvkernels
 from kvkernels import StagingFormat
 from kvkernels.io import CorruptEntryError, EntryMeta, Header, KVStore
-from kvkernels.io.format import RegionInfo
+from kvkernels.io.format import RegionInfo, key_digest
 from kvkernels.models import make_cache
 from kvtest import DEVICE, bytes_equal
 
@@ -1397,6 +1397,93 @@ def test_a_remove_while_a_put_publishes_under_another_root_deletes_the_old_copy(
         assert two.remove(key)
     with KVStore([a, b]) as again:
         assert not again.contains(key)
+
+
+def _tiny_meta():
+    return EntryMeta(layers=(0, 1), num_blocks=1, block_size=4, num_heads=1, head_dim=64, element_size=2, num_kv=2,
+                     num_layers=2, dtype="bfloat16")
+
+
+def test_removing_a_put_indexed_before_an_older_put_of_its_key_deletes_its_file(tmp_path, monkeypatch):
+    """Put A renames first but syncs its folder slowly; put B renames second and is indexed first.
+    Removing B while A was still publishing kept B's file (the publishing put was taken for a newer
+    one at that path): an unindexed file over the capacity, and the removed key back at reopen."""
+    import kvkernels.io.store as store_mod
+
+    meta = _tiny_meta()
+    n = meta.fmt.nbytes
+    real = store_mod._fsync_dir
+    shard_syncs = []
+
+    def slow_first(d):
+        if os.path.dirname(os.path.abspath(d)) == os.path.abspath(str(tmp_path)):  # a shard folder
+            shard_syncs.append(d)
+            if len(shard_syncs) == 2:  # A's sync after its rename (the first synced the new shard)
+                time.sleep(0.6)
+        real(d)
+
+    monkeypatch.setattr(store_mod, "_fsync_dir", slow_first)
+    with KVStore(tmp_path, io_threads=2) as store:
+        store.put("k", torch.full((n,), 7, dtype=torch.uint8), meta).result()  # the shard exists now
+        shard_syncs.clear()
+        shard_syncs.append("first")  # so A's own sync is the slow one
+        fa = store.put("k", torch.full((n,), 1, dtype=torch.uint8), meta)
+        time.sleep(0.2)
+        fb = store.put("k", torch.full((n,), 2, dtype=torch.uint8), meta)
+        fb.result(timeout=20)
+        assert int(store.get("k").result()[0]) == 2
+        assert store.remove("k")
+        fa.result(timeout=20)
+        assert not store.contains("k") and store.stats()["bytes_used"] == 0
+        assert not [p for p in files(tmp_path) if p.endswith(".kvk")]
+    monkeypatch.setattr(store_mod, "_fsync_dir", real)
+    with KVStore(tmp_path) as again:
+        assert not again.contains("k")
+
+
+def test_the_last_reader_of_an_old_version_never_deletes_the_newer_file_being_read(tmp_path):
+    """Capacity for one entry: version 1 of k is evicted while get G1 reads it, version 2 is put
+    and evicted while get G2 reads it. G1's release deleted the file at k's path — version 2's,
+    under G2, which failed with a KeyError."""
+    meta = _tiny_meta()
+    n = meta.fmt.nbytes
+    store = KVStore(tmp_path, capacity_bytes=4096 + meta.fmt.nbytes, io_threads=3)
+    try:
+        real = store.engine.read_into
+        calls = []
+        g1_read, release_g1, g2_started, release_g2 = (threading.Event() for _ in range(4))
+
+        def held(path, pieces):
+            calls.append(path)
+            if len(calls) == 1:  # G1 reads version 1, then holds its reader
+                real(path, pieces)
+                g1_read.set()
+                release_g1.wait(20)
+            elif len(calls) == 2:  # G2 holds its reader before reading version 2
+                g2_started.set()
+                release_g2.wait(20)
+                real(path, pieces)
+            else:
+                real(path, pieces)
+
+        store.engine.read_into = held
+        val = lambda b: torch.full((n,), b, dtype=torch.uint8)  # noqa: E731
+        store.put("k", val(1), meta).result()
+        g1 = store.get("k")
+        assert g1_read.wait(20)
+        store.put("x", val(9), meta).result()  # evicts k v1 (G1 still reads it)
+        store.put("k", val(2), meta).result()  # evicts x; k v2 at k's path
+        g2 = store.get("k")
+        assert g2_started.wait(20)
+        store.put("x", val(9), meta).result()  # evicts k v2 (G2 reads it)
+        release_g1.set()
+        assert int(g1.result(timeout=20)[0]) == 1
+        release_g2.set()
+        assert int(g2.result(timeout=20)[0]) == 2
+        assert store.stats()["replaced_reads"] == 0
+        assert [p for p in files(tmp_path) if p.endswith(".kvk")] == [store._path_for(key_digest("x"))]
+    finally:
+        store.close()
 
 
 def test_a_refused_unlink_of_an_old_copy_leaves_the_store_working(tmp_path, monkeypatch):
