@@ -2298,7 +2298,8 @@ def test_random_step_sequences_never_restore_wrong_bytes_and_keep_the_pool_whole
     rng = random.Random(seed)
     lay = cache(seed=seed)
     as_ids = list if copy_mode == "dma" else ids
-    store = _MemStore(fail=lambda key, layers: rng.random() < 0.1)
+    fail_rng = random.Random(seed + 1000)  # its own: drawn on the store's threads, the sequence's stays fixed
+    store = _MemStore(fail=lambda key, layers: fail_rng.random() < 0.1)
     one = -(-StagingFormat.for_layout(lay, 4).nbytes // 4096) * 4096
     per = lay.num_kv * lay.chunk_nbytes
     truth, ssd = {}, {}  # key -> the bytes a restore of it must give (pool / SSD), and its block count
