@@ -1296,7 +1296,7 @@ def test_a_prefetch_waiting_for_a_removal_is_failed_by_close_not_left_loading(tm
         run_step_saves(pipe, {"a": ids([1, 2])})
         pipe.entries["a"].ssd_future.result(timeout=20)
         real_remove = store.remove
-        store.remove = lambda key: (time.sleep(0.5), real_remove(key))[1]  # a slow disk
+        store.remove = lambda key: (time.sleep(2.0), real_remove(key))[1]  # a slow disk (close() comes first)
         with pytest.raises(ValueError):
             pipe.save_layer(0, {"a": ids([3, 4]), "b": ids([NB + 9])})
         pipe.wait_for_save()
