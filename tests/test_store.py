@@ -1419,7 +1419,7 @@ def test_removing_a_put_indexed_before_an_older_put_of_its_key_deletes_its_file(
         if os.path.dirname(os.path.abspath(d)) == os.path.abspath(str(tmp_path)):  # a shard folder
             shard_syncs.append(d)
             if len(shard_syncs) == 2:  # A's sync after its rename (the first synced the new shard)
-                time.sleep(0.6)
+                time.sleep(1.0)
         real(d)
 
     monkeypatch.setattr(store_mod, "_fsync_dir", slow_first)
@@ -1428,7 +1428,10 @@ def test_removing_a_put_indexed_before_an_older_put_of_its_key_deletes_its_file(
         shard_syncs.clear()
         shard_syncs.append("first")  # so A's own sync is the slow one
         fa = store.put("k", torch.full((n,), 1, dtype=torch.uint8), meta)
-        time.sleep(0.2)
+        t0 = time.time()
+        while key_digest("k") not in store._publishing and time.time() - t0 < 20:
+            time.sleep(0.005)  # until A has renamed (it is in its slow folder sync now)
+        assert key_digest("k") in store._publishing
         fb = store.put("k", torch.full((n,), 2, dtype=torch.uint8), meta)
         fb.result(timeout=20)
         assert int(store.get("k").result()[0]) == 2
