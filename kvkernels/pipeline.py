@@ -611,7 +611,7 @@ class LayerPipeline:
         # starts only while no read is in flight (reads first: mixed read/write costs SSDs ~60 %)
         self._io_reads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvk-pipeline-read")
         self._io_writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvk-pipeline-write")
-        self._ssd_removals: dict = {}  # key -> its queued store.remove (see _forget_older)
+        self._ssd_removals: dict = {}  # key -> its queued store.remove (see _forget_ssd)
         self._reads_inflight = 0
         self._io_cv = threading.Condition()
         self.read_priority = bool(read_priority)
@@ -1004,9 +1004,10 @@ class LayerPipeline:
             if cur is not None:
                 self._abandon_save(key, cur, f"not issued at layer {layer} (its save_layer call raised)")
             else:
-                if key not in self._saves_failing:  # (else its older copies went at the first failure)
+                first = key not in self._saves_failing  # (else its older copies went at the first failure)
+                if first:
                     self._forget_older(key)
-                self._note_failed_save(key)
+                self._note_failed_save(key, forget=first)
             if layer + 1 < self.layout.num_layers:
                 self._saves_failing[key] = set(range(layer + 1))
             else:
@@ -1023,15 +1024,12 @@ class LayerPipeline:
 
     def _forget_older(self, key) -> None:
         """A new save of ``key`` failed before it had an entry: the key's older entry leaves the
-        pool too (freed once nothing uses it), and the SSD store's copy is removed (queued on
-        the one writer thread, so after an older save's put still queued there), so neither
-        ``get_finished`` nor a restore or prefetch gives an older save in place of the failed
-        latest one. A store without ``remove`` keeps its copy."""
+        pool too (freed once nothing uses it), so neither ``get_finished`` nor a restore gives an
+        older save in place of the failed latest one (its SSD copy: :meth:`_note_failed_save`)."""
         with self._lock:
             old = self.entries.pop(key, None)
             if old is not None:
                 self._drop(old)
-        self._forget_ssd(key)
 
     def _forget_ssd(self, key) -> None:
         """Queue the removal of ``key``'s SSD copy on the writer thread (after any put of it
@@ -1081,7 +1079,6 @@ class LayerPipeline:
                 del self.entries[key]
                 if reusable:
                     self._drop(ent)
-        self._forget_ssd(key)  # the older save's copy (its host entry went when this one began)
         self._note_failed_save(key)
 
     def _issue_saves(self, layer: int, todo, gather, dma) -> None:
@@ -1639,8 +1636,7 @@ class LayerPipeline:
                         continue
                     if ent.ssd_future.exception() is not None:
                         ent.error = repr(ent.ssd_future.exception())
-                        self._note_failed_save(key)
-                        self._forget_ssd(key)  # the store kept the older copy: a prefetch must not get it
+                        self._note_failed_save(key)  # (the store kept the older copy: removed)
                 ent.state = "saved"
                 saved.add(key)
         loaded = set()
@@ -1671,7 +1667,12 @@ class LayerPipeline:
             return ent.state == "failed"
         return bool((ent.gate.numpy() == GATE_FAILED).any())
 
-    def _note_failed_save(self, key) -> None:
+    def _note_failed_save(self, key, *, forget: bool = True) -> None:
+        """Every failed save of ``key`` comes here: reported in :attr:`failed_saves` and, with
+        ``forget``, the key's older SSD copy removed (:meth:`_forget_ssd`: a prefetch must never
+        give an older save in place of the failed latest one)."""
+        if forget:
+            self._forget_ssd(key)
         with self._lock:  # take_failed_saves may run on another thread (a connector's)
             self._failed_saves.pop(key, None)
             self._failed_saves[key] = None  # the newest last
