@@ -8,8 +8,6 @@ then serves without it.
 
 from __future__ import annotations
 
-import importlib.util
-
 import os
 from dataclasses import dataclass, field
 
@@ -53,11 +51,11 @@ class PluginConfigError(ValueError):
 
 
 def _have_zstandard() -> bool:
-    """Whether the portable codec's package is installed (found, not imported)."""
-    try:
-        return importlib.util.find_spec("zstandard") is not None
-    except (ImportError, ValueError):  # a broken or blocked entry in sys.modules
-        return False
+    """Whether the plugin's codec runs here: its buffers are host memory, so zstd needs the
+    ``zstandard`` package (what :func:`kvkernels.compress.available_codecs` says for the CPU)."""
+    from kvkernels.compress import available_codecs  # noqa: PLC0415 - torch is loaded by then anyway
+
+    return "zstd" in available_codecs("cpu")
 
 
 def _err(key: str, expected: str, got) -> PluginConfigError:
