@@ -606,22 +606,16 @@ class KVStore:
             self._renames.pop(digest, None)  # no rename of this key in flight: nothing to order
 
     def _put_failed(self, tmp: str | None, nbytes: int, reserved: int = 0) -> None:
-        with self._lock:
-            self._stats["put_errors"] += 1
-            self._reserved -= reserved
-            self._room.notify_all()
         try:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:  # e.g. EROFS after an EIO remounted the file system read-only:
-                    # the put's own error stays the one its future reports, and the next open's
-                    # recovery deletes the temporary
-                    with self._lock:
-                        self._stats["unlink_errors"] += 1
-                    _log.warning("kvkernels store: could not delete a failed put's temporary %s: %s", tmp, exc)
+            with self._lock:
+                self._stats["put_errors"] += 1
+                self._reserved -= reserved
+                self._room.notify_all()
+                if tmp is not None:
+                    # a refused delete (EROFS after an EIO remounted the file system read-only) is
+                    # logged and counted, not raised: the put's own error stays the one its future
+                    # reports, and the next open's recovery deletes the temporary
+                    self._unlink(tmp)
         finally:  # in-flight bytes never stay counted (they would block every later put)
             self._release_inflight(nbytes)
 
