@@ -396,7 +396,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
             _sync(device)
             pipe.get_finished()
 
-    rows += _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps)
+    rows += _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps, compute_only)
     if timeline_out is not None:
         pipe.get_finished()
         try:
@@ -654,7 +654,7 @@ def plot_timeline(tl: list[dict], title: str, path: str) -> str | None:
     return path
 
 
-def _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps) -> list[dict]:
+def _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps, compute_only) -> list[dict]:
     """Restore from SSD: the entry saved through the pipeline into a KVStore (a temp dir on the
     disk under test, ``KVKERNELS_BENCH_DIR``), its host copy evicted and the page cache dropped,
     then ``prefetch`` (reads of groups of layers into the host pool) with ``start_load`` issued at
@@ -707,10 +707,6 @@ def _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps) -> list[dict]:
                     if with_compute:
                         proxy.layer(l)
                 return _compute_end(device) if with_compute else None
-
-            def compute_only():
-                for l in range(L):
-                    proxy.layer(l)
 
             def median_run(with_compute: bool, streamed: bool = True):
                 """(median wall, its run's compute, the slowdowns in % against the compute alone
