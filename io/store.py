@@ -86,6 +86,11 @@ def _settle(dst: Future, res) -> None:
         dst.set_result(res)
 
 
+class _Replaced(Exception):
+    """The file a read used was replaced (a later put's rename of its key) before the read ended:
+    its bytes may be the new version's, in part or whole."""
+
+
 @dataclass
 class _Entry:
     path: str
@@ -702,7 +707,7 @@ class KVStore:
             ent = self._index.get(key_digest(key))
             return ent.header if ent else None
 
-    def get(self, key, out=None, layers=None) -> Future:
+    def get(self, key, out=None, layers=None, *, expect: Header | None = None) -> Future:
         """Read ``key``'s regions for ``layers`` (default: all stored) into ``out``.
 
         ``out`` is either one buffer or one destination per region:
@@ -720,15 +725,26 @@ class KVStore:
         sizes). The future gives ``out`` back; it raises ``KeyError`` on a miss and
         ``CorruptEntryError`` when a checksum fails (the entry is then dropped, and the bytes
         already in ``out`` must not be used).
+
+        ``expect``: a :class:`Header` from ``header(key)`` (or a put's future): read only that
+        version. When the key holds another version (or none), or that version is replaced
+        while it is read, the get is a miss (``KeyError``) instead of reading the newer one, so
+        several gets of one entry's layers (a streamed restore reads its layers in groups) never
+        combine two versions.
         """
         digest = key_digest(key)
+        if expect is not None and not isinstance(expect, Header):
+            fail("expect", "a kvkernels.io.Header from header(key) or None", type(expect).__name__, TypeError)
         with self._lock:
             ent = self._index.get(digest)
-            if ent is None:
+            if ent is None or (expect is not None and ent.header is not expect):
                 self._stats["gets"] += 1
                 self._stats["misses"] += 1
+                if ent is not None:
+                    self._stats["replaced_reads"] += 1
                 fut: Future = Future()
-                fut.set_exception(KeyError(key))
+                fut.set_exception(KeyError(key) if ent is None else
+                                  KeyError(f"{key!r}: the stored version is not the one expected (replaced)"))
                 return fut
             h = ent.header
             if layers is None:
@@ -770,6 +786,7 @@ class KVStore:
                 dests = [[out[j * region : j * region + r.stored]] for j, r in enumerate(sel)]
             ent.readers += 1
             self._index.move_to_end(digest)
+        attempt = 0 if expect is None else READ_RETRIES  # an expected version is never retried on another
         try:
             if self.io_threads > 1 and self._q.empty():
                 # a lone get (nothing else queued) of a large entry: its groups are read in parallel
@@ -777,8 +794,8 @@ class KVStore:
                 # at ~1.0 GB/s on the CPU host's disk where 4 readers reach ~1.6)
                 groups = _plan_groups(sel, dests, min(READ_GROUP_SPLIT, self.io_threads))
                 if len(groups) > 1 and sum(r.stored for r in sel) >= 2 * READ_GROUP_MIN:
-                    return self._fan_out(digest, ent, sel, dests, groups, out)
-            return self._submit(0, lambda: self._do_get(digest, ent, sel, dests, out))
+                    return self._fan_out(digest, ent, sel, dests, groups, out, attempt)
+            return self._submit(0, lambda: self._do_get(digest, ent, sel, dests, out, attempt))
         except BaseException:  # nothing was queued (a closed store): the reader goes back
             self._release_reader(ent)
             raise
@@ -870,9 +887,23 @@ class KVStore:
         """One group of a fanned-out get: read, release the file, verify; the layers that failed."""
         try:
             self.engine.read_into(ent.path, [(off, segs)])
+            self._check_not_replaced(ent)
         finally:
             self._release_reader(ent)
         return self._verify(sel, dests, js) if self.verify else []
+
+    def _check_not_replaced(self, ent: _Entry) -> None:
+        """With ``verify=False``: raise :class:`_Replaced` when a rename replaced ``ent``'s file
+        since it was indexed. Called after a read: a read that opened the path after the rename
+        read the new version, which only the checksums (``verify=True``) would catch, exactly. A
+        read that opened the path before the rename read ``ent``'s bytes; nothing tells it from
+        the other here, so it is retried all the same."""
+        if self.verify:
+            return
+        with self._lock:
+            owned = self._owns_file(ent.header.digest, ent)
+        if not owned:
+            raise _Replaced("replaced during the read")
 
     def _release_reader(self, ent: _Entry) -> None:
         with self._lock:  # the file is no longer read: a deferred drop may unlink it now
@@ -900,7 +931,8 @@ class KVStore:
                 self.engine.read_into(ent.path, [(off, segs)])
                 if self.verify:
                     checks.append(self._hasher.submit(self._verify, sel, dests, js))
-        except (EOFError, FileNotFoundError) as exc:
+            self._check_not_replaced(ent)
+        except (EOFError, FileNotFoundError, _Replaced) as exc:
             short = exc
         else:
             short = None
@@ -918,7 +950,7 @@ class KVStore:
         (a :class:`_Later`) or its error."""
         try:
             bad = [b for f in checks for b in f.result()]
-        except (EOFError, FileNotFoundError) as exc:  # a fanned-out group read came up short
+        except (EOFError, FileNotFoundError, _Replaced) as exc:  # a fanned-out group read came up short
             return self._read_failed(digest, ent, sel, dests, out, attempt, _short_read(exc))
         if bad:
             why = f"region of layer {bad[0]}: checksum mismatch"
@@ -1047,6 +1079,8 @@ class KVStore:
 
 
 def _short_read(exc: BaseException) -> str:
+    if isinstance(exc, _Replaced):
+        return str(exc)
     return "file missing" if isinstance(exc, FileNotFoundError) else f"truncated ({exc})"
 
 

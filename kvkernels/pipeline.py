@@ -1249,13 +1249,18 @@ class LayerPipeline:
             errors: list[str] = []
             try:
                 reads = []
-                mismatch = self._stored_mismatch(key, num_blocks)
+                header = getattr(self.store, "header", None)
+                h = header(key) if header is not None else None
+                mismatch = self._stored_mismatch(h, num_blocks)
+                # every group reads the version whose header was checked: a put of the key
+                # meanwhile fails the later groups (a miss) instead of mixing two versions' layers
+                pin = {} if h is None else {"expect": h}
                 for g in _layer_groups(num_layers):
                     if mismatch is not None:  # e.g. fewer blocks stored: short reads would leave stale bytes
                         reads.append((g, ValueError(mismatch)))
                         continue
                     try:
-                        reads.append((g, self.store.get(key, out=[region(l) for l in g], layers=g)))
+                        reads.append((g, self.store.get(key, out=[region(l) for l in g], layers=g, **pin)))
                     except Exception as exc:  # noqa: BLE001 - a refused read fails its layers
                         reads.append((g, exc))
                 for g, r in reads:
@@ -1338,11 +1343,10 @@ class LayerPipeline:
             raise RuntimeError("LayerPipeline is closed") from None
         return done
 
-    def _stored_mismatch(self, key, num_blocks: int) -> str | None:
-        """Why the store's entry for ``key`` is not what ``prefetch(key, num_blocks=)`` expects
-        (blocks, shape, dtype, raw scheme), or None. Stores without ``header`` are trusted."""
-        header = getattr(self.store, "header", None)
-        h = header(key) if header is not None else None
+    def _stored_mismatch(self, h, num_blocks: int) -> str | None:
+        """Why the store's entry with header ``h`` is not what ``prefetch(key, num_blocks=)``
+        expects (blocks, shape, dtype, raw scheme), or None. Stores without ``header`` (``h``
+        None) are trusted."""
         if h is None:
             return None  # a miss: the read itself reports it
         from kvkernels.io import EntryMeta

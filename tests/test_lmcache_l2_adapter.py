@@ -292,7 +292,7 @@ def test_raw_objects_move_in_place(adapter, l1, monkeypatch):
     seen = []
     real_put, real_get = adapter.store.put, adapter.store.get
     monkeypatch.setattr(adapter.store, "put", lambda k, st, meta: seen.append(st) or real_put(k, st, meta))
-    monkeypatch.setattr(adapter.store, "get", lambda k, out=None, layers=None: seen.append(out) or real_get(k, out, layers))
+    monkeypatch.setattr(adapter.store, "get", lambda k, out=None, layers=None, **kw: seen.append(out) or real_get(k, out, layers, **kw))
     (src,) = l1.alloc(1, seed=25)
     assert _store(adapter, [_key(25)], [src]).is_successful()
     lo = src.tensor.data_ptr()

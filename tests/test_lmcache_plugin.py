@@ -325,6 +325,39 @@ def test_chunk_io_reads_layers_given_out_of_order_into_their_own_slots(tmp_path,
         store.close()
 
 
+def test_chunk_io_never_decodes_a_newer_version_with_the_older_headers_sizes(tmp_path, monkeypatch):
+    """start_read plans the read and the decode from ``header(key)``. A put of the key between
+    that header and the read (here: header() answers with the version read before the put)
+    stored other compressed sizes: the read is a miss, instead of decoding the new bytes with the
+    old sizes (garbage, or an entry wrongly removed as undecodable)."""
+    pytest.importorskip("zstandard")
+    from kvkernels.integrations.lmcache.chunk_io import ChunkIO
+    from kvkernels.io import EntryMeta, KVStore
+
+    t1 = torch.randn(2, L, T, H * D).to(torch.bfloat16)
+    t2 = torch.zeros_like(t1)  # compresses to far fewer bytes
+    shape = ChunkShape.of(t1, H)
+    meta = EntryMeta(layers=tuple(range(L)), num_blocks=1, block_size=T, num_heads=H, head_dim=D, element_size=2,
+                     num_kv=2, num_layers=L, dtype="bfloat16", scheme="shuffle", codec="zstd").validate()
+    store = KVStore(str(tmp_path / "s"), engine="posix")
+    try:
+        io = ChunkIO(store, inplace=False)
+        io.put("k", t1, shape, meta)[0].result(timeout=60)
+        h1 = store.header("k")
+        io.put("k", t2, shape, meta)[0].result(timeout=60)
+        assert [r.stored for r in store.header("k").regions] != [r.stored for r in h1.regions]
+        monkeypatch.setattr(store, "header", lambda key: h1)
+        out = torch.full_like(t1, 7)
+        outcome, exc = io.try_finish(io.start_read("k", out), out)
+        assert outcome == "missing" and isinstance(exc, KeyError), (outcome, exc)
+        monkeypatch.undo()
+        assert store.contains("k")  # the new version is kept, and reads whole
+        io.finish_read(io.start_read("k", out), out)
+        assert torch.equal(out, t2)
+    finally:
+        store.close()
+
+
 def test_mla_chunk_round_trip():
     t = torch.randn(1, L, T, 24).to(torch.bfloat16)
     shape = ChunkShape.of(t, H)
@@ -720,7 +753,7 @@ def test_inplace_io_moves_lmcache_memory_without_a_copy(tmp_path, monkeypatch):
         store = m.plugin.store
         real_put, real_get = store.put, store.get
         monkeypatch.setattr(store, "put", lambda k, st, meta: seen["put"].append(st) or real_put(k, st, meta))
-        monkeypatch.setattr(store, "get", lambda k, out=None, layers=None: seen["get"].append(out) or real_get(k, out, layers))
+        monkeypatch.setattr(store, "get", lambda k, out=None, layers=None, **kw: seen["get"].append(out) or real_get(k, out, layers, **kw))
         o, ref = m.chunk(7)
         lo, hi = o.tensor.data_ptr(), o.tensor.data_ptr() + o.tensor.numel() * o.tensor.element_size()
         m.put([_key(7)], [o])

@@ -851,6 +851,56 @@ def test_prefetch_of_a_stored_entry_of_another_size_fails_instead_of_reading_sho
         assert pipe.get_block_ids_with_load_errors() == {20, 21, 22}
 
 
+def test_a_prefetch_whose_entry_is_stored_again_part_way_never_mixes_the_versions(tmp_path, monkeypatch):
+    """The prefetch reads an entry in groups of layers, one store get each. A put of the key
+    (another pipeline or process sharing the store) renamed in after the first group was read:
+    the other groups must not read the new version (the host entry would hold layers of both);
+    the prefetch fails and the restore reports its blocks instead."""
+    from kvkernels.io import EntryMeta, KVStore
+
+    lay = cache()
+    with KVStore(tmp_path, io_threads=4) as store, LayerPipeline(lay, host_bytes=1 << 20, store=store) as pipe:
+        run_step_saves(pipe, {"k": ids([5, 6])})
+        pipe.entries["k"].ssd_future.result(timeout=20)
+        assert drain(pipe)[0] == {"k"} and pipe.evict("k")
+        real = store.engine.read_into
+        first_done, release = threading.Event(), threading.Event()
+        lock, calls = threading.Lock(), [0]
+
+        def read_into(path, pieces):
+            with lock:
+                n, calls[0] = calls[0], calls[0] + 1
+            if n == 0:  # the first group reads the saved version ...
+                r = real(path, pieces)
+                first_done.set()
+                return r
+            assert release.wait(30)  # ... the others only once a new version is renamed in
+            return real(path, pieces)
+
+        monkeypatch.setattr(store.engine, "read_into", read_into)
+        fut = pipe.prefetch("k", num_blocks=2)
+        assert first_done.wait(30)
+        store.put("k", kvkernels.gather(lay, ids([20, 21])).cpu(), EntryMeta.for_layout(lay, 2)).result(timeout=20)
+        release.set()
+        ent = fut.result(timeout=30)
+        assert ent.state == "failed" and "KeyError" in ent.error, ent.error
+        before = snapshot(lay, [10, 11])
+        run_step_loads(pipe, {"k": ids([10, 11])})
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert drain(pipe)[1] == set() and pipe.get_block_ids_with_load_errors() == {10, 11}
+        assert_blocks_hold(lay, [10, 11], before)
+        # the new version itself is read whole by the next prefetch
+        monkeypatch.setattr(store.engine, "read_into", real)
+        assert pipe.prefetch("k", num_blocks=2).result(timeout=20).state == "ready"
+        expect = snapshot(lay, [20, 21])
+        run_step_loads(pipe, {"k": ids([12, 13])})
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert drain(pipe)[1] == {"k"}
+        assert_blocks_hold(lay, [12, 13], expect)
+
+
 def test_prefetch_of_a_key_held_with_another_block_count_is_refused(tmp_path):
     from kvkernels.io import KVStore
 

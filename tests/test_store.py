@@ -839,6 +839,82 @@ def test_get_whose_file_a_put_replaces_reads_the_new_version(tmp_path, monkeypat
         assert [e.readers for e in store._index.values()] == [0]
 
 
+@pytest.mark.parametrize("fan_out", [False, True])
+def test_get_with_expect_reads_only_that_version(tmp_path, monkeypatch, fan_out, engine):
+    """``get(expect=header)`` reads the version ``header`` describes or misses: after a put of the
+    key, and when that put renames its file over the one being read (same sizes: a get without
+    ``expect`` would retry on the new version), it raises KeyError instead of giving other bytes."""
+    import kvkernels.io.store as store_mod
+
+    if fan_out:
+        monkeypatch.setattr(store_mod, "READ_GROUP_MIN", 4096)
+    _, v1, meta = staged(ids=(3, 9, 1, 4, 7, 0, 2, 5))
+    _, v2, _ = staged(ids=(3, 9, 1, 4, 7, 0, 2, 5), seed=1)
+    _, v3, _ = staged(ids=(3, 9, 1, 4, 7, 0, 2, 5), seed=2)
+    with KVStore(tmp_path, io_threads=4) as store:
+        h1 = store.put("k", v1, meta).result()
+        assert store.header("k") is h1
+        assert torch.equal(store.get("k", expect=h1).result(), v1)
+        with pytest.raises(TypeError, match="expect"):
+            store.get("k", expect="version 1")
+        h2 = store.put("k", v2, meta).result()
+        with pytest.raises(KeyError, match="not the one expected"):
+            store.get("k", expect=h1).result()
+        assert torch.equal(store.get("k", expect=h2, layers=[1, 2]).result(),
+                           v2[meta.fmt.region_offset(1):])
+        started, release = _held_reads(store, monkeypatch)
+        out = torch.full_like(v2, 0xCD)
+        got = store.get("k", out=out, expect=h2)
+        assert started.wait(30)
+        monkeypatch.setattr(store.engine, "read_into", type(store.engine).read_into.__get__(store.engine))
+        store.put("k", v3, meta).result()  # renamed over the file the get has not read yet
+        release.set()
+        with pytest.raises(KeyError, match="replaced or removed"):
+            got.result(timeout=30)
+        st = store.stats()
+        assert st["corrupt"] == 0 and st["replaced_reads"] >= 2
+        assert torch.equal(store.get("k").result(), v3)
+        assert [e.readers for e in store._index.values()] == [0]
+
+
+@pytest.mark.parametrize("fan_out", [False, True])
+def test_get_without_verify_never_returns_two_versions(tmp_path, monkeypatch, fan_out, engine):
+    """With ``verify=False`` no checksum catches a file replaced part-way through a get (its first
+    group read the old file, the others the new one): the store sees the rename itself and reads
+    the new version again, whole."""
+    import itertools
+
+    import kvkernels.io.store as store_mod
+
+    monkeypatch.setattr(store_mod, "READ_GROUP_MIN", 4096)  # small entries read in several groups
+    _, v1, meta = staged(ids=(3, 9, 1, 4, 7, 0, 2, 5))
+    _, v2, _ = staged(ids=(3, 9, 1, 4, 7, 0, 2, 5), seed=1)
+    with KVStore(tmp_path, io_threads=4, verify=False) as store:
+        if not fan_out:  # no lone-get fan-out: one worker reads the groups in turn (4 still serve)
+            monkeypatch.setattr(store, "io_threads", 1)
+        store.put("k", v1, meta).result()
+        real = store.engine.read_into
+        calls = itertools.count()
+        first_done, release = threading.Event(), threading.Event()
+
+        def read_into(path, pieces):
+            if next(calls) == 0:  # the first group reads version 1 ...
+                r = real(path, pieces)
+                first_done.set()
+                return r
+            assert release.wait(30)  # ... the others only once version 2 is renamed in
+            return real(path, pieces)
+
+        monkeypatch.setattr(store.engine, "read_into", read_into)
+        got = store.get("k", out=torch.full_like(v1, 0xCD))
+        assert first_done.wait(30)
+        store.put("k", v2, meta).result()
+        release.set()
+        assert torch.equal(got.result(timeout=30), v2)
+        assert next(calls) >= 3  # several groups, and the get read again
+        assert store.stats()["replaced_reads"] >= 1 and store.stats()["corrupt"] == 0
+
+
 def test_concurrent_vectored_fanned_out_gets_with_removes_and_eviction(tmp_path, monkeypatch, engine):
     """Vectored puts, fanned-out gets (forced), removes, pins and LRU eviction from many threads:
     every successful get returns the exact bytes, failures are only misses, and afterwards no

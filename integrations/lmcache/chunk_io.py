@@ -232,7 +232,8 @@ class ChunkIO:
                 and all(r.stored == payload for r in sel)):
             # fmt.layers (ascending), the order the destinations are built in: a list `out` is
             # filled in the order of `layers`
-            fut = self.store.get(key, out=self.regions(out, shape, fmt.layers), layers=list(fmt.layers))
+            fut = self.store.get(key, out=self.regions(out, shape, fmt.layers), layers=list(fmt.layers),
+                                 expect=header)
             return PendingRead(header, shape, fmt, None, fut, key)
         gran = fp8_granularity(header.meta.scheme)
         if gran is not None:
@@ -244,7 +245,9 @@ class ChunkIO:
         q = fmt.region_nbytes
         try:
             dest = buf if gran is None else [buf[j * q : (j + 1) * q] for j in range(fmt.num_regions)]
-            fut = self.store.get(key, out=dest, layers=list(fmt.layers))  # dest's order (ascending)
+            # dest's order (ascending); `expect`: the version `header` describes (the decode uses
+            # its region sizes), a miss if a put of the key replaced it since
+            fut = self.store.get(key, out=dest, layers=list(fmt.layers), expect=header)
         except BaseException:
             self.bufs.give(buf, pinned)
             raise
