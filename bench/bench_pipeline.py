@@ -392,9 +392,15 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                 pipe.wait_for_save()
                 return end
 
+            n_rows = len(rows)
             add("kvk-pipeline[vllm calls]", "offload", offload_as_vllm)
             _sync(device)
             pipe.get_finished()
+            failed, errors = pipe.take_failed_saves(), pipe.get_block_ids_with_load_errors()
+            if failed or errors:  # a save with no pool room times as a no-op: never publish the row
+                del rows[n_rows:]
+                raise RuntimeError(f"[vllm calls]: failed saves {sorted(map(str, failed))} or restores failing "
+                                   f"on {len(errors)} blocks: the row would be wrong")
 
     rows += _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps, compute_only)
     if timeline_out is not None:
@@ -685,7 +691,8 @@ def _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps, compute_only) -> li
             def timed(with_compute: bool, streamed: bool = True):
                 _sync(device)
                 pipe.get_finished()
-                assert pipe.evict("ssd"), "the host copy must go: the read is what is measured"
+                if not pipe.evict("ssd"):  # (not an assert: python -O must not time a restore from host)
+                    raise RuntimeError("the host copy must go: the read is what is measured")
                 _drop_tree(root)
 
                 # wall: from the prefetch to the last layer; compute: the step itself (compute
@@ -693,11 +700,14 @@ def _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps, compute_only) -> li
                 # (each layer waits on the GPU for its read); otherwise the whole read first
                 t0 = time.perf_counter()
                 fut = pipe.prefetch("ssd", num_blocks=fmt.num_blocks)
-                if not streamed:
-                    assert fut.result().state == "ready"
+                if not streamed and fut.result().state != "ready":
+                    raise RuntimeError(f"prefetch failed: {fut.result().error}")
                 _, comp = _timed(device, lambda: _restore(with_compute))
                 ent = fut.result()
-                assert ent.state == "ready", ent.error
+                if ent.state != "ready":
+                    raise RuntimeError(f"prefetch failed: {ent.error}")
+                if pipe.get_block_ids_with_load_errors():
+                    raise RuntimeError("the restore from SSD failed: the row would time a no-op")
                 return (time.perf_counter() - t0) * 1e3, comp
 
             def _restore(with_compute: bool):
