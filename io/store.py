@@ -321,6 +321,7 @@ class KVStore:
         self._committer = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="kvk-store-commit")
         self._closed = False
         self._close_done = False  # close() ran to its end (an interrupted one did not)
+        self._pid = os.getpid()  # a forked child inherits the store without its workers or lock
         self._submit_lock = threading.Lock()
         self._stats = {k: 0 for k in ("puts", "put_errors", "gets", "hits", "misses", "corrupt", "replaced_reads",
                                       "evictions", "bytes_written", "bytes_read", "unlink_errors", "disturbed_reads")}
@@ -401,6 +402,17 @@ class KVStore:
         report["entries"] = len(self._index)
         return report
 
+    def _check_process(self) -> None:
+        """Refuse use from a forked child (checked before any of the store's locks: one held by a
+        parent thread at the fork stays locked in the child). The child has none of the store's
+        threads (a request would never complete) and no lock on its folders (another store may
+        be writing them: the parent's)."""
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"KVStore of {', '.join(self.paths)} was opened in process {self._pid} and is used in process "
+                f"{os.getpid()} (forked): it has no I/O threads or folder lock here; open a store in this process "
+                "(on another folder, or once the parent's store is closed)")
+
     # ------------------------------------------------------------------ workers
     def _submit(self, prio: int, fn) -> Future:
         return self._submit_many(prio, [fn])[0]
@@ -448,6 +460,7 @@ class KVStore:
         size). The buffers must stay unchanged until the future completes. Blocks while more
         than ``max_inflight_bytes`` of puts are pending (back pressure).
         """
+        self._check_process()
         digest = key_digest(key)
         if not isinstance(meta, EntryMeta):
             fail("meta", "a kvkernels.io.EntryMeta", type(meta).__name__, TypeError)
@@ -703,6 +716,7 @@ class KVStore:
     # ------------------------------------------------------------------ get
     def header(self, key) -> Header | None:
         """The stored header of ``key`` (stored sizes, scheme, codec), or None."""
+        self._check_process()
         with self._lock:
             ent = self._index.get(key_digest(key))
             return ent.header if ent else None
@@ -732,6 +746,7 @@ class KVStore:
         several gets of one entry's layers (a streamed restore reads its layers in groups) never
         combine two versions.
         """
+        self._check_process()
         digest = key_digest(key)
         if expect is not None and not isinstance(expect, Header):
             fail("expect", "a kvkernels.io.Header from header(key) or None", type(expect).__name__, TypeError)
@@ -1003,11 +1018,13 @@ class KVStore:
     # ------------------------------------------------------------------ misc
     def contains(self, key) -> bool:
         """True when ``key`` has a complete entry (no I/O)."""
+        self._check_process()
         with self._lock:
             return key_digest(key) in self._index
 
     def remove(self, key) -> bool:
         """Delete ``key``'s entry (pinned or not: an explicit remove wins); False if absent."""
+        self._check_process()
         return self._drop(key_digest(key))
 
     def pin(self, key) -> bool:
@@ -1017,6 +1034,7 @@ class KVStore:
         and a checksum failure still drops it. When pinned entries leave no room for a put,
         that put fails with ``OSError(ENOSPC)`` and the store keeps working.
         """
+        self._check_process()
         digest = key_digest(key)
         with self._lock:
             if digest not in self._index:
@@ -1026,6 +1044,7 @@ class KVStore:
 
     def unpin(self, key) -> bool:
         """Undo one :meth:`pin`; False if ``key`` was not pinned."""
+        self._check_process()
         digest = key_digest(key)
         with self._lock:
             n = self._pins.get(digest, 0)
@@ -1056,7 +1075,13 @@ class KVStore:
     def close(self) -> None:
         """Finish queued work, stop the workers, release the folders. Idempotent; a call that was
         interrupted (KeyboardInterrupt in the wait) is finished by the next one, and the folders
-        stay locked until then: queued writes may still be running."""
+        stay locked until then: queued writes may still be running.
+        In a forked child it only lets go of the inherited store (the parent's work and lock stay
+        the parent's)."""
+        if os.getpid() != self._pid:
+            self._close_done = True
+            _unlock(self._locks)  # a no-op for the parent's descriptors (the child closed its copies)
+            return
         with self._submit_lock:
             if self._close_done:
                 return

@@ -340,6 +340,50 @@ def test_a_forked_child_does_not_keep_the_folder_locked(tmp_path):
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+def test_a_forked_child_is_refused_the_inherited_store_and_can_close_it(tmp_path):
+    """A forked child inherits the store without its I/O threads (a put or get would never
+    complete) and without its folder lock: every call is a clear RuntimeError, close() returns,
+    and the parent's store keeps working."""
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork")
+    _, buf, meta = staged()
+    store = KVStore(tmp_path / "a", io_threads=2)
+    store.put("k", buf, meta).result()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child (reports through the pipe and its exit status)
+        code = 0
+        try:
+            os.close(r)
+            refused = []
+            for name, call in (("put", lambda: store.put("j", buf, meta)), ("get", lambda: store.get("k")),
+                               ("header", lambda: store.header("k")), ("contains", lambda: store.contains("k")),
+                               ("remove", lambda: store.remove("k")), ("pin", lambda: store.pin("k")),
+                               ("unpin", lambda: store.unpin("k"))):
+                try:
+                    call()
+                except RuntimeError as exc:
+                    if "forked" in str(exc):
+                        refused.append(name)
+            os.write(w, ",".join(refused).encode())
+            store.close()
+        except BaseException:  # noqa: BLE001
+            code = 4
+        os._exit(code)
+    os.close(w)
+    try:
+        got = b""
+        while chunk := os.read(r, 256):
+            got += chunk
+    finally:
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert got.decode().split(",") == ["put", "get", "header", "contains", "remove", "pin", "unpin"]
+    assert torch.equal(store.get("k").result(timeout=20), buf) and store.contains("k")
+    store.close()
+
+
 def test_a_lock_file_that_cannot_be_written_or_a_file_system_without_flock_still_opens(tmp_path, monkeypatch, caplog):
     import fcntl
 
