@@ -30,6 +30,7 @@ import queue
 import re
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -135,6 +136,44 @@ def _close_locks_in_child() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_HELD_LOCKS_MUTEX.acquire, after_in_parent=_HELD_LOCKS_MUTEX.release,
                         after_in_child=_close_locks_in_child)
+
+# stores not closed yet: closed when the interpreter exits, before its thread pools stop (a put
+# still queued at exit was lost: its commit could no longer be scheduled)
+_OPEN_STORES: "weakref.WeakSet[KVStore]" = weakref.WeakSet()
+# objects that write into stores from threads of their own (a LayerPipeline's SSD writer): closed
+# at exit before the stores, so their queued writes still find the stores open
+_STORE_USERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def close_before_stores_at_exit(user) -> None:
+    """Have ``user.close()`` called when the interpreter exits, before the open stores close
+    (for objects with queued work that ends in ``KVStore.put``)."""
+    _STORE_USERS.add(user)
+
+
+def _close_open_stores() -> None:
+    for user in list(_STORE_USERS):
+        try:
+            user.close()
+        except Exception as exc:  # noqa: BLE001 - exiting: say it, close the others
+            _log.warning("kvkernels: closing %r at exit failed: %s", user, exc)
+    for store in list(_OPEN_STORES):
+        if store._pid != os.getpid():
+            continue
+        try:
+            store.close()
+        except Exception as exc:  # noqa: BLE001 - exiting: say it, close the others
+            _log.warning("kvkernels store: closing %s at exit failed: %s", ", ".join(store.paths), exc)
+
+
+# threading's exit hooks run before non-daemon threads are joined and in reverse order, so this
+# one runs before concurrent.futures' (registered when it was imported above) refuses new work
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_close_open_stores)
+else:  # pragma: no cover - CPython < 3.9
+    import atexit
+
+    atexit.register(_close_open_stores)
 
 # flock errors that mean "this file system cannot lock" (EBADF: NFS maps flock to POSIX locks,
 # which a read-only descriptor cannot take exclusively)
@@ -336,6 +375,7 @@ class KVStore:
                              for i in range(self.io_threads)]
             for w in self._workers:
                 w.start()
+            _OPEN_STORES.add(self)
         except BaseException:
             _unlock(self._locks)
             self._closed = self._close_done = True
@@ -1094,6 +1134,7 @@ class KVStore:
         self._committer.shutdown(wait=True)
         self._hasher.shutdown(wait=True)
         self._close_done = True
+        _OPEN_STORES.discard(self)
         _unlock(self._locks)  # the folders are free for the next store
 
     def __enter__(self):

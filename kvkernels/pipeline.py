@@ -48,6 +48,7 @@ import functools
 import itertools
 import logging
 import mmap
+import sys
 import threading
 import time
 import weakref
@@ -618,6 +619,11 @@ class LayerPipeline:
         self._closed = False
         # streamed SSD restores: the H2D stream waits on per-layer flags in pinned memory (GPU)
         self._gpu_gates = self.cuda and store is not None and self._probe_gates()
+        # a pipeline not closed when the interpreter exits is closed then, before the KVStores
+        # (its queued SSD writes still find the store open); loaded with any KVStore in use
+        store_mod = sys.modules.get("kvkernels.io.store") if store is not None else None
+        if store_mod is not None:
+            store_mod.close_before_stores_at_exit(self)
 
     # ------------------------------------------------------------------ helpers
     def _resolve_stream_api(self, stream_api) -> str:

@@ -901,6 +901,37 @@ def test_a_prefetch_whose_entry_is_stored_again_part_way_never_mixes_the_version
         assert_blocks_hold(lay, [12, 13], expect)
 
 
+def test_saves_of_a_pipeline_left_open_at_exit_reach_the_store(tmp_path):
+    """A script that saves through a pipeline with an SSD store and exits without closing
+    either: the pipeline is closed at exit before the store, so its queued SSD writes are stored
+    (they ran after the store's thread pools had stopped, and were lost)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import torch
+        from kvkernels.io import KVStore
+        from kvkernels.models import make_cache
+        from kvkernels.pipeline import LayerPipeline
+        lay = make_cache("vllm-nhd", num_layers=4, num_blocks=32, block_size=4, num_heads=2, head_dim=64,
+                         device="cpu", fill="random", seed=0)
+        store = KVStore({str(tmp_path)!r}, io_threads=2)
+        pipe = LayerPipeline(lay, host_bytes=1 << 20, store=store)
+        for i in range(8):
+            for layer in range(4):
+                pipe.save_layer(layer, {{f"k{{i}}": torch.tensor([i, i + 8])}})
+            pipe.wait_for_save()
+        pipe.prefetch("k0", num_blocks=2)  # a read in flight: the writes wait for it
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    from kvkernels.io import KVStore
+
+    with KVStore(tmp_path) as store:
+        keys = [f"k{i}" for i in range(8)]
+        assert [k for k in keys if store.contains(k)] == keys
+
+
 def test_prefetch_of_a_key_held_with_another_block_count_is_refused(tmp_path):
     from kvkernels.io import KVStore
 

@@ -384,6 +384,29 @@ def test_a_forked_child_is_refused_the_inherited_store_and_can_close_it(tmp_path
     store.close()
 
 
+def test_puts_still_queued_when_the_interpreter_exits_are_written(tmp_path):
+    """A script that puts without waiting and exits without close(): the store is closed at exit
+    before the thread pools stop, so its queued puts commit (their commits could no longer be
+    scheduled, and every one still queued was lost)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import torch
+        from kvkernels.io import EntryMeta, KVStore
+        meta = EntryMeta(layers=(0, 1), num_blocks=1, block_size=16, num_heads=2, head_dim=64, element_size=2,
+                         num_kv=2, num_layers=2, dtype="bfloat16", scheme="raw", codec="none").validate()
+        store = KVStore({str(tmp_path)!r}, io_threads=2)
+        for i in range(24):
+            store.put(f"k{{i}}", torch.full((meta.fmt.nbytes,), i, dtype=torch.uint8), meta)
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    with KVStore(tmp_path) as store:
+        assert len(store) == 24
+        assert all(int(store.get(f"k{i}").result(timeout=20)[0]) == i for i in (0, 11, 23))
+
+
 def test_a_lock_file_that_cannot_be_written_or_a_file_system_without_flock_still_opens(tmp_path, monkeypatch, caplog):
     import fcntl
 
