@@ -386,6 +386,18 @@ _POOL: _cf.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
 
+def _new_pool_in_child() -> None:
+    """A forked child has none of the pool's threads, but the executor still counts them and
+    starts none: its first submit waited forever. The child builds its own on first use (and its
+    lock anew: another thread may have held it at the fork)."""
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_pool_in_child)
+
+
 def _pool() -> _cf.ThreadPoolExecutor:
     """Threads for the CPU codec (zstandard releases the GIL)."""
     global _POOL

@@ -89,6 +89,30 @@ def test_zstd_roundtrip(dtype, shape, shuffle):
     assert torch.equal(out, staging[: fmt.nbytes])
 
 
+def test_a_forked_child_compresses_with_a_pool_of_its_own():
+    """The CPU codec's thread pool does not survive fork (its threads are the parent's): a child
+    of a process that had compressed waited forever on its first region (now: its own pool; an
+    alarm turns a hang into a failure)."""
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork")
+    staging, fmt, _, _ = kv_like(SHAPES[1], torch.bfloat16)
+    compress_regions(staging, fmt, "zstd")  # the parent's pool is running
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child (reports through its exit status)
+        code = 4
+        try:
+            import signal
+
+            signal.alarm(60)
+            # (no parallel torch op in the child: torch's own OpenMP pool hangs after a fork)
+            out = decompress_regions(compress_regions(staging, fmt, "zstd"))
+            code = 0 if out.numpy().tobytes() == staging[: fmt.nbytes].numpy().tobytes() else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_auto_is_zstd_on_cpu():
     staging, fmt, _, _ = kv_like(SHAPES[1], torch.bfloat16)
     assert compress_regions(staging, fmt, "auto").codec == "zstd"
