@@ -248,21 +248,22 @@ class PosixEngine:
         dirty page-cache page beside its O_DIRECT body, so the sync has no extra page to flush.
         """
         fd = self._open_direct(path, os.O_WRONLY) if len(data) % ALIGN == 0 else None
-        if fd is None:
-            fd = os.open(path, os.O_WRONLY)
-            mv = memoryview(data)
-        else:
-            b = getattr(self._tls, "hdr", None)
-            if b is None or len(b) < len(data):
-                b = self._tls.hdr = mmap.mmap(-1, max(len(data), ALIGN))  # page aligned
-            mv = memoryview(b)[: len(data)]
-            mv[:] = data
-        try:
+        try:  # (the descriptor is closed whatever fails after it was opened: mmap, a bad `data`)
+            if fd is None:
+                fd = os.open(path, os.O_WRONLY)
+                mv = memoryview(data)
+            else:
+                b = getattr(self._tls, "hdr", None)
+                if b is None or len(b) < len(data):
+                    b = self._tls.hdr = mmap.mmap(-1, max(len(data), ALIGN))  # page aligned
+                mv = memoryview(b)[: len(data)]
+                mv[:] = data
             self._pwrite_all(fd, mv, 0)
             if fsync:
                 os.fdatasync(fd)
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
 
 def kvikio_status() -> dict:
     """kvikio importability, compat mode and whether GPUDirect Storage is active (no I/O done)."""
@@ -378,7 +379,8 @@ class KvikioEngine:
             return exc
         text = str(exc)
         msg = f"kvikio: {text}"
-        for e in _KVIKIO_ERRNOS:
+        # longest message first: "Too many open files" (EMFILE) is the start of ENFILE's
+        for e in sorted(_KVIKIO_ERRNOS, key=lambda e: -len(os.strerror(e))):
             if f": {os.strerror(e)}" in text:
                 return OSError(e, msg, path)
         try:

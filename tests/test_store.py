@@ -407,6 +407,36 @@ def test_puts_still_queued_when_the_interpreter_exits_are_written(tmp_path):
         assert all(int(store.get(f"k{i}").result(timeout=20)[0]) == i for i in (0, 11, 23))
 
 
+def test_every_errno_kvikio_names_maps_to_itself():
+    """kvikio reports failures as RuntimeError ending in strerror(errno); each recognised errno
+    comes back as itself (ENFILE's message starts with EMFILE's: it was reported as EMFILE)."""
+    from kvkernels.io.engines import _KVIKIO_ERRNOS, KvikioEngine
+
+    for e in _KVIKIO_ERRNOS:
+        for text in (f"POSIX error on pwrite: {os.strerror(e)}", f"cuFile error: {os.strerror(e)}"):
+            got = KvikioEngine._posix_error(RuntimeError(text), "/nonexistent/x", [], write=True)
+            assert isinstance(got, OSError) and got.errno == e, (text, got)
+
+
+def test_a_failing_header_write_closes_its_file(tmp_path):
+    """write_header opened the file before preparing its buffer: a failure there (here a `data`
+    that is not bytes) left the descriptor open."""
+    from kvkernels.io.engines import PosixEngine
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("no /proc/self/fd")
+    path = tmp_path / "f"
+    path.write_bytes(bytes(8192))
+    eng = PosixEngine()
+    before = len(os.listdir("/proc/self/fd"))
+    for bad in ([0] * 4096, "a" * 4096):
+        with pytest.raises(TypeError):
+            eng.write_header(str(path), bad, fsync=False)
+    assert len(os.listdir("/proc/self/fd")) == before
+    eng.write_header(str(path), bytes(range(256)) * 16, fsync=False)
+    assert path.read_bytes()[:4096] == bytes(range(256)) * 16
+
+
 def test_a_lock_file_that_cannot_be_written_or_a_file_system_without_flock_still_opens(tmp_path, monkeypatch, caplog):
     import fcntl
 
