@@ -280,8 +280,7 @@ class CompressedStaging:
         ``scheme``: the header's scheme, optional; with it, :attr:`restore_scheme` is right for a
         ``shuffle`` entry decoded without ``byteshuffle`` (the planes stay: ``"shuffle"``).
         """
-        check_tensor(buf, "buf")
-        check(buf.dtype == torch.uint8 and buf.dim() == 1, "buf", "a 1-D uint8 tensor", describe(buf), TypeError)
+        _check_bytes(buf, "buf")  # contiguous too: nvCOMP takes the regions' addresses as spans
         codec = _check_codec(codec, allow_auto=False)
         stored = tuple(int(s) for s in stored_nbytes)
         check(len(stored) == fmt.num_regions, "stored_nbytes", f"{fmt.num_regions} sizes", len(stored))
@@ -744,13 +743,16 @@ def _gpu_compress(codec: str, fmt, stream, chunk: int, shuffled: bool, base: tor
 
 
 def _gpu_decompress(regions: list[torch.Tensor], codec: str, fmt, out: torch.Tensor, stream, chunk_hint: int,
-                    element_size: int, shuffled: bool, checksum: bool = False) -> None:
+                    element_size: int, shuffled: bool, checksum: bool = False, names: list[int] | None = None) -> None:
     """Decode ``regions`` into ``out``. ``element_size`` / ``shuffled`` must be what the encoder was
     given (``_esize(fmt)``, ``byteshuffle``): the codec options derived from them (ANS ``<f2``, LZ4
     integer type + bitshuffle) are not recorded in nvCOMP's stream, and a decoder built without
     them returns garbage without an error (seen on the H100, 2026-11-23); the kvkernels header
     records them and :func:`_check_nv_regions` has compared it. For the native codecs
-    ``regions`` are the streams (after that header); ``checksum``: verify nvCOMP's checksums."""
+    ``regions`` are the streams (after that header); ``checksum``: verify nvCOMP's checksums.
+    ``names``: the stored region index of each of ``regions`` (error messages; default their
+    position). When this returns, the current stream is ordered after the decode."""
+    names = list(range(len(regions))) if names is None else names
     nvcomp = _nvcomp_ready()
     dev = out.device.index if out.device.index is not None else torch.cuda.current_device()
     # `out` / scratch come from the current stream's pool and the regions were copied there: the
@@ -764,11 +766,12 @@ def _gpu_decompress(regions: list[torch.Tensor], codec: str, fmt, out: torch.Ten
     with torch.cuda.stream(s):
         if codec == "zstd":
             heads = [r[: _table_prefix(n)].cpu() for r in regions]  # host sync: the frame tables
-            pieces, dst_offs, dst_sizes = [], [], []
+            pieces, dst_offs, dst_sizes, where = [], [], [], []
             for j, (r, h) in enumerate(zip(regions, heads)):
-                frames, o = _parse_table(bytes(h.numpy()), r.numel(), n, j)
+                frames, o = _parse_table(bytes(h.numpy()), r.numel(), n, names[j])
                 pos = 0
-                for cz, rz in frames:
+                for f, (cz, rz) in enumerate(frames):
+                    where.append(f"region {names[j]}, frame {f}")
                     pieces.append(r[o: o + cz])
                     dst_offs.append(j * fmt.region_nbytes + pos)
                     dst_sizes.append(rz)
@@ -789,6 +792,7 @@ def _gpu_decompress(regions: list[torch.Tensor], codec: str, fmt, out: torch.Ten
         else:
             dst_offs = [j * fmt.region_nbytes for j in range(len(regions))]
             dst_sizes = [n] * len(regions)
+            where = [f"region {names[j]}" for j in range(len(regions))]
             # nvCOMP's decoders need 8-16 byte aligned input: regions sliced out of a larger
             # buffer at other offsets are copied to 16-byte aligned ones first
             src_batch = nvcomp.as_arrays([r if r.data_ptr() % 16 == 0 else r.clone() for r in regions], ptr)
@@ -807,7 +811,10 @@ def _gpu_decompress(regions: list[torch.Tensor], codec: str, fmt, out: torch.Ten
         raise ValueError(f"{codec} decompression failed (truncated or corrupted region?): {exc}") from exc
     for i, (g, w) in enumerate(zip(got, dst_sizes)):
         if g != w:
-            raise ValueError(f"{codec} frame {i} decoded to {g} bytes, expected {w} (truncated or corrupted region)")
+            raise ValueError(f"{codec} {where[i]} decoded to {g} bytes, expected {w} (truncated or corrupted region)")
+    cur = torch.cuda.current_stream(out.device)
+    if s != cur:  # the copies, raw regions and unshuffle after this run on the current stream
+        cur.wait_stream(s)
 
 
 # ---------------------------------------------------------------------------------- public API
@@ -900,7 +907,7 @@ def compress_regions(
                 for eo, en in _entries(fmt):
                     _split_planes(staging[o + eo: o + eo + en], 2, out=base[o + eo: o + eo + en])
     payloads = [base[o: o + n] for o in offsets]
-    if byteshuffle:
+    if byteshuffle or staging_shuffled:  # (both the same planes: no zstd frame straddles two)
         segs = [(eo + h, en // 2) for eo, en in _entries(fmt) for h in (0, en // 2)]
     else:
         segs = [(0, n)]
@@ -914,6 +921,8 @@ def compress_regions(
         stored = _zstd_compress_cpu(payloads, frames, chunk_nbytes, lvl)
     elif c == "none":
         stored = payloads
+        if byteshuffle and stream is not None and dev.type == "cuda":
+            stream.synchronize()  # the planes were split on `stream`: complete when this returns
     elif dev.type == "cuda":
         # the codec options follow the stored bytes: byte planes (split here or at gather) get no
         # element data type, and the decoder derives the same from the recorded scheme
@@ -1074,7 +1083,8 @@ def decompress_regions(
                 regs = [r[_NV_HEAD.size:] for r in regs]
             with torch.cuda.device(dev):  # nvCOMP's scratch on the codec's device (as for compress)
                 _gpu_decompress([r if r.device == dev else r.to(dev) for r in regs], codec, sub, scratch, stream,
-                                cs.chunk_nbytes, _esize(fmt), cs.scheme == "shuffle", checksummed)
+                                cs.chunk_nbytes, _esize(fmt), cs.scheme == "shuffle", checksummed,
+                                names=[idx[k] for k in comp_j])
             if scratch is not tgt:
                 for q, k in enumerate(comp_j):
                     tgt[k * ofmt.region_nbytes: k * ofmt.region_nbytes + n].copy_(

@@ -258,6 +258,24 @@ def test_byteshuffle_matches_quant_shuffle_staging():
     assert torch.equal(kvkernels.gather(dst, [9, 8, 7, 6, 5], backend="torch"), staging)
 
 
+def test_a_shuffled_staging_is_framed_per_plane_as_byteshuffle_is():
+    """A staging gathered with shuffle=True holds the same planes byteshuffle makes: compressed
+    with staging_shuffled it stores the same bytes (its zstd frames used to run across plane
+    boundaries: 15 KiB planes in 4 KiB chunks), and a standard reader gets the planes back."""
+    quant = pytest.importorskip("kvkernels.quant")
+    staging, fmt, layout, ids = kv_like(SHAPES[1], torch.bfloat16)
+    ref = quant.gather_quant(layout, ids, shuffle=True, backend="torch")
+    a = compress_regions(staging, fmt, "zstd", byteshuffle=True, chunk_nbytes=4096)
+    b = compress_regions(ref, fmt, "zstd", staging_shuffled=True, chunk_nbytes=4096)
+    assert a.stored_nbytes == b.stored_nbytes
+    assert all(torch.equal(x, y) for x, y in zip(a.regions, b.regions))
+    assert plain_zstd_decode(b.regions[0]) == bytes(ref[: fmt.payload_nbytes].numpy())
+    # a strided buffer is refused by from_buffer (nvCOMP takes the regions as address spans)
+    with pytest.raises(ValueError, match="contiguous"):
+        CompressedStaging.from_buffer(torch.zeros(2 * fmt.nbytes, dtype=torch.uint8)[::2], fmt, a.stored_nbytes,
+                                      "zstd")
+
+
 def test_fp8_staging_roundtrip():
     quant = pytest.importorskip("kvkernels.quant")
     _, _, layout, ids = kv_like(SHAPES[3], torch.bfloat16)
@@ -647,6 +665,24 @@ def test_nvcomp_roundtrip(codec, shuffle):
     assert torch.equal(out, staging)
     if codec in ("ans", "zstd"):
         assert packed.ratio > 1.05
+
+
+@pytest.mark.gpu
+@nvcomp
+def test_nvcomp_zstd_errors_name_the_stored_region_and_the_decode_is_ordered_before_the_current_stream():
+    """The GPU zstd decoder numbered regions within the batch it was handed (a `layers=` subset,
+    or the compressed ones among raw-fallback regions), so an error named another region; and its
+    output is read on the current stream (scratch copies, unshuffle) while it ran on `stream`."""
+    staging, fmt, _, _ = kv_like(SHAPES[3], torch.bfloat16, device=DEVICE)
+    stream = torch.cuda.Stream()
+    packed = compress_regions(staging, fmt, "zstd", stream=stream, byteshuffle=True)
+    r = packed.regions[1]
+    bad = _with_region(packed, 1, r[: r.numel() // 2].clone())
+    with pytest.raises(ValueError, match="region 1"):
+        decompress_regions(bad, layers=[1], stream=stream)
+    for _ in range(3):  # nothing synchronizes between the decode and the compare but stream order
+        out = decompress_regions(packed, stream=stream)
+        assert torch.equal(out, staging)
 
 
 def test_nvcomp_import_is_tried_once(monkeypatch):
