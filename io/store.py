@@ -98,7 +98,7 @@ class _Entry:
     header: Header
     nbytes: int
     readers: int = 0
-    seq: int = 0  # the rename that put this file at `path` (0: found by recovery)
+    seq: int = 0  # the rename that put this file at `path` (recovery numbers what it finds too)
     doomed: str | None = None  # dropped while being read: "" = unlink, ".corrupt" = rename, when the last reader leaves
 
 
@@ -439,6 +439,13 @@ class KVStore:
                 report["removed_duplicates"] += 1
             self._index[digest] = ent
             self._used += ent.nbytes
+        for digest, ent in self._index.items():
+            # a number of its own, as a put's rename gives: with seq 0 (absent from _file_seq) a
+            # recovered entry owned its path again once a newer version there was removed, so a
+            # get of it that had read the newer file took the bytes for its own
+            ent.seq = next(self._rename_seq)
+            if ent.path == self._path_for(digest):
+                self._file_seq[digest] = ent.seq
         report["entries"] = len(self._index)
         return report
 
@@ -795,8 +802,6 @@ class KVStore:
             if ent is None or (expect is not None and ent.header is not expect):
                 self._stats["gets"] += 1
                 self._stats["misses"] += 1
-                if ent is not None:
-                    self._stats["replaced_reads"] += 1
                 fut: Future = Future()
                 fut.set_exception(KeyError(key) if ent is None else
                                   KeyError(f"{key!r}: the stored version is not the one expected (replaced)"))
@@ -899,6 +904,9 @@ class KVStore:
         if not replaced:
             raise self._corrupt(digest, ent, why)
         if cur is None:
+            with self._lock:
+                self._stats["gets"] += 1
+                self._stats["misses"] += 1
             raise KeyError(f"{ent.path}: replaced or removed while being read ({why})")
         try:
             return _Later(self._submit(0, lambda: self._do_get(digest, cur, sel, dests, out, attempt + 1)))
@@ -1062,10 +1070,20 @@ class KVStore:
         with self._lock:
             return key_digest(key) in self._index
 
-    def remove(self, key) -> bool:
-        """Delete ``key``'s entry (pinned or not: an explicit remove wins); False if absent."""
+    def remove(self, key, *, expect: Header | None = None) -> bool:
+        """Delete ``key``'s entry (pinned or not: an explicit remove wins); False if absent.
+
+        ``expect``: a :class:`Header` from ``header(key)``: delete only that version (False when
+        the key holds another one now: e.g. a put replaced the version found unusable)."""
         self._check_process()
-        return self._drop(key_digest(key))
+        if expect is not None and not isinstance(expect, Header):
+            fail("expect", "a kvkernels.io.Header from header(key) or None", type(expect).__name__, TypeError)
+        digest = key_digest(key)
+        if expect is None:
+            return self._drop(digest)
+        with self._lock:  # (reentrant: _drop takes it too)
+            ent = self._index.get(digest)
+            return ent is not None and ent.header is expect and self._drop(digest, expect=ent)
 
     def pin(self, key) -> bool:
         """Protect ``key``'s entry from LRU eviction until a matching :meth:`unpin`; False if absent.
@@ -1098,10 +1116,12 @@ class KVStore:
 
     def pin_count(self, key) -> int:
         """Current number of pins on ``key`` (0 when unpinned or absent)."""
+        self._check_process()
         with self._lock:
             return self._pins.get(key_digest(key), 0)
 
     def stats(self) -> dict:
+        self._check_process()
         with self._lock:
             d = dict(self._stats)
             d.update(entries=len(self._index), pinned=len(self._pins), bytes_used=self._used, capacity_bytes=self.capacity_bytes,

@@ -1257,13 +1257,19 @@ class LayerPipeline:
                 reads = []
                 header = getattr(self.store, "header", None)
                 h = header(key) if header is not None else None
-                mismatch = self._stored_mismatch(h, num_blocks)
+                refused = None
+                if header is not None and h is None:
+                    # not stored: a miss, also when a put lands before the reads (unchecked, unpinned)
+                    refused = KeyError(key)
+                elif h is not None:
+                    why = self._stored_mismatch(h, num_blocks)
+                    refused = None if why is None else ValueError(why)
                 # every group reads the version whose header was checked: a put of the key
                 # meanwhile fails the later groups (a miss) instead of mixing two versions' layers
                 pin = {} if h is None else {"expect": h}
                 for g in _layer_groups(num_layers):
-                    if mismatch is not None:  # e.g. fewer blocks stored: short reads would leave stale bytes
-                        reads.append((g, ValueError(mismatch)))
+                    if refused is not None:  # e.g. fewer blocks stored: short reads would leave stale bytes
+                        reads.append((g, refused))
                         continue
                     try:
                         reads.append((g, self.store.get(key, out=[region(l) for l in g], layers=g, **pin)))
@@ -1351,10 +1357,7 @@ class LayerPipeline:
 
     def _stored_mismatch(self, h, num_blocks: int) -> str | None:
         """Why the store's entry with header ``h`` is not what ``prefetch(key, num_blocks=)``
-        expects (blocks, shape, dtype, raw scheme), or None. Stores without ``header`` (``h``
-        None) are trusted."""
-        if h is None:
-            return None  # a miss: the read itself reports it
+        expects (blocks, shape, dtype, raw scheme), or None."""
         from kvkernels.io import EntryMeta
 
         want = EntryMeta.for_layout(self.layout, num_blocks)

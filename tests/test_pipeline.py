@@ -932,6 +932,27 @@ def test_saves_of_a_pipeline_left_open_at_exit_reach_the_store(tmp_path):
         assert [k for k in keys if store.contains(k)] == keys
 
 
+def test_a_prefetch_of_a_key_absent_when_its_header_is_read_is_a_miss(tmp_path):
+    """No header for the key when the prefetch looks: a miss, even when a put of the key lands
+    before the group reads (they read it unchecked and unpinned: another size, or two versions)."""
+    from kvkernels.io import EntryMeta, KVStore
+
+    lay = cache()
+    with KVStore(tmp_path) as store, LayerPipeline(lay, host_bytes=1 << 20, store=store) as pipe:
+        real_header = store.header
+
+        def header(key):
+            h = real_header(key)  # None: not stored yet ...
+            store.put(key, kvkernels.gather(lay, ids([1, 2])).cpu(), EntryMeta.for_layout(lay, 2)).result()
+            return h  # ... and stored now
+
+        store.header = header
+        ent = pipe.prefetch("k", num_blocks=2).result(timeout=20)
+        assert ent.state == "failed" and "KeyError" in ent.error, (ent.state, ent.error)
+        del store.header
+        assert pipe.prefetch("k", num_blocks=2).result(timeout=20).state == "ready"  # the retry reads it
+
+
 def test_prefetch_of_a_key_held_with_another_block_count_is_refused(tmp_path):
     from kvkernels.io import KVStore
 
@@ -1501,7 +1522,6 @@ def test_get_finished_never_waits_for_a_streamed_read():
     lay = make_cache("vllm-nhd", num_layers=8, num_blocks=NB, block_size=BS, num_heads=H, head_dim=D, device=DEVICE,
                      seed=4)
     with LayerPipeline(lay, host_bytes=1 << 20, store=SlowStore()) as pipe:
-        pipe.store.header = lambda key: None
         expect = [[lay.views[l][c][[1, 2]].clone() for c in range(lay.num_kv)] for l in range(8)]
         for layer in range(8):
             pipe.save_layer(layer, {"k": [1, 2]})

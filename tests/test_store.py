@@ -359,7 +359,8 @@ def test_a_forked_child_is_refused_the_inherited_store_and_can_close_it(tmp_path
             for name, call in (("put", lambda: store.put("j", buf, meta)), ("get", lambda: store.get("k")),
                                ("header", lambda: store.header("k")), ("contains", lambda: store.contains("k")),
                                ("remove", lambda: store.remove("k")), ("pin", lambda: store.pin("k")),
-                               ("unpin", lambda: store.unpin("k"))):
+                               ("unpin", lambda: store.unpin("k")), ("pin_count", lambda: store.pin_count("k")),
+                               ("stats", store.stats)):
                 try:
                     call()
                 except RuntimeError as exc:
@@ -379,7 +380,8 @@ def test_a_forked_child_is_refused_the_inherited_store_and_can_close_it(tmp_path
         os.close(r)
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert got.decode().split(",") == ["put", "get", "header", "contains", "remove", "pin", "unpin"]
+    assert got.decode().split(",") == ["put", "get", "header", "contains", "remove", "pin", "unpin", "pin_count",
+                                       "stats"]
     assert torch.equal(store.get("k").result(timeout=20), buf) and store.contains("k")
     store.close()
 
@@ -959,6 +961,9 @@ def test_get_with_expect_reads_only_that_version(tmp_path, monkeypatch, fan_out,
             store.get("k", expect=h1).result()
         assert torch.equal(store.get("k", expect=h2, layers=[1, 2]).result(),
                            v2[meta.fmt.region_offset(1):])
+        assert not store.remove("k", expect=h1) and store.header("k") is h2  # remove(expect=): that version only
+        with pytest.raises(TypeError, match="expect"):
+            store.remove("k", expect="version 2")
         started, release = _held_reads(store, monkeypatch)
         out = torch.full_like(v2, 0xCD)
         got = store.get("k", out=out, expect=h2)
@@ -968,10 +973,11 @@ def test_get_with_expect_reads_only_that_version(tmp_path, monkeypatch, fan_out,
         release.set()
         with pytest.raises(KeyError, match="replaced or removed"):
             got.result(timeout=30)
-        st = store.stats()
-        assert st["corrupt"] == 0 and st["replaced_reads"] >= 2
+        st = store.stats()  # two misses: the other version asked for, the version replaced mid-read
+        assert st["corrupt"] == 0 and st["replaced_reads"] >= 1 and st["misses"] == 2
         assert torch.equal(store.get("k").result(), v3)
         assert [e.readers for e in store._index.values()] == [0]
+        assert store.remove("k", expect=store.header("k")) and not store.contains("k")
 
 
 @pytest.mark.parametrize("fan_out", [False, True])
@@ -1010,6 +1016,48 @@ def test_get_without_verify_never_returns_two_versions(tmp_path, monkeypatch, fa
         assert torch.equal(got.result(timeout=30), v2)
         assert next(calls) >= 3  # several groups, and the get read again
         assert store.stats()["replaced_reads"] >= 1 and store.stats()["corrupt"] == 0
+
+
+@pytest.mark.parametrize("expect", [False, True])
+def test_a_recovered_entry_read_across_a_replacement_never_returns_two_versions(tmp_path, monkeypatch, expect):
+    """An entry found by recovery (no rename of this store's) had no rename number: once a newer
+    version put at its path was removed again, it counted as owning the path, so a
+    ``verify=False`` get whose later groups had read the newer file returned both versions."""
+    import kvkernels.io.store as store_mod
+
+    monkeypatch.setattr(store_mod, "READ_GROUP_MIN", 4096)  # several groups
+    _, v1, meta = staged(ids=(3, 9, 1, 4, 7, 0, 2, 5))
+    _, v2, _ = staged(ids=(3, 9, 1, 4, 7, 0, 2, 5), seed=1)
+    with KVStore(tmp_path, io_threads=1) as s:
+        s.put("k", v1, meta).result()
+    store = KVStore(tmp_path, io_threads=2, verify=False)  # "k" is recovered
+    try:
+        monkeypatch.setattr(store, "io_threads", 1)  # no fan-out: one worker reads the groups in turn
+        h = store.header("k")
+        real = store.engine.read_into
+        lock, n = threading.Lock(), [0]
+        ev = [threading.Event() for _ in range(4)]
+
+        def read_into(path, pieces):
+            with lock:
+                i, n[0] = n[0], n[0] + 1
+            real(path, pieces)
+            if i in (0, 2):  # after the first group (version 1) and the third (version 2)
+                ev[i].set()
+                assert ev[i + 1].wait(30)
+
+        monkeypatch.setattr(store.engine, "read_into", read_into)
+        fut = store.get("k", out=torch.full_like(v1, 0xCD), **({"expect": h} if expect else {}))
+        assert ev[0].wait(30)
+        store.put("k", v2, meta).result()
+        ev[1].set()
+        assert ev[2].wait(30)
+        assert store.remove("k")  # the newer version leaves the path
+        ev[3].set()
+        with pytest.raises(KeyError):  # no version left to read whole: a miss, never a mix
+            fut.result(timeout=30)
+    finally:
+        store.close()
 
 
 def test_concurrent_vectored_fanned_out_gets_with_removes_and_eviction(tmp_path, monkeypatch, engine):

@@ -299,8 +299,8 @@ class ChunkIO:
                     # the bytes passed the store's checksum but do not decode (e.g. an nvCOMP region
                     # without the kvkernels header of 2026-11-23, written by an older kvkernels):
                     # drop the entry so that it is stored again, instead of a miss on every read
-                    if pending.key is not None:
-                        self.store.remove(pending.key)
+                    if pending.key is not None:  # that version only: a newer one put meanwhile stays
+                        self.store.remove(pending.key, expect=header)
                     from kvkernels.io import CorruptEntryError
 
                     raise CorruptEntryError(f"entry {pending.key!r} does not decode ({exc}); removed") from exc
