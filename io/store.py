@@ -788,10 +788,11 @@ class KVStore:
         already in ``out`` must not be used).
 
         ``expect``: a :class:`Header` from ``header(key)`` (or a put's future): read only that
-        version. When the key holds another version (or none), or that version is replaced
-        while it is read, the get is a miss (``KeyError``) instead of reading the newer one, so
-        several gets of one entry's layers (a streamed restore reads its layers in groups) never
-        combine two versions.
+        version's bytes. When the key holds another version (or none), or that version is
+        replaced while it is read, the get is a miss (``KeyError``) instead of reading the newer
+        one — unless the newer one holds the same bytes (a put of identical content: same
+        description, region sizes and checksums) — so several gets of one entry's layers (a
+        streamed restore reads its layers in groups) never combine two versions.
         """
         self._check_process()
         digest = key_digest(key)
@@ -799,7 +800,7 @@ class KVStore:
             fail("expect", "a kvkernels.io.Header from header(key) or None", type(expect).__name__, TypeError)
         with self._lock:
             ent = self._index.get(digest)
-            if ent is None or (expect is not None and ent.header is not expect):
+            if ent is None or (expect is not None and not _same_content(ent.header, expect)):
                 self._stats["gets"] += 1
                 self._stats["misses"] += 1
                 fut: Future = Future()
@@ -846,7 +847,7 @@ class KVStore:
                 dests = [[out[j * region : j * region + r.stored]] for j, r in enumerate(sel)]
             ent.readers += 1
             self._index.move_to_end(digest)
-        attempt = 0 if expect is None else READ_RETRIES  # an expected version is never retried on another
+        pinned = expect is not None  # retried only on a version of the same content
         try:
             if self.io_threads > 1 and self._q.empty():
                 # a lone get (nothing else queued) of a large entry: its groups are read in parallel
@@ -854,14 +855,14 @@ class KVStore:
                 # at ~1.0 GB/s on the CPU host's disk where 4 readers reach ~1.6)
                 groups = _plan_groups(sel, dests, min(READ_GROUP_SPLIT, self.io_threads))
                 if len(groups) > 1 and sum(r.stored for r in sel) >= 2 * READ_GROUP_MIN:
-                    return self._fan_out(digest, ent, sel, dests, groups, out, attempt)
-            return self._submit(0, lambda: self._do_get(digest, ent, sel, dests, out, attempt))
+                    return self._fan_out(digest, ent, sel, dests, groups, out, 0, pinned)
+            return self._submit(0, lambda: self._do_get(digest, ent, sel, dests, out, 0, pinned))
         except BaseException:  # nothing was queued (a closed store): the reader goes back
             self._release_reader(ent)
             raise
 
     def _read_failed(self, digest: bytes, ent: _Entry, sel, dests, out, attempt: int, why: str,
-                     bad: list[int] | None = None) -> _Later:
+                     bad: list[int] | None = None, pinned: bool = False) -> _Later:
         """A read whose bytes failed their checksum, ended early or found no file.
 
         Either the file is corrupt (or gone), or a put of the same key replaced it while it was
@@ -891,7 +892,8 @@ class KVStore:
                 self._stats["replaced_reads"] += 1
                 # (cur is ent while the new version is renamed but not yet indexed: nothing to retry on)
                 same = (cur is not None and cur is not ent and attempt < READ_RETRIES
-                        and cur.header.meta == ent.header.meta)
+                        and cur.header.meta == ent.header.meta
+                        and (not pinned or _same_content(cur.header, ent.header)))
                 if same:
                     have = {r.layer: r for r in cur.header.regions}
                     new = [have.get(r.layer) for r in sel]
@@ -909,12 +911,13 @@ class KVStore:
                 self._stats["misses"] += 1
             raise KeyError(f"{ent.path}: replaced or removed while being read ({why})")
         try:
-            return _Later(self._submit(0, lambda: self._do_get(digest, cur, sel, dests, out, attempt + 1)))
+            return _Later(self._submit(0, lambda: self._do_get(digest, cur, sel, dests, out, attempt + 1, pinned)))
         except BaseException:  # the store is closing: give the reader back
             self._release_reader(cur)
             raise
 
-    def _fan_out(self, digest: bytes, ent: _Entry, sel, dests, groups, out, attempt: int = 0) -> Future:
+    def _fan_out(self, digest: bytes, ent: _Entry, sel, dests, groups, out, attempt: int = 0,
+                 pinned: bool = False) -> Future:
         """One get as parallel group reads (each verifies its own regions); the returned future
         completes when all have, with the same outcomes as :meth:`_do_get`."""
         t0 = time.perf_counter()
@@ -938,7 +941,7 @@ class KVStore:
                 if left[0]:
                     return
             try:  # the group reads return their failed layers, as the checks of _do_get do
-                _settle(outer, self._finish_get(digest, ent, sel, subs, out, t0, dests, attempt))
+                _settle(outer, self._finish_get(digest, ent, sel, subs, out, t0, dests, attempt, pinned))
             except BaseException as exc:
                 outer.set_exception(exc)
 
@@ -978,7 +981,8 @@ class KVStore:
                     self._unlink_entry(digest, ent, ent.doomed or None)
                 ent.doomed = None
 
-    def _do_get(self, digest: bytes, ent: _Entry, sel, dests: list[list[torch.Tensor]], out, attempt: int = 0) -> object:
+    def _do_get(self, digest: bytes, ent: _Entry, sel, dests: list[list[torch.Tensor]], out, attempt: int = 0,
+                pinned: bool = False) -> object:
         """Read the regions (in a worker); their verification finishes on the hasher threads, so
         the worker is free for the next read as soon as its bytes are in (the disk keeps its
         queue depth while checksums run)."""
@@ -1002,22 +1006,23 @@ class KVStore:
         finally:
             self._release_reader(ent)
         if short is not None:
-            return self._read_failed(digest, ent, sel, dests, out, attempt, _short_read(short))
+            return self._read_failed(digest, ent, sel, dests, out, attempt, _short_read(short), pinned=pinned)
         if not checks:
             return self._got(sel, out, t0)
         # the finisher waits only on checks queued before it (FIFO): they are running or done
-        return _Later(self._hasher.submit(self._finish_get, digest, ent, sel, checks, out, t0, dests, attempt))
+        return _Later(self._hasher.submit(self._finish_get, digest, ent, sel, checks, out, t0, dests, attempt, pinned))
 
-    def _finish_get(self, digest: bytes, ent: _Entry, sel, checks, out, t0: float, dests, attempt: int):
+    def _finish_get(self, digest: bytes, ent: _Entry, sel, checks, out, t0: float, dests, attempt: int,
+                    pinned: bool = False):
         """Collect the failed layers of ``checks`` (futures of lists); the get's result, its retry
         (a :class:`_Later`) or its error."""
         try:
             bad = [b for f in checks for b in f.result()]
         except (EOFError, FileNotFoundError, _Replaced) as exc:  # a fanned-out group read came up short
-            return self._read_failed(digest, ent, sel, dests, out, attempt, _short_read(exc))
+            return self._read_failed(digest, ent, sel, dests, out, attempt, _short_read(exc), pinned=pinned)
         if bad:
             why = f"region of layer {bad[0]}: checksum mismatch"
-            return self._read_failed(digest, ent, sel, dests, out, attempt, why, bad)
+            return self._read_failed(digest, ent, sel, dests, out, attempt, why, bad, pinned)
         return self._got(sel, out, t0)
 
     def _reads_intact(self, digest: bytes, ent: _Entry, regions) -> bool:
@@ -1073,8 +1078,9 @@ class KVStore:
     def remove(self, key, *, expect: Header | None = None) -> bool:
         """Delete ``key``'s entry (pinned or not: an explicit remove wins); False if absent.
 
-        ``expect``: a :class:`Header` from ``header(key)``: delete only that version (False when
-        the key holds another one now: e.g. a put replaced the version found unusable)."""
+        ``expect``: a :class:`Header` from ``header(key)``: delete only that version, or one of the
+        same bytes (False when the key holds other content now: e.g. a put replaced the version
+        found unusable)."""
         self._check_process()
         if expect is not None and not isinstance(expect, Header):
             fail("expect", "a kvkernels.io.Header from header(key) or None", type(expect).__name__, TypeError)
@@ -1083,7 +1089,7 @@ class KVStore:
             return self._drop(digest)
         with self._lock:  # (reentrant: _drop takes it too)
             ent = self._index.get(digest)
-            return ent is not None and ent.header is expect and self._drop(digest, expect=ent)
+            return ent is not None and _same_content(ent.header, expect) and self._drop(digest, expect=ent)
 
     def pin(self, key) -> bool:
         """Protect ``key``'s entry from LRU eviction until a matching :meth:`unpin`; False if absent.
@@ -1162,6 +1168,13 @@ class KVStore:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _same_content(a: Header, b: Header) -> bool:
+    """Two headers describe the same bytes: one version, or a put of identical content (same
+    description, and every region's layer, stored size and checksum)."""
+    return a is b or (a.meta == b.meta and [(r.layer, r.stored, r.checksum) for r in a.regions]
+                      == [(r.layer, r.stored, r.checksum) for r in b.regions])
 
 
 def _short_read(exc: BaseException) -> str:

@@ -962,6 +962,17 @@ def test_get_with_expect_reads_only_that_version(tmp_path, monkeypatch, fan_out,
         assert torch.equal(store.get("k", expect=h2, layers=[1, 2]).result(),
                            v2[meta.fmt.region_offset(1):])
         assert not store.remove("k", expect=h1) and store.header("k") is h2  # remove(expect=): that version only
+        # a put of the same bytes is the same version for `expect` (a header of its own, same content)
+        h2b = store.put("k", v2.clone(), meta).result()
+        assert h2b is not h2 and store.header("k") is h2b
+        assert torch.equal(store.get("k", expect=h2).result(), v2)
+        started, release = _held_reads(store, monkeypatch)
+        got = store.get("k", expect=h2)
+        assert started.wait(30)
+        monkeypatch.setattr(store.engine, "read_into", type(store.engine).read_into.__get__(store.engine))
+        store.put("k", v2.clone(), meta).result()  # identical bytes renamed in mid-read: read again, whole
+        release.set()
+        assert torch.equal(got.result(timeout=30), v2)
         with pytest.raises(TypeError, match="expect"):
             store.remove("k", expect="version 2")
         started, release = _held_reads(store, monkeypatch)
