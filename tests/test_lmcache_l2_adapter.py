@@ -19,6 +19,8 @@ import glob
 import json
 import os
 import select
+import subprocess
+import sys
 import threading
 import time
 
@@ -739,3 +741,31 @@ def test_byteshuffle_setting_stores_fp32_objects_unshuffled(l1, tmp_path):
             assert torch.equal(o.raw_tensor[: o.get_size()], b.raw_tensor[: b.get_size()])
     finally:
         a.close()
+
+
+def test_store_tasks_still_queued_at_interpreter_exit_are_written(tmp_path):
+    """A process that exits without closing the adapter: its queued store tasks ran after the
+    KVStore had been closed at exit (each failed: "KVStore is closed"); the adapter is closed
+    first now, so they are written."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = f"""
+import sys, time
+sys.path.insert(0, {here!r})
+from test_lmcache_l2_adapter import L1, _make, _key
+l1 = L1()
+a = _make(l1, {str(tmp_path / "kv")!r}, put_threads=1)
+real_put = a.store.put
+def slow_put(*x, **k):
+    time.sleep(0.02)
+    return real_put(*x, **k)
+a.store.put = slow_put
+objs = l1.alloc(12, seed=1)
+for i in range(12):
+    a.submit_store_task([_key(i)], [objs[i]])
+"""
+    env = {**os.environ, "KVKERNELS_REQUIRE_LMCACHE": "1"}
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300, env=env, cwd=here)
+    from kvkernels.io import KVStore
+
+    with KVStore(tmp_path / "kv") as store:
+        assert len(store) == 12

@@ -592,6 +592,33 @@ def test_layerwise_objects_round_trip_in_their_own_format(tmp_path, order, quant
         m2.close()
 
 
+def test_an_unpin_after_the_store_dropped_the_entry_leaves_a_newer_lookups_pin(mgr):
+    """Lookup A pins a chunk; its file is found corrupt and the store drops it (its pins go with
+    it); LMCache stores the chunk again and lookup B pins it; then A unpins. A's unpin used to
+    take B's store pin: the entry was evictable while B held it."""
+    from kvkernels.io import key_digest
+
+    k, ks = _key(601), key_string(_key(601))
+    o, _ = mgr.chunk(1)
+    mgr.put([k], [o])
+    assert mgr.plugin.contains(k, pin=True)  # lookup A
+    with open(mgr.plugin.store._index[key_digest(ks)].path, "r+b") as f:
+        f.seek(4096 + 100)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert mgr.plugin.get_blocking(k) is None and mgr.plugin.store.pin_count(ks) == 0  # dropped, pins too
+    o2, ref2 = mgr.chunk(2)
+    mgr.put([k], [o2])
+    assert mgr.plugin.contains(k, pin=True)  # lookup B
+    assert mgr.plugin.unpin(k)  # lookup A's unpin: gives up the pin the store lost
+    assert mgr.plugin.store.pin_count(ks) == 1 and mgr.plugin.pin_count(k) == 1
+    assert mgr.plugin.unpin(k)  # lookup B's
+    assert mgr.plugin.store.pin_count(ks) == 0 and mgr.plugin.pin_count(k) == 0
+    # a pin of a key the store no longer holds counts nothing (the store's pin is the hit test)
+    assert mgr.plugin.remove(k) and not mgr.plugin.contains(k, pin=True) and mgr.plugin.pin_count(k) == 0
+
+
 def test_layerwise_lookup_of_a_partly_stored_chunk_leaves_no_pins(tmp_path):
     """LMCache 0.5.6's layer-wise lookup (StorageManager.batched_contains over a chunk's layer keys,
     pin=True) records the pins only for a chunk found whole in one backend; a chunk with a layer

@@ -44,6 +44,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from .config import PluginConfigError, PluginSettings, parse_extra_config
+from kvkernels.io.store import close_before_stores_at_exit
 from kvkernels.quant import store_scheme
 
 from .chunk_io import FP8_SOURCE_DTYPES, ChunkIO, run_windowed, shape_of_header
@@ -182,6 +183,8 @@ class KVKernelsBackend(StoragePluginInterface):
                 return close_pool(*args, **kwargs)
 
             local_cpu_backend.close = close_after_kvkernels
+        # closed at interpreter exit before the store (puts still queued in _put_pool are written)
+        close_before_stores_at_exit(self)
         self.counters = {k: 0 for k in ("puts", "put_skipped", "put_errors", "gets", "hits", "misses", "corrupt",
                                         "alloc_failures", "get_errors", "put_dropped_busy")}
         log.info("kvkernels LMCache plugin: store %s, engine %s, capacity %s, %d entries recovered",
@@ -270,6 +273,8 @@ class KVKernelsBackend(StoragePluginInterface):
     # ------------------------------------------------------------------ lookups
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
         ks = key_string(key)
+        if pin and self._store_pins:
+            return self._pin(ks)  # the store's pin is the hit test: no eviction between a check and the pin
         hit = self.store.contains(ks)
         if hit and pin:
             self._pin(ks)
@@ -311,18 +316,21 @@ class KVKernelsBackend(StoragePluginInterface):
                 self._unpin_ks(key_string(key))
         return n
 
-    def _pin(self, ks: str) -> None:
+    def _pin(self, ks: str) -> bool:
+        """Pin ``ks`` in the store and count it here; False (nothing counted) when the store does
+        not hold it. Under the plugin's lock, as unpins: only a drop of the entry changes the
+        store's count besides them (see :meth:`_unpin_ks`)."""
         with self._lock:
+            if self._store_pins and not self.store.pin(ks):
+                return False
             self._pins[ks] += 1
-        if self._store_pins:
-            self.store.pin(ks)
+            return True
 
     def pin(self, key: CacheEngineKey) -> bool:
         ks = key_string(key)
-        if not self.store.contains(ks):
+        if not self._store_pins and not self.store.contains(ks):
             return False
-        self._pin(ks)
-        return True
+        return self._pin(ks)
 
     def unpin(self, key: CacheEngineKey) -> bool:
         ks = key_string(key)
@@ -348,11 +356,15 @@ class KVKernelsBackend(StoragePluginInterface):
         with self._lock:
             had = self._pins.get(ks, 0) > 0
             if had:
+                # pins the store lost with the entry (removed, or dropped as corrupt; perhaps stored
+                # again since) are what an unpin gives up first: fewer pins in the store than counted
+                # here are those. Giving up a newer lookup's store pin instead left its entry evictable
+                lost = self._store_pins and self.store.pin_count(ks) < self._pins[ks]
                 self._pins[ks] -= 1
                 if self._pins[ks] == 0:
                     del self._pins[ks]
-        if had and self._store_pins:
-            self.store.unpin(ks)
+                if self._store_pins and not lost:
+                    self.store.unpin(ks)
         return had or self.store.contains(ks)
 
     def pin_count(self, key: CacheEngineKey) -> int:

@@ -59,6 +59,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
+from kvkernels.io.store import close_before_stores_at_exit
 from kvkernels.quant import store_scheme
 
 from .chunk_io import ChunkIO, run_windowed
@@ -277,6 +278,8 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         # the I/O core shared with the in-process plugin: in-place vectored I/O for raw objects
         self.io = ChunkIO(self.store, inplace=True, keep=settings.put_threads + 2 * self._read_window + 2)
         self._closed = False
+        # closed at interpreter exit before the store (store tasks still queued are written)
+        close_before_stores_at_exit(self)
         self.counters = {k: 0 for k in ("store_tasks", "stored", "store_skipped", "store_errors", "lookup_tasks",
                                         "lookup_hits", "load_tasks", "loaded", "load_misses", "load_mismatch",
                                         "corrupt", "load_errors", "deleted", "deleted_already_evicted", "deleted_recovered",
