@@ -141,29 +141,48 @@ if hasattr(os, "register_at_fork"):
 # still queued at exit was lost: its commit could no longer be scheduled)
 _OPEN_STORES: "weakref.WeakSet[KVStore]" = weakref.WeakSet()
 # objects that write into stores from threads of their own (a LayerPipeline's SSD writer): closed
-# at exit before the stores, so their queued writes still find the stores open
-_STORE_USERS: weakref.WeakSet = weakref.WeakSet()
+# at exit before the stores, so their queued writes still find the stores open. -> their process
+_STORE_USERS: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
 
 
 def close_before_stores_at_exit(user) -> None:
-    """Have ``user.close()`` called when the interpreter exits, before the open stores close
-    (for objects with queued work that ends in ``KVStore.put``)."""
-    _STORE_USERS.add(user)
+    """Have ``user.close()`` called when this process's interpreter exits, before the open
+    stores close (for objects with queued work that ends in ``KVStore.put``). ``close()`` must
+    wait for a close already under way in another thread (not return at once)."""
+    _STORE_USERS[user] = os.getpid()
 
 
 def _close_open_stores() -> None:
-    for user in list(_STORE_USERS):
+    # (BaseException: a Ctrl-C that cuts one close short does not leave the others open)
+    for user, pid in list(_STORE_USERS.items()):
+        if pid != os.getpid():  # inherited by a forked child: the parent's
+            continue
         try:
             user.close()
-        except Exception as exc:  # noqa: BLE001 - exiting: say it, close the others
-            _log.warning("kvkernels: closing %r at exit failed: %s", user, exc)
+        except BaseException as exc:  # noqa: BLE001 - exiting: say it, close the others
+            _log.warning("kvkernels: closing %r at exit failed: %r", user, exc)
     for store in list(_OPEN_STORES):
         if store._pid != os.getpid():
             continue
         try:
             store.close()
-        except Exception as exc:  # noqa: BLE001 - exiting: say it, close the others
-            _log.warning("kvkernels store: closing %s at exit failed: %s", ", ".join(store.paths), exc)
+        except BaseException as exc:  # noqa: BLE001 - exiting: say it, close the others
+            _log.warning("kvkernels store: closing %s at exit failed: %r", ", ".join(store.paths), exc)
+
+
+def _start_threads(pool: ThreadPoolExecutor, n: int) -> None:
+    """Start all ``n`` threads of ``pool`` now (it starts them one per submit that finds none
+    idle): a submit that must start one can fail after queueing its work (no thread can start
+    at interpreter exit on CPython 3.12.0-3.12.2, or under a thread limit), and a put whose
+    commit was queued that way was reported failed and failed again when the commit ran."""
+    barrier = threading.Barrier(n + 1)
+    try:
+        for _ in range(n):  # each finds the earlier ones waiting (not idle) and starts a thread
+            pool.submit(barrier.wait)
+        barrier.wait(timeout=60)
+    except BaseException:
+        barrier.abort()  # the threads started go back to the pool
+        raise
 
 
 # threading's exit hooks run before non-daemon threads are joined and in reverse order, so this
@@ -358,6 +377,8 @@ class KVStore:
         self._hasher = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="kvk-store-hash")
         # puts end (header, fdatasync, rename, directory fsync) on these threads, off the workers
         self._committer = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="kvk-store-commit")
+        for pool in (self._hasher, self._committer):
+            _start_threads(pool, self.io_threads)
         self._closed = False
         self._close_done = False  # close() ran to its end (an interrupted one did not)
         self._pid = os.getpid()  # a forked child inherits the store without its workers or lock

@@ -921,8 +921,8 @@ def compress_regions(
         stored = _zstd_compress_cpu(payloads, frames, chunk_nbytes, lvl)
     elif c == "none":
         stored = payloads
-        if byteshuffle and stream is not None and dev.type == "cuda":
-            stream.synchronize()  # the planes were split on `stream`: complete when this returns
+        if byteshuffle and dev.type == "cuda":  # the planes were split on a stream: complete when this
+            (stream or torch.cuda.current_stream(dev)).synchronize()  # returns (a store thread reads them)
     elif dev.type == "cuda":
         # the codec options follow the stored bytes: byte planes (split here or at gather) get no
         # element data type, and the decoder derives the same from the recorded scheme

@@ -616,7 +616,9 @@ class LayerPipeline:
         self._reads_inflight = 0
         self._io_cv = threading.Condition()
         self.read_priority = bool(read_priority)
-        self._closed = False
+        self._closed = False  # refuses new work from the start of close()
+        self._close_lock = threading.Lock()  # a second close() (the exit hook) waits for one under way
+        self._close_done = False  # close() ran to its end (an interrupted one did not: the next redoes it)
         # streamed SSD restores: the H2D stream waits on per-layer flags in pinned memory (GPU)
         self._gpu_gates = self.cuda and store is not None and self._probe_gates()
         # a pipeline not closed when the interpreter exits is closed then, before the KVStores
@@ -1784,17 +1786,21 @@ class LayerPipeline:
             return True
 
     def close(self) -> None:
-        """Wait for background SSD work and release the pool (a host wait: not on the step path)."""
-        if self._closed:
-            return
-        self._closed = True  # first: a prefetch racing close() is refused, not left half-submitted
-        self._io_reads.shutdown(wait=True)
-        with self._io_cv:
-            self._io_cv.notify_all()
-        self._io_writes.shutdown(wait=True)
-        if self.cuda:
-            self._drain_streams()
-        self.pool.release()  # after the drain: no DMA reads or writes it any more
+        """Wait for background SSD work and release the pool (a host wait: not on the step path).
+        Idempotent; a call while another thread closes waits for it to finish (the exit hook
+        must not close the stores under this pipeline's queued writes)."""
+        with self._close_lock:
+            if self._close_done:
+                return
+            self._closed = True  # first: a prefetch racing close() is refused, not left half-submitted
+            self._io_reads.shutdown(wait=True)
+            with self._io_cv:
+                self._io_cv.notify_all()
+            self._io_writes.shutdown(wait=True)
+            if self.cuda:
+                self._drain_streams()
+            self.pool.release()  # after the drain: no DMA reads or writes it any more
+            self._close_done = True
 
     def __enter__(self):
         return self

@@ -669,10 +669,11 @@ def test_nvcomp_roundtrip(codec, shuffle):
 
 @pytest.mark.gpu
 @nvcomp
-def test_nvcomp_zstd_errors_name_the_stored_region_and_the_decode_is_ordered_before_the_current_stream():
+def test_nvcomp_zstd_errors_name_the_stored_region():
     """The GPU zstd decoder numbered regions within the batch it was handed (a `layers=` subset,
-    or the compressed ones among raw-fallback regions), so an error named another region; and its
-    output is read on the current stream (scratch copies, unshuffle) while it ran on `stream`."""
+    or the compressed ones among raw-fallback regions), so an error named another region. (The
+    decode on a side stream is then read on the current stream; nvCOMP's size read syncs today,
+    so the round trips below pass with or without the stream wait added for it.)"""
     staging, fmt, _, _ = kv_like(SHAPES[3], torch.bfloat16, device=DEVICE)
     stream = torch.cuda.Stream()
     packed = compress_regions(staging, fmt, "zstd", stream=stream, byteshuffle=True)

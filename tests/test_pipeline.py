@@ -901,15 +901,18 @@ def test_a_prefetch_whose_entry_is_stored_again_part_way_never_mixes_the_version
         assert_blocks_hold(lay, [12, 13], expect)
 
 
-def test_saves_of_a_pipeline_left_open_at_exit_reach_the_store(tmp_path):
+@pytest.mark.parametrize("closing", [False, True])
+def test_saves_of_a_pipeline_left_open_at_exit_reach_the_store(tmp_path, closing):
     """A script that saves through a pipeline with an SSD store and exits without closing
-    either: the pipeline is closed at exit before the store, so its queued SSD writes are stored
-    (they ran after the store's thread pools had stopped, and were lost)."""
+    either (or while another thread closes the pipeline): the pipeline is closed at exit before
+    the store, so its queued SSD writes are stored (they ran after the store's thread pools had
+    stopped, and were lost)."""
     import subprocess
     import sys
     import textwrap
 
     script = textwrap.dedent(f"""
+        import threading, time
         import torch
         from kvkernels.io import KVStore
         from kvkernels.models import make_cache
@@ -918,11 +921,18 @@ def test_saves_of_a_pipeline_left_open_at_exit_reach_the_store(tmp_path):
                          device="cpu", fill="random", seed=0)
         store = KVStore({str(tmp_path)!r}, io_threads=2)
         pipe = LayerPipeline(lay, host_bytes=1 << 20, store=store)
+        real = store.engine.write_file
+        def slow(*a, **k):  # a slow disk: writes still queued when the script ends
+            time.sleep(0.05)
+            return real(*a, **k)
+        store.engine.write_file = slow
         for i in range(8):
             for layer in range(4):
                 pipe.save_layer(layer, {{f"k{{i}}": torch.tensor([i, i + 8])}})
             pipe.wait_for_save()
-        pipe.prefetch("k0", num_blocks=2)  # a read in flight: the writes wait for it
+        if {closing!r}:  # another thread is closing the pipeline as the main thread ends: the exit
+            threading.Thread(target=pipe.close).start()  # hook waits for that close (it returned at once)
+            time.sleep(0.02)
     """)
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     from kvkernels.io import KVStore

@@ -430,11 +430,20 @@ def test_a_failing_header_write_closes_its_file(tmp_path):
     path = tmp_path / "f"
     path.write_bytes(bytes(8192))
     eng = PosixEngine()
-    before = len(os.listdir("/proc/self/fd"))
+
+    def open_on_path() -> int:  # descriptors of this file only (not other tests' or threads')
+        n = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                n += os.readlink(f"/proc/self/fd/{fd}") == str(path)
+            except OSError:
+                pass
+        return n
+
     for bad in ([0] * 4096, "a" * 4096):
         with pytest.raises(TypeError):
             eng.write_header(str(path), bad, fsync=False)
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert open_on_path() == 0
     eng.write_header(str(path), bytes(range(256)) * 16, fsync=False)
     assert path.read_bytes()[:4096] == bytes(range(256)) * 16
 
@@ -1027,6 +1036,22 @@ def test_get_without_verify_never_returns_two_versions(tmp_path, monkeypatch, fa
         assert torch.equal(got.result(timeout=30), v2)
         assert next(calls) >= 3  # several groups, and the get read again
         assert store.stats()["replaced_reads"] >= 1 and store.stats()["corrupt"] == 0
+        # pinned to a version (expect=): read again only when the new file holds the same bytes
+        for new, same in ((v2.clone(), True), (v1, False)):
+            calls = itertools.count()
+            first_done.clear()
+            release.clear()
+            before = store.stats()["replaced_reads"]
+            got = store.get("k", out=torch.full_like(v1, 0xCD), expect=store.header("k"))
+            assert first_done.wait(30)
+            store.put("k", new, meta).result()
+            release.set()
+            if same:
+                assert torch.equal(got.result(timeout=30), v2)
+            else:
+                with pytest.raises(KeyError, match="replaced"):
+                    got.result(timeout=30)
+            assert store.stats()["replaced_reads"] == before + 1
 
 
 @pytest.mark.parametrize("expect", [False, True])

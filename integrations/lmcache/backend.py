@@ -173,7 +173,9 @@ class KVKernelsBackend(StoragePluginInterface):
         self.io = ChunkIO(self.store, inplace=self.settings.inplace_io,
                           keep=self.settings.put_threads + self._read_window + 2)
         self._warned: set[str] = set()
-        self._closed = False
+        self._closed = False  # refuses new work from the start of close()
+        self._close_lock = threading.Lock()  # a second close() (the exit hook) waits for one under way
+        self._close_done = False
         # StorageManager.close() closes LocalCPUBackend -- which frees the memory pool -- before the
         # plugins; puts and reads still in flight work on that pool (in-place I/O): drain them first
         close_pool = getattr(local_cpu_backend, "close", None)
@@ -725,11 +727,14 @@ class KVKernelsBackend(StoragePluginInterface):
             time.sleep(0.001)
 
     def close(self) -> None:
-        """Finish pending puts, then close the store. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._put_pool.shutdown(wait=True)
-        self._read_pool.shutdown(wait=True)
-        self.store.close()
-        self.io.bufs.clear()
+        """Finish pending puts, then close the store. Idempotent; a call while another thread
+        closes waits for it."""
+        with self._close_lock:
+            if self._close_done:
+                return
+            self._closed = True
+            self._put_pool.shutdown(wait=True)
+            self._read_pool.shutdown(wait=True)
+            self.store.close()
+            self.io.bufs.clear()
+            self._close_done = True

@@ -277,7 +277,9 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         self._read_window = max(1, n_io * _READ_WINDOW_PER_THREAD)
         # the I/O core shared with the in-process plugin: in-place vectored I/O for raw objects
         self.io = ChunkIO(self.store, inplace=True, keep=settings.put_threads + 2 * self._read_window + 2)
-        self._closed = False
+        self._closed = False  # refuses new work from the start of close()
+        self._close_lock = threading.Lock()  # a second close() (the exit hook) waits for one under way
+        self._close_done = False
         # closed at interpreter exit before the store (store tasks still queued are written)
         close_before_stores_at_exit(self)
         self.counters = {k: 0 for k in ("store_tasks", "stored", "store_skipped", "store_errors", "lookup_tasks",
@@ -660,14 +662,17 @@ class KVKernelsL2Adapter(L2AdapterInterface):
     def close(self) -> None:
         """Finish submitted tasks (their completions are still signalled), close the store and the fds.
 
-        Idempotent. Entries persist: a new adapter on the same paths finds them.
+        Idempotent (a call while another thread closes waits for it). Entries persist: a new
+        adapter on the same paths finds them.
         """
-        if self._closed:
-            return
-        self._closed = True
-        for pool in (self._store_pool, self._load_pool, self._lock_pool):
-            pool.shutdown(wait=True)
-        self.store.close()
-        self.io.bufs.clear()
-        for efd in (self._store_efd, self._lookup_efd, self._load_efd):
-            efd.close()
+        with self._close_lock:
+            if self._close_done:
+                return
+            self._closed = True
+            for pool in (self._store_pool, self._load_pool, self._lock_pool):
+                pool.shutdown(wait=True)
+            self.store.close()
+            self.io.bufs.clear()
+            for efd in (self._store_efd, self._lookup_efd, self._load_efd):
+                efd.close()
+            self._close_done = True
