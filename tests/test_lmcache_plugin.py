@@ -1085,6 +1085,24 @@ def test_async_lookup_pins_are_released_by_their_prefetch_only(mgr):
     assert not mgr.plugin._lookup_pins  # nothing left recorded for the finished lookup
 
 
+def test_a_closed_plugin_answers_lookups_puts_and_prefetches_without_raising(mgr):
+    """LMCache can close the plugin alone (closing its CPU backend closes it) and keep calling it:
+    lookups said hit (every get then missed), puts raised into StorageManager.batched_put, and a
+    prefetch raised inside LMCache's done-callback (the scheduler never heard back)."""
+    keys = [_key(320 + i) for i in range(2)]
+    mgr.put(keys, [mgr.chunk(320 + i)[0] for i in range(2)])
+    assert mgr.run(mgr.plugin.batched_async_contains("req-c", keys, pin=True)) == 2
+    before = _active(mgr)
+    mgr.plugin.close()
+    assert not mgr.plugin.contains(keys[0]) and mgr.plugin.batched_contains(keys) == 0
+    o, _ = mgr.chunk(330)
+    assert mgr.plugin.batched_submit_put_task([_key(330)], [o]) == []
+    o.ref_count_down()
+    assert mgr.run(mgr.plugin.batched_get_non_blocking("req-c", keys)) == []
+    assert _active(mgr) == before  # what the prefetch allocated went back
+    assert not mgr.plugin._lookup_pins and all(mgr.plugin.pin_count(k) == 0 for k in keys)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn], ids=str)
 def test_byteshuffle_setting_stores_non_16bit_chunks_unshuffled(tmp_path, dtype):
     m = Manager(tmp_path / "kv", dtype=dtype, fsync=False, compression="zstd", byteshuffle=True)

@@ -274,6 +274,8 @@ class KVKernelsBackend(StoragePluginInterface):
 
     # ------------------------------------------------------------------ lookups
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        if self._closed:  # (LMCache may close its CPU backend, and so this plugin, and keep asking)
+            return False  # a hit here would be a miss at every get
         ks = key_string(key)
         if pin and self._store_pins:
             return self._pin(ks)  # the store's pin is the hit test: no eviction between a check and the pin
@@ -382,10 +384,15 @@ class KVKernelsBackend(StoragePluginInterface):
                                 ) -> Optional[List[Future]]:
         """Store chunks asynchronously; returns one Future (of the written header) per accepted key.
 
-        Keys already stored or being stored are skipped (no reference taken, no callback).
+        Keys already stored or being stored are skipped (no reference taken, no callback), as
+        are all keys once the plugin is closed (LMCache's StorageManager.batched_put does not
+        expect a backend to raise).
         """
         if self._closed:
-            raise RuntimeError("KVKernelsBackend is closed")
+            self._warn_once("closed-put", "kvkernels LMCache plugin: closed (with LMCache's CPU backend); "
+                            "puts are skipped")
+            self._count("put_skipped", len(keys))
+            return []
         futures: List[Future] = []
         for key, obj in zip(keys, objs):
             ks = key_string(key)
@@ -634,10 +641,17 @@ class KVKernelsBackend(StoragePluginInterface):
                 if self._closed:
                     raise RuntimeError("KVKernelsBackend is closed")
                 ok = await loop.run_in_executor(self._read_pool, self._read_many, kss[: len(objs)], objs, orders)
-            except BaseException:  # e.g. the plugin closed while this get waited: nothing leaks
+            except BaseException as exc:  # e.g. the plugin closed while this get waited: nothing leaks
                 for o in objs:
                     o.ref_count_down()
-                raise
+                if sync or not isinstance(exc, Exception):
+                    raise
+                # a prefetch: LMCache's done-callback would fail on an exception and never answer
+                # the scheduler for this request; no chunks is an answer
+                self._count("get_errors")
+                log.warning("kvkernels LMCache plugin: prefetch %s read nothing: %s: %s", lookup_id,
+                            type(exc).__name__, exc)
+                return []
             result: list[MemoryObj] = []
             broken = False
             for obj, good in zip(objs, ok):
