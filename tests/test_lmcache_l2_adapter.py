@@ -591,6 +591,27 @@ def test_a_task_storing_a_key_another_task_writes_reports_that_write(adapter, l1
     assert adapter.report_status()["stores_in_flight"] == 0
 
 
+def test_a_store_that_fails_before_its_write_releases_the_key_for_the_next_task(adapter, l1, monkeypatch):
+    """io.put raising (before any write) fails that task and gives the key's claim back: a later
+    task storing the key writes it (a kept claim made every later task wait forever on it)."""
+    real_put = adapter.io.put
+    calls = []
+
+    def failing_once(*a, **k):
+        calls.append(a[0])
+        if len(calls) == 1:
+            raise OSError(28, "simulated: no space left before the write")
+        return real_put(*a, **k)
+
+    monkeypatch.setattr(adapter.io, "put", failing_once)
+    objs = l1.alloc(1, seed=9)
+    assert not _store(adapter, [_key(91)], objs).is_successful()
+    assert adapter.counters["store_errors"] == 1 and not adapter.store.contains(object_key_string(_key(91)))
+    assert _store(adapter, [_key(91)], objs).is_successful()  # within _wait's timeout: not stuck
+    assert adapter.store.contains(object_key_string(_key(91))) and len(calls) == 2
+    assert adapter.report_status()["stores_in_flight"] == 0
+
+
 def test_close_finishes_submitted_work(l1, tmp_path):
     a = _make(l1, tmp_path / "kv")
     src = l1.alloc(2, seed=110)

@@ -1085,6 +1085,51 @@ def test_async_lookup_pins_are_released_by_their_prefetch_only(mgr):
     assert not mgr.plugin._lookup_pins  # nothing left recorded for the finished lookup
 
 
+def test_a_put_that_fails_before_the_store_releases_its_chunk_and_never_calls_back(mgr, monkeypatch):
+    """The conversion or the store refuses a chunk (here io.put raises): LMCache's reference goes
+    back, the callback is not called, the future fails, and nothing stays counted pending."""
+    def refuse(*a, **k):
+        raise OSError(28, "simulated: refused before the write")
+
+    monkeypatch.setattr(mgr.plugin.io, "put", refuse)
+    before = _active(mgr)
+    o, _ = mgr.chunk(340)
+    called = []
+    futs = mgr.plugin.batched_submit_put_task([_key(340)], [o], on_complete_callback=called.append)
+    o.ref_count_down()  # LMCache's own reference (StorageManager.batched_put drops it)
+    mgr.plugin.flush(timeout=30)
+    assert len(futs) == 1 and isinstance(futs[0].exception(timeout=30), OSError)
+    assert called == [] and mgr.plugin.stats()["put_errors"] == 1 and not mgr.plugin.contains(_key(340))
+    assert _active(mgr) == before and mgr.plugin._held == 0 and not mgr.plugin._put_tasks
+
+
+def test_a_prefetch_whose_middle_chunk_is_corrupt_returns_the_prefix_and_frees_the_rest(mgr):
+    """Prefix semantics: LMCache pairs the returned chunks with its keys by position, so after a
+    chunk that fails to read nothing may be returned (a later chunk would restore the wrong
+    tokens), and everything allocated after it goes back."""
+    from kvkernels.io import key_digest
+
+    keys = [_key(350 + i) for i in range(3)]
+    refs = []
+    for i, k in enumerate(keys):
+        o, ref = mgr.chunk(350 + i)
+        refs.append(ref)
+        mgr.put([k], [o])
+    with open(mgr.plugin.store._index[key_digest(key_string(keys[1]))].path, "r+b") as f:
+        f.seek(4096 + 100)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert mgr.run(mgr.plugin.batched_async_contains("req-p", keys, pin=True)) == 3
+    before = _active(mgr)
+    got = mgr.run(mgr.plugin.batched_get_non_blocking("req-p", keys))
+    assert len(got) == 1 and bytes_equal(got[0].tensor, refs[0])
+    assert _active(mgr) == before + 1  # only the returned chunk is held
+    got[0].ref_count_down()
+    assert _active(mgr) == before and all(mgr.plugin.pin_count(k) == 0 for k in keys)
+    assert mgr.plugin.contains(keys[2]) and not mgr.plugin.contains(keys[1])  # the corrupt one was dropped
+
+
 def test_a_closed_plugin_answers_lookups_puts_and_prefetches_without_raising(mgr):
     """LMCache can close the plugin alone (closing its CPU backend closes it) and keep calling it:
     lookups said hit (every get then missed), puts raised into StorageManager.batched_put, and a
