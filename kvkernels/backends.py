@@ -75,6 +75,12 @@ def resolve(backend: str, device: torch.device) -> str:
             return b
     if b not in BACKENDS:
         raise ValueError(f"`backend`: expected one of auto, {', '.join(BACKENDS)}, got {backend!r}")
+    if b == "triton" and not triton_available(device) and device.type == "cpu" and backend.lower() == "auto" \
+            and _triton_import_error() is None:
+        # chosen by KVKERNELS_BACKEND for every call, as `cuda` below: calls on CPU tensors (the
+        # LMCache plugin's host chunks) take the torch backend where Triton has no interpreter
+        log.debug("kvkernels: KVKERNELS_BACKEND=triton -> torch on %s (no TRITON_INTERPRET)", device)
+        return "torch"
     if b == "triton" and not triton_available(device):
         why = _triton_import_error() or (
             "CPU tensors need TRITON_INTERPRET=1 set before triton is imported" if device.type == "cpu" else "no CUDA device"

@@ -162,7 +162,10 @@ def _checked_views(views, _names=None) -> tuple[tuple[torch.Tensor, ...], ...]:
     for li, entry in enumerate(items):
         if isinstance(entry, torch.Tensor):
             fail(f"views[{li}]", "a sequence of 1 (MLA) or 2 (K, V) tensors", "a single Tensor", TypeError)
-        entry = list(entry)
+        try:
+            entry = list(entry)
+        except TypeError:
+            fail(f"views[{li}]", "a sequence of 1 (MLA) or 2 (K, V) tensors", type(entry).__name__, TypeError)
         check(len(entry) in (1, 2), f"views[{li}]", "1 (MLA) or 2 (K, V) tensors", len(entry))
         norm.append(entry)
     for li, entry in enumerate(norm):

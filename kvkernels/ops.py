@@ -54,7 +54,9 @@ def check_errors(device=None) -> None:
         try:
             want = torch.device(device)
         except (RuntimeError, TypeError):
-            fail("device", "a torch.device, a device string or index, or None", repr(device), TypeError)
+            # a str or int of the right type naming no device is a bad value; anything else a bad type
+            fail("device", "a torch.device, a device string or index, or None", repr(device),
+                 ValueError if isinstance(device, (str, int)) else TypeError)
         keys = [k for k in _ERR if same_device(torch.device(k), want)]
     for key in keys:
         t = _ERR.get(key)

@@ -79,9 +79,14 @@ def store_scheme(*, quant=None, shuffle: bool = False, granularity: str = "token
     """The store header's ``scheme`` for a gather with these arguments (the inverse of
     :func:`scheme_args`). With ``dtype`` (the cache's), the rule the integrations apply to
     whatever chunks arrive: FP8 only for bf16/fp16/fp32 (8-bit caches pass through as they are),
-    byte-plane shuffle only for 16-bit elements; FP8 wins over shuffle."""
+    byte-plane shuffle only for 16-bit elements; FP8 wins over shuffle. Arguments are checked
+    whatever applies (a typo must not turn into a header that says ``"raw"``)."""
+    check(quant in QUANT_SCHEMES or quant == "none", "quant", "None, 'none' (the integrations' setting) or 'fp8'",
+          repr(quant))
+    check(isinstance(shuffle, bool), "shuffle", "a bool", repr(type(shuffle)), TypeError)
+    _check_granularity(granularity)
+    check(dtype is None or isinstance(dtype, torch.dtype), "dtype", "a torch.dtype or None", repr(dtype), TypeError)
     if quant == "fp8" and (dtype is None or dtype in FP8_SOURCE_DTYPES):
-        _check_granularity(granularity)
         return f"fp8-{granularity}"
     if shuffle and (dtype is None or dtype.itemsize == 2):
         return "shuffle"
@@ -425,7 +430,8 @@ def scatter_fp8(staging: torch.Tensor, layout: PagedLayout, block_ids: torch.Ten
     dst = ids.index_select(0, sel)
     if layout.device.type == "cpu" and staging.device.type == "cpu":
         return _scatter_fp8_cpu(staging, layout, sel, dst, fmt)
-    buf = staging.to(layout.device) if staging.device != layout.device else staging
+    # (only the format's bytes cross: the staging may be a slice of a large pinned pool)
+    buf = staging[: fmt.nbytes].to(layout.device) if staging.device != layout.device else staging
     n, bs, hh, d = fmt.num_blocks, fmt.block_size, fmt.num_heads, fmt.head_dim
     sshape = (n, bs, hh) if fmt.granularity == "token" else (n, hh)
     for layer in fmt.layers:
@@ -524,7 +530,8 @@ def scatter_shuffle(staging: torch.Tensor, layout: PagedLayout, block_ids: torch
     """Reference shuffled scatter: undo the plane split, then the raw scatter (in place)."""
     from . import reference
 
-    buf = staging.to(layout.device) if staging.device != layout.device else staging
+    # (only the format's bytes cross: the staging may be a slice of a large pinned pool)
+    buf = staging[: fmt.nbytes].to(layout.device) if staging.device != layout.device else staging
     raw = torch.zeros(fmt.nbytes, dtype=torch.uint8, device=layout.device)
     half = fmt.entry_nbytes // 2
     for off in _entries(fmt):

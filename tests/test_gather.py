@@ -338,6 +338,22 @@ def test_bad_input_raises_before_any_write(call, exc, match):
     assert all(torch.equal(x, y) for x, y in zip(before, all_bytes(lay)))
 
 
+def test_env_backend_triton_on_cpu_without_the_interpreter_takes_torch(monkeypatch):
+    """KVKERNELS_BACKEND=triton applies to every call: CPU tensors (the LMCache plugin's host
+    chunks) without the interpreter took it and every such call raised; as with `cuda`, they take
+    the torch backend, while an explicit backend="triton" still says why it cannot run."""
+    from kvkernels import backends
+
+    monkeypatch.setattr(backends, "triton_available", lambda device=None: device is not None and device.type == "cuda")
+    monkeypatch.setenv("KVKERNELS_BACKEND", "triton")
+    cpu = torch.device("cpu")
+    assert backends.resolve("auto", cpu) == "torch"
+    with pytest.raises(RuntimeError, match="'triton' is not available on cpu"):
+        backends.resolve("triton", cpu)
+    lay = make_cache("vllm-nhd", num_layers=1, num_blocks=4, block_size=2, num_heads=1, head_dim=8, device="cpu")
+    assert torch.equal(kvkernels.gather(lay, [1]), expected_staging(lay, [1]))
+
+
 def test_env_backend_and_bad_env(monkeypatch):
     lay = _lay()
     monkeypatch.setenv("KVKERNELS_BACKEND", "triton")
@@ -591,8 +607,10 @@ def test_small_input_checks_found_in_the_fourteenth_review(monkeypatch):
     assert kvkernels.config.max_ctas() == 16
     monkeypatch.setenv("KVKERNELS_BACKEND", " torch ")
     assert kvkernels.config.backend() == "torch"
-    with pytest.raises(TypeError, match="`device`"):
+    with pytest.raises(ValueError, match="`device`"):  # the right type, naming no device
         kvkernels.check_errors("bogus")
+    with pytest.raises(TypeError, match="`device`"):
+        kvkernels.check_errors(2.5)
     with pytest.raises(TypeError, match="`layout`: expected a kvkernels.PagedLayout, got str"):
         kvkernels.staging_nbytes("x", 2)
     with pytest.raises(TypeError, match="`layout`"):

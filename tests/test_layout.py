@@ -148,6 +148,7 @@ def test_from_strides_generic_and_bounds():
         (lambda: PagedLayout.from_cross_layer(torch.zeros(B, 2, N, H, D), order="BKNHD"), "'L'", ValueError),
         (lambda: PagedLayout.from_tensor(torch.zeros(B, N, H), "BNH"), "'D'", ValueError),
         (lambda: PagedLayout.from_views([[torch.zeros(B, N, H, D)] * 3]), "1 \\(MLA\\) or 2", ValueError),
+        (lambda: PagedLayout.from_views([5]), "views\\[0\\]`: expected a sequence", TypeError),
         (lambda: PagedLayout.from_views([[torch.zeros(B, N, H, D, dtype=torch.complex64)]]), "real dtype", TypeError),
     ],
 )

@@ -843,6 +843,14 @@ def test_store_scheme_is_the_inverse_of_scheme_args_and_the_integrations_rule():
     assert store_scheme(shuffle=True, dtype=torch.float32) == "raw"
     with pytest.raises(ValueError, match="granularity"):
         store_scheme(quant="fp8", granularity="row")
+    # a bad argument is an error whatever the dtype decides (it used to become a "raw" header)
+    assert store_scheme(quant="none", shuffle=True, dtype=torch.bfloat16) == "shuffle"  # the integrations' setting
+    for bad, exc, name in (({"quant": "FP8"}, ValueError, "quant"), ({"quant": "int8"}, ValueError, "quant"),
+                           ({"quant": "fp8", "granularity": "blk", "dtype": torch.uint8}, ValueError, "granularity"),
+                           ({"shuffle": 1, "dtype": torch.bfloat16}, TypeError, "shuffle"),
+                           ({"dtype": "bfloat16"}, TypeError, "dtype")):
+        with pytest.raises(exc, match=name):
+            store_scheme(**bad)
 
 
 def test_fp8_per_block_gather_head_offsets_past_2_31_elements():
