@@ -377,8 +377,6 @@ class KVStore:
         self._hasher = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="kvk-store-hash")
         # puts end (header, fdatasync, rename, directory fsync) on these threads, off the workers
         self._committer = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="kvk-store-commit")
-        for pool in (self._hasher, self._committer):
-            _start_threads(pool, self.io_threads)
         self._closed = False
         self._close_done = False  # close() ran to its end (an interrupted one did not)
         self._pid = os.getpid()  # a forked child inherits the store without its workers or lock
@@ -391,6 +389,8 @@ class KVStore:
         # rename good files to *.corrupt. An advisory lock on <root>/.kvkernels.lock refuses it.
         self._locks = _lock_roots(self.paths)
         try:
+            for pool in (self._hasher, self._committer):  # (once the folders are ours: a refused open starts none)
+                _start_threads(pool, self.io_threads)
             self.recovery = self._recover()
             self._workers = [threading.Thread(target=self._worker, name=f"kvk-store-{i}", daemon=True)
                              for i in range(self.io_threads)]

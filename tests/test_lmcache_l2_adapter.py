@@ -612,6 +612,31 @@ def test_a_store_that_fails_before_its_write_releases_the_key_for_the_next_task(
     assert adapter.report_status()["stores_in_flight"] == 0
 
 
+def test_an_unlock_after_a_corrupt_drop_leaves_a_newer_locks_pin(adapter, l1):
+    """Lookup A locks (pins) a key; A's load finds it corrupt and the store drops it with its pins;
+    it is stored again and lookup B locks it; A's unlock then took B's store pin (evictable while
+    LMCache holds B's lock)."""
+    from kvkernels.io import key_digest
+
+    k = _key(901)
+    ks = object_key_string(k)
+    objs = l1.alloc(1, seed=1)
+    assert _store(adapter, [k], objs).is_successful()
+    assert _lookup(adapter, [k]) == [0]  # lookup A
+    with open(adapter.store._index[key_digest(ks)].path, "r+b") as f:
+        f.seek(4096 + 100)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert _load(adapter, [k], l1.alloc(1, seed=2)) == []  # corrupt: dropped, pins too
+    assert _store(adapter, [k], objs).is_successful()
+    assert _lookup(adapter, [k]) == [0]  # lookup B
+    _unlock_and_settle(adapter, [k])  # A's unlock
+    assert adapter.store.pin_count(ks) == adapter.lock_count(k) == 1
+    _unlock_and_settle(adapter, [k])  # B's
+    assert adapter.store.pin_count(ks) == adapter.lock_count(k) == 0
+
+
 def test_close_finishes_submitted_work(l1, tmp_path):
     a = _make(l1, tmp_path / "kv")
     src = l1.alloc(2, seed=110)

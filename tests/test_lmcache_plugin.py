@@ -619,6 +619,47 @@ def test_an_unpin_after_the_store_dropped_the_entry_leaves_a_newer_lookups_pin(m
     assert mgr.plugin.remove(k) and not mgr.plugin.contains(k, pin=True) and mgr.plugin.pin_count(k) == 0
 
 
+def test_an_unpin_after_a_remove_leaves_the_pin_of_a_lookup_made_after_the_key_was_stored_again(mgr):
+    """LMCache removes keys other requests still hold lookup pins on (remove_after_retrieve, clear):
+    remove() dropped this plugin's count too, so the old lookup's unpin (sync) or prefetch (async)
+    then took the pin of a lookup made after the key was stored again."""
+    for sync in (True, False):
+        k = _key(702 if sync else 703)
+        ks = key_string(k)
+        mgr.put([k], [mgr.chunk(1)[0]])
+        if sync:
+            assert mgr.plugin.contains(k, pin=True)  # lookup A
+        else:
+            assert mgr.run(mgr.plugin.batched_async_contains("A", [k], pin=True)) == 1
+        assert mgr.plugin.remove(k)
+        mgr.put([k], [mgr.chunk(2)[0]])
+        assert mgr.run(mgr.plugin.batched_async_contains("B", [k], pin=True)) == 1  # lookup B
+        if sync:
+            mgr.plugin.unpin(k)  # A's unpin
+        else:
+            for o in mgr.run(mgr.plugin.batched_get_non_blocking("A", [k])):  # A's prefetch
+                o.ref_count_down()
+        assert mgr.plugin.store.pin_count(ks) == 1, "B's pin was taken"
+        for o in mgr.run(mgr.plugin.batched_get_non_blocking("B", [k])):
+            o.ref_count_down()
+        assert mgr.plugin.store.pin_count(ks) == 0 and mgr.plugin.pin_count(k) == 0 and not mgr.plugin._lookup_pins
+
+
+def test_a_tail_unpin_trims_the_record_of_the_lookup_that_just_ran(mgr):
+    """LMCache unpins a lookup's rounded-off tail right after that lookup's batched_async_contains;
+    the plugin trimmed the oldest lookup's record instead: the newest record stayed orphaned and its
+    pin was never released (the entry could never be evicted)."""
+    k1, k2 = _key(811), _key(812)
+    mgr.put([k1, k2], [mgr.chunk(1)[0], mgr.chunk(2)[0]])
+    assert mgr.run(mgr.plugin.batched_async_contains("A", [k1, k2], pin=True)) == 2
+    mgr.plugin.store.remove(key_string(k2))  # the store drops one layer key (e.g. found corrupt)
+    assert mgr.run(mgr.plugin.batched_async_contains("B", [k1, k2], pin=True)) == 1
+    mgr.plugin.unpin(k1)  # LMCache's tail unpin for B (a partial chunk rounds to 0); B gets no prefetch
+    for o in mgr.run(mgr.plugin.batched_get_non_blocking("A", [k1, k2])):
+        o.ref_count_down()
+    assert mgr.plugin.store.pin_count(key_string(k1)) == 0 and not mgr.plugin._lookup_pins
+
+
 def test_layerwise_lookup_of_a_partly_stored_chunk_leaves_no_pins(tmp_path):
     """LMCache 0.5.6's layer-wise lookup (StorageManager.batched_contains over a chunk's layer keys,
     pin=True) records the pins only for a chunk found whole in one backend; a chunk with a layer
@@ -1144,7 +1185,8 @@ def test_a_closed_plugin_answers_lookups_puts_and_prefetches_without_raising(mgr
     assert mgr.plugin.batched_submit_put_task([_key(330)], [o]) == []
     o.ref_count_down()
     assert mgr.run(mgr.plugin.batched_get_non_blocking("req-c", keys)) == []
-    assert _active(mgr) == before  # what the prefetch allocated went back
+    assert mgr.plugin.batched_get_blocking(keys) == [None, None] and not mgr.plugin.pin(keys[0])
+    assert _active(mgr) == before  # nothing allocated from LMCache's pool (it may be freed with the plugin)
     assert not mgr.plugin._lookup_pins and all(mgr.plugin.pin_count(k) == 0 for k in keys)
 
 

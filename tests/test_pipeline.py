@@ -932,7 +932,8 @@ def test_saves_of_a_pipeline_left_open_at_exit_reach_the_store(tmp_path, closing
             pipe.wait_for_save()
         if {closing!r}:  # another thread is closing the pipeline as the main thread ends: the exit
             threading.Thread(target=pipe.close).start()  # hook waits for that close (it returned at once)
-            time.sleep(0.02)
+            while not pipe._closed:  # (set inside close(), under its lock: the hook must wait)
+                time.sleep(0.001)
     """)
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     from kvkernels.io import KVStore

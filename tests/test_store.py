@@ -273,8 +273,10 @@ def test_a_second_store_on_one_folder_is_refused_until_the_first_closes(tmp_path
     first = KVStore(tmp_path / "a")
     try:
         first.put("k", buf, meta).result()
+        threads = threading.active_count()
         with pytest.raises(RuntimeError, match="in use by another KVStore"):
-            KVStore(tmp_path / "a")
+            KVStore(tmp_path / "a", io_threads=4)
+        assert threading.active_count() == threads  # a refused open starts no thread (they stayed alive)
         with pytest.raises(RuntimeError, match="in use by another KVStore"):  # any root shared
             KVStore([other, tmp_path / "a"])
         with KVStore(other):  # the refused store released what it had taken

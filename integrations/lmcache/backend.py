@@ -331,6 +331,8 @@ class KVKernelsBackend(StoragePluginInterface):
             return True
 
     def pin(self, key: CacheEngineKey) -> bool:
+        if self._closed:
+            return False
         ks = key_string(key)
         if not self._store_pins and not self.store.contains(ks):
             return False
@@ -343,7 +345,9 @@ class KVKernelsBackend(StoragePluginInterface):
             # LMCache unpins a lookup's rounded-off tail itself: pins recorded for lookups may never
             # exceed the pins held, so such a record gives the key up (and an empty record goes)
             excess = sum(rec.get(ks, 0) for rec in self._lookup_pins.values()) - self._pins.get(ks, 0)
-            for lid, rec in list(self._lookup_pins.items()):
+            # newest first: LMCache's tail unpin follows the lookup whose batched_async_contains
+            # just ran (no await between them), not the oldest record
+            for lid, rec in reversed(list(self._lookup_pins.items())):
                 if excess <= 0:
                     break
                 take = min(excess, rec.get(ks, 0))
@@ -558,6 +562,8 @@ class KVKernelsBackend(StoragePluginInterface):
         Room in LMCache's pool is waited for up to :data:`_SYNC_ALLOC_WAIT_S` (LMCache's own
         ``busy_loop`` waits forever, and the objects this call already holds may be what would free
         it); after one such timeout the remaining keys get one try each."""
+        if self._closed:  # misses, allocating nothing (LMCache's pool may be freed already)
+            return [None] * len(keys)
         self._count("gets", len(keys))
         kss = [key_string(k) for k in keys]
         objs: List[Optional[MemoryObj]] = []
@@ -607,6 +613,10 @@ class KVKernelsBackend(StoragePluginInterface):
             objs: list = []
             orders: list = []
             sync = lookup_id == _SYNC_LOOKUP_ID
+            if self._closed:  # nothing allocated: LMCache's pool may be freed already (closed with it)
+                if sync:
+                    raise RuntimeError("KVKernelsBackend is closed")
+                return []
             loop = asyncio.get_running_loop()
             no_room = False
             for key, ks in zip(keys, kss):
@@ -707,13 +717,10 @@ class KVKernelsBackend(StoragePluginInterface):
 
     # ------------------------------------------------------------------ removal / lifecycle
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
-        ks = key_string(key)
-        with self._lock:
-            pins = self._pins.pop(ks, 0)
-        if pins and self._store_pins:
-            for _ in range(pins):
-                self.store.unpin(ks)
-        return self.store.remove(ks)
+        # the store's drop takes its pins; the lookups holding them still unpin later, and those
+        # unpins give up the lost pins first (_unpin_ks), never the pin of a lookup made after the
+        # key was stored again (dropping this plugin's count here let them take those)
+        return self.store.remove(key_string(key))
 
     def get_allocator_backend(self):
         return self.local_cpu_backend

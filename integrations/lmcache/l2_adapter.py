@@ -532,7 +532,9 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                     del self._locks[ks]
                 else:
                     self._locks[ks] = n - 1
-                if self._store_pins:
+                # a lock whose pin the store lost with the entry (dropped as corrupt, perhaps stored
+                # and locked again since) gives up that lost pin, not a newer lock's
+                if self._store_pins and self.store.pin_count(ks) >= n:
                     self.store.unpin(ks)
 
     def lock_count(self, key: "ObjectKey") -> int:
