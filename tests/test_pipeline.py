@@ -49,6 +49,17 @@ def assert_blocks_hold(lay, blocks, expect):
     assert all(bytes_equal(x, y) for a, b in zip(expect, got) for x, y in zip(a, b))
 
 
+def assert_restore_fails_untouched(pipe, lay, key, blocks):
+    """A restore of ``key`` into ``blocks`` reports every block as a load error, nothing as
+    loaded, and leaves the blocks' bytes as they were."""
+    before = snapshot(lay, blocks)
+    run_step_loads(pipe, {key: ids(blocks)})
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert drain(pipe)[1] == set() and pipe.get_block_ids_with_load_errors() == set(blocks)
+    assert_blocks_hold(lay, blocks, before)
+
+
 def save_step_then_restore(pipe, lay, key, src, dst):
     """A whole step's save of blocks ``src`` under ``key`` is reported saved, and its restore into
     ``dst`` brings their bytes back."""
@@ -884,12 +895,7 @@ def test_a_prefetch_whose_entry_is_stored_again_part_way_never_mixes_the_version
         release.set()
         ent = fut.result(timeout=30)
         assert ent.state == "failed" and "KeyError" in ent.error, ent.error
-        before = snapshot(lay, [10, 11])
-        run_step_loads(pipe, {"k": ids([10, 11])})
-        if DEVICE.type == "cuda":
-            torch.cuda.synchronize()
-        assert drain(pipe)[1] == set() and pipe.get_block_ids_with_load_errors() == {10, 11}
-        assert_blocks_hold(lay, [10, 11], before)
+        assert_restore_fails_untouched(pipe, lay, "k", [10, 11])
         # the new version itself is read whole by the next prefetch
         monkeypatch.setattr(store.engine, "read_into", real)
         assert pipe.prefetch("k", num_blocks=2).result(timeout=20).state == "ready"
@@ -1264,10 +1270,7 @@ def test_a_failed_new_save_never_leaves_the_older_save_to_be_restored(reported):
             pipe.save_layer(layer, {"a": ids([3, 4])})
         pipe.wait_for_save()
         assert drain(pipe)[0] == set() and pipe.failed_saves == {"a", "b"} and "a" not in pipe.entries
-        before = snapshot(lay, [10, 11])
-        run_step_loads(pipe, {"a": ids([10, 11])})
-        assert drain(pipe)[1] == set() and pipe.get_block_ids_with_load_errors() == {10, 11}
-        assert_blocks_hold(lay, [10, 11], before)
+        assert_restore_fails_untouched(pipe, lay, "a", [10, 11])
 
 
 def test_a_failed_new_save_removes_the_older_ssd_copy_before_any_prefetch_reads_it(tmp_path):
@@ -1290,12 +1293,7 @@ def test_a_failed_new_save_removes_the_older_ssd_copy_before_any_prefetch_reads_
         ent = pipe.prefetch("a", num_blocks=2).result(timeout=20)
         assert ent.state == "failed" and not store.contains("a")
         assert drain(pipe)[0] == set() and "a" in pipe.failed_saves
-        before = snapshot(lay, [10, 11])
-        run_step_loads(pipe, {"a": ids([10, 11])})
-        if DEVICE.type == "cuda":
-            torch.cuda.synchronize()
-        assert drain(pipe)[1] == set() and pipe.get_block_ids_with_load_errors() == {10, 11}
-        assert_blocks_hold(lay, [10, 11], before)
+        assert_restore_fails_untouched(pipe, lay, "a", [10, 11])
         run_step_saves(pipe, {"a": ids([5, 6])})  # the next save is stored again
         pipe.entries["a"].ssd_future.result(timeout=20)
         assert drain(pipe)[0] == {"a"} and "a" not in pipe.failed_saves
