@@ -817,8 +817,7 @@ class KVStore:
         """
         self._check_process()
         digest = key_digest(key)
-        if expect is not None and not isinstance(expect, Header):
-            fail("expect", "a kvkernels.io.Header from header(key) or None", type(expect).__name__, TypeError)
+        _check_expect(expect)
         with self._lock:
             ent = self._index.get(digest)
             if ent is None or (expect is not None and not _same_content(ent.header, expect)):
@@ -1103,8 +1102,7 @@ class KVStore:
         same bytes (False when the key holds other content now: e.g. a put replaced the version
         found unusable)."""
         self._check_process()
-        if expect is not None and not isinstance(expect, Header):
-            fail("expect", "a kvkernels.io.Header from header(key) or None", type(expect).__name__, TypeError)
+        _check_expect(expect)
         digest = key_digest(key)
         if expect is None:
             return self._drop(digest)
@@ -1189,6 +1187,11 @@ class KVStore:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _check_expect(expect) -> None:
+    if expect is not None and not isinstance(expect, Header):
+        fail("expect", "a kvkernels.io.Header from header(key) or None", type(expect).__name__, TypeError)
 
 
 def _same_content(a: Header, b: Header) -> bool:
