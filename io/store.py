@@ -821,50 +821,17 @@ class KVStore:
         with self._lock:
             ent = self._index.get(digest)
             if ent is None or (expect is not None and not _same_content(ent.header, expect)):
+                if expect is not None:
+                    # the caller's arguments are checked against the version it expects, so a bad
+                    # ``layers`` or ``out`` is an error whether or not that version is still there
+                    _plan_read(expect, layers, out, allocate=False)
                 self._stats["gets"] += 1
                 self._stats["misses"] += 1
                 fut: Future = Future()
                 fut.set_exception(KeyError(key) if ent is None else
                                   KeyError(f"{key!r}: the stored version is not the one expected (replaced)"))
                 return fut
-            h = ent.header
-            if layers is None:
-                sel = list(h.regions)
-            else:
-                from kvkernels.staging import normalize_layers
-
-                if not isinstance(layers, (int, torch.Tensor)):
-                    try:
-                        layers = list(layers)  # read once (a generator), kept for the order below
-                    except TypeError:
-                        pass  # normalize_layers says what is wrong
-                want = normalize_layers(layers, h.meta.num_layers)
-                if isinstance(out, (list, tuple)) and isinstance(layers, list):
-                    want = tuple(layers)  # out[j] receives layers[j]: the caller's order, checked above
-                have = {r.layer: r for r in h.regions}
-                missing = [l for l in want if l not in have]
-                check(not missing, "layers", f"layers stored for this key {tuple(have)}", missing)
-                sel = [have[l] for l in want]
-            region = h.meta.fmt.region_nbytes
-            if isinstance(out, (list, tuple)):
-                check(len(out) == len(sel), "out", f"{len(sel)} region destinations (one per layer read)", len(out))
-                dests = []
-                for j, (r, item) in enumerate(zip(sel, out)):
-                    segs = _check_segments(item, f"out[{j}]")
-                    have_n = sum(t.numel() for t in segs)
-                    check(have_n >= r.stored, f"out[{j}]", f"at least {r.stored} bytes (layer {r.layer})", have_n)
-                    dests.append(_take(segs, r.stored))
-                _check_disjoint(dests)
-            else:
-                total = len(sel) * region
-                if out is None:
-                    out = aligned_empty(total)
-                else:
-                    check_tensor(out, "out")
-                    check(out.dtype == torch.uint8, "out", "dtype torch.uint8", out.dtype, TypeError)
-                    check(out.dim() == 1 and out.is_contiguous(), "out", "a contiguous 1-D buffer", describe(out))
-                    check(out.numel() >= total, "out", f"at least {total} bytes", out.numel())
-                dests = [[out[j * region : j * region + r.stored]] for j, r in enumerate(sel)]
+            sel, dests, out = _plan_read(ent.header, layers, out)
             ent.readers += 1
             self._index.move_to_end(digest)
         pinned = expect is not None  # retried only on a version of the same content
@@ -1187,6 +1154,52 @@ class KVStore:
 
     def __exit__(self, *exc):
         self.close()
+
+
+
+def _plan_read(h: Header, layers, out, *, allocate: bool = True):
+    """``get``'s arguments checked against header ``h``: the regions to read, one list of
+    destination segments per region, and ``out`` (allocated when ``None`` and ``allocate``)."""
+    if layers is None:
+        sel = list(h.regions)
+    else:
+        from kvkernels.staging import normalize_layers
+
+        if not isinstance(layers, (int, torch.Tensor)):
+            try:
+                layers = list(layers)  # read once (a generator), kept for the order below
+            except TypeError:
+                pass  # normalize_layers says what is wrong
+        want = normalize_layers(layers, h.meta.num_layers)
+        if isinstance(out, (list, tuple)) and isinstance(layers, list):
+            want = tuple(layers)  # out[j] receives layers[j]: the caller's order, checked above
+        have = {r.layer: r for r in h.regions}
+        missing = [l for l in want if l not in have]
+        check(not missing, "layers", f"layers stored for this key {tuple(have)}", missing)
+        sel = [have[l] for l in want]
+    region = h.meta.fmt.region_nbytes
+    if isinstance(out, (list, tuple)):
+        check(len(out) == len(sel), "out", f"{len(sel)} region destinations (one per layer read)", len(out))
+        dests = []
+        for j, (r, item) in enumerate(zip(sel, out)):
+            segs = _check_segments(item, f"out[{j}]")
+            have_n = sum(t.numel() for t in segs)
+            check(have_n >= r.stored, f"out[{j}]", f"at least {r.stored} bytes (layer {r.layer})", have_n)
+            dests.append(_take(segs, r.stored))
+        _check_disjoint(dests)
+    else:
+        total = len(sel) * region
+        if out is None:
+            if not allocate:
+                return sel, [], None
+            out = aligned_empty(total)
+        else:
+            check_tensor(out, "out")
+            check(out.dtype == torch.uint8, "out", "dtype torch.uint8", out.dtype, TypeError)
+            check(out.dim() == 1 and out.is_contiguous(), "out", "a contiguous 1-D buffer", describe(out))
+            check(out.numel() >= total, "out", f"at least {total} bytes", out.numel())
+        dests = [[out[j * region : j * region + r.stored]] for j, r in enumerate(sel)]
+    return sel, dests, out
 
 
 def _check_expect(expect) -> None:

@@ -970,6 +970,12 @@ def test_get_with_expect_reads_only_that_version(tmp_path, monkeypatch, fan_out,
         h2 = store.put("k", v2, meta).result()
         with pytest.raises(KeyError, match="not the one expected"):
             store.get("k", expect=h1).result()
+        # bad arguments are errors whether the expected version is there or not (not a miss)
+        for h in (h1, h2):
+            with pytest.raises(ValueError, match="layers"):
+                store.get("k", expect=h, layers=[meta.num_layers])
+            with pytest.raises(ValueError, match="out"):
+                store.get("k", expect=h, out=torch.empty(8, dtype=torch.uint8))
         assert torch.equal(store.get("k", expect=h2, layers=[1, 2]).result(),
                            v2[meta.fmt.region_offset(1):])
         assert not store.remove("k", expect=h1) and store.header("k") is h2  # remove(expect=): that version only
