@@ -90,6 +90,11 @@ def _cu_stream_wait_value32():
     return None
 
 
+def _check_mapping(x, name: str) -> None:
+    if not isinstance(x, Mapping):
+        fail(name, "a mapping {key: block_ids}", type(x).__name__, TypeError)
+
+
 def _layer_groups(num_layers: int, groups: int = 8) -> list[list[int]]:
     """Layers split into at most ``groups`` runs in order: one store read each (a read per layer
     costs per-request overhead; one read for the whole entry delays the first layer)."""
@@ -507,6 +512,11 @@ class LayerPipeline:
         check_int(prefetch_depth, "prefetch_depth", lo=1)
         check_int(max_ctas, "max_ctas", lo=0, hi=config.MAX_CTAS_LIMIT)  # passed to the kernels as is
         check_int(pack_priority, "pack_priority", hi=0)
+        if store is not None and not all(callable(getattr(store, m, None)) for m in ("put", "get")):
+            fail("store", "a kvkernels.io.KVStore (or an object with its put() and get()) or None",
+                 type(store).__name__, TypeError)
+        if not isinstance(read_priority, (bool, np.bool_)):
+            fail("read_priority", "True or False", repr(read_priority), TypeError)
         self.layout = layout
         self.cuda = layout.device.type == "cuda"
         self.stream_api = self._resolve_stream_api(stream_api)
@@ -953,6 +963,7 @@ class LayerPipeline:
         """
         self._ensure_open()
         check_int(layer, "layer", lo=0, hi=self.layout.num_layers - 1)
+        _check_mapping(saves, "saves")
         if not saves:
             return
         self._check_device()
@@ -1384,6 +1395,7 @@ class LayerPipeline:
         half started.
         """
         self._ensure_open()
+        _check_mapping(loads, "loads")
         self._check_device()
         # (key, device ids, host ids as a tuple or None): the host values once, for the cross-request
         # check and for what a failure reports

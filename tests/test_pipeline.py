@@ -303,6 +303,11 @@ def test_bad_construction(kwargs, match):
         LayerPipeline(cache(), **kwargs)
     with pytest.raises(TypeError, match="pack_priority"):
         LayerPipeline(cache(), host_bytes=1 << 20, pack_priority=-1.0)
+    # a folder path is not a store (every save failed at its put, with no error at construction)
+    with pytest.raises(TypeError, match="store"):
+        LayerPipeline(cache(), host_bytes=1 << 20, store="/tmp/kv")
+    with pytest.raises(TypeError, match="read_priority"):
+        LayerPipeline(cache(), host_bytes=1 << 20, read_priority="no")
 
 
 def test_bad_calls():
@@ -315,6 +320,14 @@ def test_bad_calls():
             pipe.wait_for_layer_load(-1)
         with pytest.raises(ValueError, match="store"):
             pipe.prefetch("k", num_blocks=1)
+        # not a {key: ids} mapping: named, and no save is made up from its items
+        pipe.take_failed_saves()  # the calls above failed save 'a'
+        for bad in ([1, 2], "ab", (3,)):
+            with pytest.raises(TypeError, match="saves"):
+                pipe.save_layer(0, bad)
+            with pytest.raises(TypeError, match="loads"):
+                pipe.start_load(bad)
+        assert pipe.take_failed_saves() == set() and not pipe.get_block_ids_with_load_errors()
     with pytest.raises(TypeError, match="layout"):
         LayerPipeline("cache", host_bytes=1 << 20)
 
