@@ -282,7 +282,7 @@ def main(argv=None, prog: str | None = None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--sample", default=None, help=f"real-KV sample (default {DEFAULT_SAMPLE}; made if missing)")
     p.add_argument("--out", default="bench_results", help="directory for CSV/JSON/PNG")
-    p.add_argument("--codecs", nargs="*", choices=["ans", "zstd", "gdeflate", "lz4"])
+    p.add_argument("--codecs", nargs="+", choices=["ans", "zstd", "gdeflate", "lz4"])
     p.add_argument("--reps", type=common.positive_int, default=5)
     p.add_argument("--tiny", action="store_true", help="tiny synthetic input (CI smoke)")
     p.add_argument("--no-plot", action="store_true")
@@ -293,6 +293,18 @@ def main(argv=None, prog: str | None = None) -> int:
         if not any(c in have for c in a.codecs):
             p.error(f"argument --codecs: none of {a.codecs} is available on {dev} (available: {list(have)}; "
                     "ans, gdeflate and lz4 need nvCOMP on a GPU)")
+    if a.sample is not None and not a.tiny:
+        if not os.path.isfile(a.sample):
+            p.error(f"argument --sample: {a.sample!r} is not a file (a sample written by bench/real_kv.py)")
+        try:  # read before anything is measured: a file of another kind is one line, not a traceback
+            from . import real_kv
+        except ImportError:  # pragma: no cover
+            from bench import real_kv  # type: ignore
+        try:
+            real_kv.load_sample(a.sample)
+        except Exception as exc:  # noqa: BLE001 - any unreadable or foreign file
+            p.error(f"argument --sample: {a.sample!r} is not a real-KV sample written by bench/real_kv.py "
+                    f"({type(exc).__name__}: {exc})")
     common.bench_paths(p, out=a.out, scratch=True)  # KVKERNELS_BENCH_DIR, when set: the store leg's folder
     run(sample=a.sample, out_dir=a.out, tiny=a.tiny, reps=a.reps, codecs=a.codecs, plot=not a.no_plot)
     return 0

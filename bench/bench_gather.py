@@ -268,8 +268,8 @@ def run(*, models=None, layouts=("nhd", "hnd"), pool=4096, blocks=2048, out_dir=
 
 def main(argv=None, prog: str | None = None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="*", choices=sorted(MODELS), help="default: all registry models")
-    p.add_argument("--layouts", nargs="*", default=["nhd", "hnd"], choices=["nhd", "hnd"])
+    p.add_argument("--models", nargs="+", choices=sorted(MODELS), help="default: all registry models")
+    p.add_argument("--layouts", nargs="+", default=["nhd", "hnd"], choices=["nhd", "hnd"])
     p.add_argument("--pool", type=common.positive_int, default=4096, help="blocks in the cache pool")
     p.add_argument("--blocks", type=common.positive_int, default=2048, help="random distinct blocks gathered")
     p.add_argument("--out", default="bench_results", help="directory for CSV/JSON/PNG")

@@ -478,8 +478,9 @@ def main(argv=None, prog: str | None = None) -> int:
     """Exit code (0); the rows are :func:`run`'s (and ``run_layerwise`` / ``run_restore``'s) result."""
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--dir", default=None,
-                   help="directory on the disk to measure (default: a temp dir); the bench writes only into a "
-                        "new kvk-bench-lmcache-* folder inside it and removes that folder")
+                   help="directory on the disk to measure (default: a temp dir; created when missing, and then "
+                        "left); the bench writes only into a new kvk-bench-lmcache-* folder inside it and removes "
+                        "that folder")
     p.add_argument("--chunks", type=common.positive_int, default=None,
                    help="256-token chunks per batch (default 32 = 8192 tokens, 1 GiB; 8 with --layerwise)")
     p.add_argument("--reps", type=common.positive_int, default=3)

@@ -819,7 +819,7 @@ def run(*, models=("llama3-8b",), seqs=(4096, 8192), block_sizes=(16, 2), out_di
 
 def main(argv=None, prog: str | None = None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="*", default=["llama3-8b"], choices=sorted(PROXY))
+    p.add_argument("--models", nargs="+", default=["llama3-8b"], choices=sorted(PROXY))
     p.add_argument("--seqs", nargs="+", type=common.positive_int, default=[4096, 8192])
     p.add_argument("--block-sizes", nargs="+", type=common.positive_int, default=[16, 2])
     p.add_argument("--out", default="bench_results")

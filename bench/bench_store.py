@@ -272,8 +272,9 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
 def main(argv=None, prog: str | None = None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--dir", default=None,
-                   help="directory on the disk to measure (default: a temp dir); the bench writes only into a "
-                        "new kvk-bench-store-* folder inside it and removes that folder")
+                   help="directory on the disk to measure (default: a temp dir; created when missing, and then "
+                        "left); the bench writes only into a new kvk-bench-store-* folder inside it and removes "
+                        "that folder")
     p.add_argument("--blocks", type=common.positive_int, default=512,
                    help="blocks per llama3-8b entry (512 = 8192 tokens, 1 GiB)")
     p.add_argument("--entries", type=common.positive_int, default=8)

@@ -48,14 +48,29 @@ def _check_dir(parser: argparse.ArgumentParser, directory: str, what: str) -> No
     if os.path.exists(directory):
         if not os.path.isdir(directory):
             parser.error(f"{what}: {directory!r} is not a directory")
-        if not os.access(directory, os.W_OK | os.X_OK):
-            parser.error(f"{what}: {directory!r} is not writable")
+        why = _cannot_write_in(directory)
+        if why:
+            parser.error(f"{what}: {directory!r} is not writable ({why})")
         return
     parent = os.path.dirname(os.path.abspath(directory))
     while not os.path.exists(parent) and os.path.dirname(parent) != parent:
         parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        parser.error(f"{what}: cannot create {directory!r} ({parent!r} is not a writable directory)")
+    why = "not a directory" if not os.path.isdir(parent) else _cannot_write_in(parent)
+    if why:
+        parser.error(f"{what}: cannot create {directory!r} ({parent!r}: {why})")
+
+
+def _cannot_write_in(directory: str) -> str | None:
+    """Why a folder cannot be made inside ``directory`` (None: it can). Tried, not asked of
+    ``os.access``: root passes every access check, and file systems such as sysfs or a read-only
+    mount refuse what the mode bits allow. The probe folder is removed at once."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kvk-probe-", dir=directory))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def bench_paths(parser: argparse.ArgumentParser, *, out: str | None = None, directory: str | None = None,

@@ -242,6 +242,57 @@ def test_bench_out_that_cannot_take_results_fails_before_measuring(tmp_path, cap
     assert f.read_text() == "data"
 
 
+@pytest.mark.parametrize("bench", ["store", "gather"])
+def test_bench_folder_refusing_writes_is_found_by_trying(tmp_path, capsys, monkeypatch, bench):
+    """A folder whose mode bits allow writing but whose file system refuses it (sysfs, a read-only
+    mount, and any folder for root per os.access) is refused up front: a probe folder is made and
+    removed, not os.access asked (the bench ran, then lost its results to a traceback)."""
+    import errno
+    import tempfile
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = tempfile.mkdtemp
+
+    def mkdtemp(*a, dir=None, **k):
+        if dir is not None and os.path.realpath(dir) == str(ro.resolve()):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), dir)
+        return real(*a, dir=dir, **k)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    flag = "--dir" if bench == "store" else "--out"
+    for target in (ro, ro / "sub"):  # the folder itself, or the folder a missing one is made in
+        with pytest.raises(SystemExit) as e:
+            cli.main(["bench", bench, "--tiny", "--no-plot", flag, str(target)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}" in err and "Read-only file system" in err
+    assert os.listdir(ro) == []
+
+
+def test_bench_compress_refuses_a_sample_it_cannot_read(tmp_path, capsys):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"")
+    torch.save({"not": "a sample"}, tmp_path / "other.pt")
+    for sample, why in ((bad, "not a real-KV sample"), (tmp_path / "other.pt", "not a real-KV sample"),
+                        (tmp_path, "is not a file")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["bench", "compress", "--no-plot", "--sample", str(sample), "--out", str(tmp_path / "o")])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --sample" in err and why in err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("bench, flag", [("gather", "--layouts"), ("gather", "--models"),
+                                         ("pipeline", "--models"), ("compress", "--codecs")])
+def test_bench_list_flags_need_a_value(tmp_path, capsys, bench, flag):
+    # an empty list measured nothing and wrote empty results with exit 0
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", bench, "--tiny", "--no-plot", "--out", str(tmp_path / "o"), flag])
+    assert e.value.code == 2 and "expected at least one argument" in capsys.readouterr().err
+
+
 def test_a_refused_bench_call_leaves_no_folder_behind(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit):
