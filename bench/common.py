@@ -40,24 +40,29 @@ def positive_int(text: str) -> int:
     return val
 
 
-def _check_dir(parser: argparse.ArgumentParser, directory: str, what: str) -> None:
+def check_dir(parser: argparse.ArgumentParser, directory: str, what: str) -> None:
     """``directory`` is, or can be created as, a folder this process can write in; else
-    ``parser.error`` naming ``what`` (usage + one line, exit 2). Creates nothing."""
+    ``parser.error`` naming ``what`` (usage + one line, exit 2). Leaves nothing behind."""
+    why = dir_problem(directory)
+    if why:
+        parser.error(f"{what}: {why}")
+
+
+def dir_problem(directory: str) -> str | None:
+    """Why ``directory`` cannot be used as a folder to write in (None: it can: it is one, or it
+    can be created). Leaves nothing behind."""
     if not directory:
-        parser.error(f"{what}: expected a directory, got an empty path")
+        return "expected a directory, got an empty path"
     if os.path.exists(directory):
         if not os.path.isdir(directory):
-            parser.error(f"{what}: {directory!r} is not a directory")
+            return f"{directory!r} is not a directory"
         why = _cannot_write_in(directory)
-        if why:
-            parser.error(f"{what}: {directory!r} is not writable ({why})")
-        return
+        return f"{directory!r} is not writable ({why})" if why else None
     parent = os.path.dirname(os.path.abspath(directory))
     while not os.path.exists(parent) and os.path.dirname(parent) != parent:
         parent = os.path.dirname(parent)
     why = "not a directory" if not os.path.isdir(parent) else _cannot_write_in(parent)
-    if why:
-        parser.error(f"{what}: cannot create {directory!r} ({parent!r}: {why})")
+    return f"cannot create {directory!r} ({parent!r}: {why})" if why else None
 
 
 def _cannot_write_in(directory: str) -> str | None:
@@ -88,7 +93,7 @@ def bench_paths(parser: argparse.ArgumentParser, *, out: str | None = None, dire
     if out is not None:
         todo.append((out, "argument --out"))
     for d, what in todo:
-        _check_dir(parser, d, what)
+        check_dir(parser, d, what)
     for d, what in todo:
         try:
             os.makedirs(d, exist_ok=True)

@@ -169,6 +169,13 @@ def _cmd_demo(args, parser) -> int:
                      f"default {default}), got {args.blocks}")
     tmp = None
     store = args.store
+    if store is not None:  # before the demo builds and gathers anything, naming the flag
+        from kvkernels.bench.common import dir_problem
+
+        why = dir_problem(store)
+        if why:
+            print(f"kvkernels demo: error: argument --store: {why}", file=sys.stderr)
+            return 2
     if store is None and not args.no_store:
         tmp = store = tempfile.mkdtemp(prefix="kvkernels-demo-")
     try:

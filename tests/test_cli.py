@@ -401,7 +401,8 @@ def test_demo_environment_errors_are_one_line(tmp_path, capsys):
 
     afile = tmp_path / "afile"
     afile.write_text("x")
-    cases = [["--device", "foo"], ["--device", "cpu", "--store", str(afile)]]
+    cases = [["--device", "foo"], ["--device", "cpu", "--store", str(afile)],
+             ["--device", "cpu", "--store", str(afile / "sub")], ["--device", "cpu", "--store", ""]]
     if not HAS_CUDA:
         cases.append(["--device", "cuda"])
     if not backends.cuda_ext_available():
@@ -410,6 +411,8 @@ def test_demo_environment_errors_are_one_line(tmp_path, capsys):
         assert cli.main(["demo", "--blocks", "2", *extra]) == 2, extra
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("kvkernels demo: error: "), (extra, err)
+        if "--store" in extra:  # named as the flag, found before the demo ran (not the store's `paths`)
+            assert "argument --store" in err[0], err
     assert afile.read_text() == "x"
 
 
