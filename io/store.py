@@ -540,7 +540,12 @@ class KVStore:
             for j, item in enumerate(staging):
                 segs = _check_segments(item, f"staging[{j}]")
                 size = sum(t.numel() for t in segs)
-                check(0 < size <= fmt.region_nbytes, f"staging[{j}]", f"1..{fmt.region_nbytes} bytes", size)
+                if not 0 < size <= fmt.region_nbytes:
+                    why = ""
+                    if size > fmt.region_nbytes and meta.scheme.startswith("fp8"):
+                        why = (f"; FP8 with its scales is larger than the raw bytes at head_dim {meta.head_dim}: "
+                               "store this cache raw")
+                    fail(f"staging[{j}]", f"1..{fmt.region_nbytes} bytes (the raw region size){why}", size)
                 pieces.append(segs)
         else:
             check_tensor(staging, "staging")

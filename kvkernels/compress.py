@@ -273,26 +273,41 @@ class CompressedStaging:
 
     @classmethod
     def from_buffer(cls, buf: torch.Tensor, fmt: StagingFormat, stored_nbytes, codec: str, *,
-                    byteshuffle: bool = False, scheme: str | None = None) -> "CompressedStaging":
-        """Wrap regions read back from a store: region ``j`` at ``buf[j * fmt.region_nbytes:]``.
+                    byteshuffle: bool = False, scheme: str | None = None,
+                    region_stride: int | None = None) -> "CompressedStaging":
+        """Wrap regions read back from a store: region ``j`` at ``buf[j * region_stride:]``.
 
         ``stored_nbytes`` comes from the store header (``[r.stored for r in header.regions]``).
         ``scheme``: the header's scheme, optional; with it, :attr:`restore_scheme` is right for a
         ``shuffle`` entry decoded without ``byteshuffle`` (the planes stay: ``"shuffle"``).
+        ``region_stride``: bytes from one region's start to the next in ``buf``, default
+        ``fmt.region_nbytes``. ``KVStore.get(key)`` lays an entry's regions out at the size of its
+        raw staging format, ``header.meta.fmt.region_nbytes``: pass that (an FP8 staging format's
+        regions are smaller, so its default would read the regions from the wrong places).
+        With codec ``none`` a stored size up to the region size (a whole padded region) is taken
+        as its payload.
         """
         _check_bytes(buf, "buf")  # contiguous too: nvCOMP takes the regions' addresses as spans
         codec = _check_codec(codec, allow_auto=False)
         stored = tuple(int(s) for s in stored_nbytes)
         check(len(stored) == fmt.num_regions, "stored_nbytes", f"{fmt.num_regions} sizes", len(stored))
-        lo = 0 if fmt.payload_nbytes == 0 else 1  # an empty staging (no blocks) stores empty regions
+        n = fmt.payload_nbytes
+        lo = 0 if n == 0 else 1  # an empty staging (no blocks) stores empty regions
+        # a codec's region is never larger than its payload (one that did not shrink is stored raw)
+        hi = fmt.region_nbytes if codec == "none" else n
         for j, s in enumerate(stored):
-            check(lo <= s <= fmt.region_nbytes, f"stored_nbytes[{j}]", f"{lo}..{fmt.region_nbytes}", s)
-        need = (fmt.num_regions - 1) * fmt.region_nbytes + stored[-1] if stored else 0
+            check(lo <= s <= hi, f"stored_nbytes[{j}]", f"{lo}..{hi}", s)
+        if codec == "none":  # a whole padded region: its payload, the padding is not the entry's
+            stored = tuple(min(s, n) for s in stored)
+        pitch = fmt.region_nbytes if region_stride is None else check_int(region_stride, "region_stride", lo=0)
+        widest = max(stored, default=0)
+        check(pitch >= widest, "region_stride", f"at least the largest stored region ({widest} bytes)", pitch)
+        need = (fmt.num_regions - 1) * pitch + stored[-1] if stored else 0
         check(buf.numel() >= need, "buf", f"at least {need} bytes (all stored regions)", f"{buf.numel()} bytes")
         check(isinstance(byteshuffle, bool), "byteshuffle", "a bool", type(byteshuffle).__name__, TypeError)
-        if byteshuffle:  # as compress_regions: planes of 16-bit elements only
+        if byteshuffle or scheme == "shuffle":  # as compress_regions: planes of 16-bit elements only
             _check_planes(_esize(fmt))
-        regions = [buf[j * fmt.region_nbytes: j * fmt.region_nbytes + s] for j, s in enumerate(stored)]
+        regions = [buf[j * pitch: j * pitch + s] for j, s in enumerate(stored)]
         own = store_scheme(quant="fp8", granularity=fmt.granularity) if _is_fp8(fmt) else "raw"
         if scheme is not None:
             allowed = (own,) if _is_fp8(fmt) else ("raw", "shuffle")
@@ -882,6 +897,9 @@ def compress_regions(
     check(not (staging_shuffled and byteshuffle), "byteshuffle", "False for a staging gathered with shuffle=True "
           "(it is byte planes already)", True)
     check(not (staging_shuffled and _is_fp8(fmt)), "staging_shuffled", "False for an FP8 staging format", True)
+    if staging_shuffled:  # byte planes exist for 16-bit elements only (an odd entry size lost bytes)
+        check(_esize(fmt) == 2, "staging_shuffled", "False unless the staging holds 16-bit elements "
+              "(gather(shuffle=True) takes bf16 / fp16 caches)", f"element_size {_esize(fmt)}")
     staging_scheme = (store_scheme(quant="fp8", granularity=fmt.granularity) if _is_fp8(fmt)
                       else store_scheme(shuffle=staging_shuffled))
     check_int(chunk_nbytes, "chunk_nbytes", lo=4096, hi=1 << 24)

@@ -336,6 +336,75 @@ def test_store_roundtrip(tmp_path):
     assert torch.equal(decompress_regions(back), staging)
 
 
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_fp8_store_roundtrip_with_the_stores_region_stride(tmp_path, codec):
+    """``KVStore.get(key)`` lays an FP8 entry's regions out at the raw format's region size; with
+    ``region_stride=header.meta.fmt.region_nbytes`` the documented recipe decodes them. Without it,
+    codec none read other bytes with no error (regions 1.. came from the wrong places)."""
+    from kvkernels.io import EntryMeta, KVStore
+    from kvkernels.quant import QuantStagingFormat, gather_quant
+
+    _, _, lay, ids = kv_like(SHAPES[3], torch.bfloat16)
+    q = gather_quant(lay, ids, quant="fp8", backend="torch")
+    qfmt = QuantStagingFormat.for_layout(lay, len(ids))
+    packed = compress_regions(q, qfmt, codec)
+    meta = EntryMeta.for_layout(lay, len(ids), scheme=packed.scheme, codec=packed.codec)
+    with KVStore(tmp_path) as store:
+        store.put("k", packed.regions, meta).result()
+        h = store.header("k")
+        buf = store.get("k").result()
+    assert h.meta.fmt.region_nbytes > qfmt.region_nbytes and qfmt.num_regions > 1
+    back = CompressedStaging.from_buffer(buf, qfmt, [r.stored for r in h.regions], h.meta.codec,
+                                         scheme=h.meta.scheme, region_stride=h.meta.fmt.region_nbytes)
+    assert torch.equal(decompress_regions(back), q[: qfmt.nbytes])
+    with pytest.raises(ValueError, match="region_stride"):
+        CompressedStaging.from_buffer(buf, qfmt, [r.stored for r in h.regions], h.meta.codec,
+                                      region_stride=max(r.stored for r in h.regions) - 1)
+
+
+def test_an_fp8_region_larger_than_raw_is_refused_by_the_store_saying_why(tmp_path):
+    """head_dim 2 on bf16: D + 4 bytes per row of FP8 and scales against 2D raw."""
+    from kvkernels.io import EntryMeta, KVStore
+    from kvkernels.quant import QuantStagingFormat, gather_quant
+
+    _, _, lay, ids = kv_like((16, 16, 8, 2, 1), torch.bfloat16)
+    q = gather_quant(lay, ids, quant="fp8", backend="torch")
+    qfmt = QuantStagingFormat.for_layout(lay, len(ids))
+    meta = EntryMeta.for_layout(lay, len(ids), scheme="fp8-token")
+    assert qfmt.payload_nbytes > meta.fmt.region_nbytes
+    with KVStore(tmp_path) as store, pytest.raises(ValueError, match="larger than the raw bytes at head_dim 2"):
+        store.put("k", [q[: qfmt.payload_nbytes]], meta)
+
+
+def test_from_buffer_takes_a_whole_padded_region_as_codec_none():
+    """A raw entry put as one staging buffer stores whole regions (payload + alignment padding);
+    codec none reads its payload. A codec's stored size above the payload is refused up front."""
+    staging, fmt, _, _ = kv_like(SHAPES[2], torch.bfloat16)
+    assert fmt.region_nbytes > fmt.payload_nbytes
+    back = CompressedStaging.from_buffer(staging, fmt, [fmt.region_nbytes] * fmt.num_regions, "none")
+    out, R, n = decompress_regions(back), fmt.region_nbytes, fmt.payload_nbytes
+    for j in range(fmt.num_regions):
+        assert torch.equal(out[j * R: j * R + n], staging[j * R: j * R + n])
+    with pytest.raises(ValueError, match="stored_nbytes"):
+        CompressedStaging.from_buffer(staging, fmt, [fmt.payload_nbytes + 1] * fmt.num_regions, "zstd")
+
+
+def test_staging_shuffled_needs_16_bit_elements():
+    """Byte planes of 8- or 32-bit elements: an odd entry size lost a byte per entry in the frames
+    (the region never decoded) and fp32 was labelled 'shuffle'. Refused before anything is encoded."""
+    for dtype in (torch.float32, torch.uint8):
+        staging, fmt, _, _ = kv_like(SHAPES[1], dtype)
+        with pytest.raises(ValueError, match="staging_shuffled"):
+            compress_regions(staging, fmt, "zstd", staging_shuffled=True)
+        packed = compress_regions(staging, fmt, "zstd")
+        buf = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+        for j, r in enumerate(packed.regions):
+            buf[j * fmt.region_nbytes: j * fmt.region_nbytes + r.numel()] = r
+        assert CompressedStaging.from_buffer(buf, fmt, packed.stored_nbytes, "zstd", scheme="raw").scheme == "raw"
+        with pytest.raises(ValueError, match="16-bit"):
+            CompressedStaging.from_buffer(buf, fmt, packed.stored_nbytes, "zstd", scheme="shuffle")
+
+
 # --------------------------------------------------------------------------------------- errors
 def test_unknown_codec():
     staging, fmt, _, _ = kv_like(SHAPES[0], torch.bfloat16)
