@@ -227,14 +227,17 @@ int fp8_copy(bool gather, const int64_t* ptr_tab, const void* block_ids, int ids
 // CTA per piece using one stage of its shared memory.
 // Per (device, kernel): the shared-memory opt-in (set once, to the most any launch needs: S stages
 // of kBulkPiece) and the persistent grid at that size, cached so a launch costs no extra runtime
-// calls. Races between host threads only repeat the same idempotent set-up.
+// calls. Races between host threads only repeat the same idempotent set-up. Devices past the
+// cache's size are set up on every launch (not refused); ``redo``: set up again whatever the cache
+// says (a primary-context reset, cudaDeviceReset, drops the opt-in the cache remembers).
 constexpr int kMaxDevices = 64;
 
 template <int S, bool kGather>
-cudaError_t bulk_setup(int device, int64_t* persistent_grid) {
+cudaError_t bulk_setup(int device, int64_t* persistent_grid, bool redo) {
   static std::atomic<int64_t> grid[kMaxDevices];  // 0: not set up yet
-  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
-  int64_t g = grid[device].load(std::memory_order_acquire);
+  if (device < 0) return cudaErrorInvalidDevice;
+  const bool cached = device < kMaxDevices;
+  int64_t g = cached && !redo ? grid[device].load(std::memory_order_acquire) : 0;
   if (g == 0) {
     auto kernel = kvk::bulk_copy_kernel<S, kGather>;
     const int smem = static_cast<int>(kvk::kBulkSmem);  // S * piece never exceeds it (bulk_plan)
@@ -245,7 +248,7 @@ cudaError_t bulk_setup(int device, int64_t* persistent_grid) {
       return e;
     if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return e;
     g = static_cast<int64_t>(per_sm > 0 ? per_sm : 1) * sms;
-    grid[device].store(g, std::memory_order_release);
+    if (cached) grid[device].store(g, std::memory_order_release);
   }
   *persistent_grid = g;
   return cudaSuccess;
@@ -257,18 +260,27 @@ cudaError_t bulk_setup(int device, int64_t* persistent_grid) {
 template <int S>
 cudaError_t launch_bulk(bool gather, const kvk::PagedCopyParams& p, int64_t piece, int64_t units, int64_t max_ctas,
                         int device, cudaStream_t s) {
-  int64_t persistent = 0;
-  cudaError_t e = gather ? bulk_setup<S, true>(device, &persistent) : bulk_setup<S, false>(device, &persistent);
-  if (e != cudaSuccess) return e;
-  const int grid = grid_size(units, max_ctas > 0 ? max_ctas : persistent);
   const size_t smem = static_cast<size_t>(S * piece);
-  clear_last_error();
-  if (gather) {
-    kvk::bulk_copy_kernel<S, true><<<grid, kvk::kBulkThreads, smem, s>>>(p, piece);
-  } else {
-    kvk::bulk_copy_kernel<S, false><<<grid, kvk::kBulkThreads, smem, s>>>(p, piece);
+  for (int attempt = 0;; ++attempt) {
+    int64_t persistent = 0;
+    const bool redo = attempt > 0;
+    cudaError_t e = gather ? bulk_setup<S, true>(device, &persistent, redo)
+                           : bulk_setup<S, false>(device, &persistent, redo);
+    if (e != cudaSuccess) return e;
+    const int grid = grid_size(units, max_ctas > 0 ? max_ctas : persistent);
+    clear_last_error();
+    if (gather) {
+      kvk::bulk_copy_kernel<S, true><<<grid, kvk::kBulkThreads, smem, s>>>(p, piece);
+    } else {
+      kvk::bulk_copy_kernel<S, false><<<grid, kvk::kBulkThreads, smem, s>>>(p, piece);
+    }
+    e = cudaGetLastError();
+    // a launch above the default 48 KiB refused as an invalid argument: the opt-in the cache
+    // remembers may be gone (cudaDeviceReset); set up again and launch once more (nothing ran:
+    // a refused launch configuration is not a sticky error)
+    if (e == cudaErrorInvalidValue && !redo && smem > 48 * 1024) continue;
+    return e;
   }
-  return cudaGetLastError();
 }
 }  // namespace
 

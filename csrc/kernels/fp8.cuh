@@ -121,13 +121,14 @@ KVK_HD float f16_to_f32(uint32_t h) {
   float f;  // cvt.f32.f16 is exact for every input (the software path below is the host's)
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<unsigned short>(h)));
   return f;
-#endif
+#else  // (not a fall-through after the return: older front-ends warn "statement is unreachable")
   const uint32_t sign = (h & 0x8000u) << 16;
   const uint32_t e = (h >> 10) & 0x1Fu;
   const uint32_t m = h & 0x3FFu;
   if (e == 0x1Fu) return bits_f32(sign | 0x7F800000u | (m << 13));
   if (e != 0u) return bits_f32(sign | ((e + 112u) << 23) | (m << 13));
   return bits_f32(f32_bits(static_cast<float>(m) * 5.9604644775390625e-8f) | sign);  // m * 2^-24, exact
+#endif
 }
 
 // |x| bits with non-finite values as 0: the amax of docs/quant.md is the integer max of these
