@@ -326,25 +326,7 @@ class KVStore:
             check_int(capacity_bytes, "capacity_bytes", lo=1)
         self.paths = [os.path.abspath(p) for p in paths]
         self.fsync = bool(fsync)
-        seen: dict[tuple[int, int], str] = {}
-        created: list[str] = []  # folders this call made, top down: their names need a parent fsync
-        for p in self.paths:
-            missing = []
-            d = p
-            while not os.path.isdir(d) and os.path.dirname(d) != d:
-                missing.append(d)
-                d = os.path.dirname(d)
-            os.makedirs(p, exist_ok=True)
-            created += [m for m in reversed(missing) if m not in created]
-            st = os.stat(p)
-            # the same folder twice (or through a link) would make recovery see every file twice and
-            # delete it as its own duplicate
-            check((st.st_dev, st.st_ino) not in seen, "paths", "distinct directories",
-                  f"{p!r} is the same directory as {seen.get((st.st_dev, st.st_ino))!r}")
-            seen[(st.st_dev, st.st_ino)] = p
-        if self.fsync:  # a put acknowledged as durable must not lose the folder it lives in
-            for d in created:
-                _fsync_dir(os.path.dirname(d))
+        # every other argument before a folder is made: a refused store leaves nothing behind
         self.capacity_bytes = capacity_bytes
         self.engine = make_engine(engine)
         self.io_threads = io_threads if io_threads is not None else config.io_threads()
@@ -353,6 +335,31 @@ class KVStore:
             check_int(max_inflight_bytes, "max_inflight_bytes", lo=1)
         self.max_inflight_bytes = (max_inflight_bytes if max_inflight_bytes is not None
                                    else config.env_int("KVKERNELS_IO_INFLIGHT_BYTES", 1 << 30, lo=1))
+        seen: dict[tuple[int, int], str] = {}
+        created: list[str] = []  # folders this call made, top down: their names need a parent fsync
+        for p in self.paths:
+            missing = []
+            d = p
+            while not os.path.isdir(d) and os.path.dirname(d) != d:
+                missing.append(d)
+                d = os.path.dirname(d)
+            if os.path.exists(p) and not os.path.isdir(p):
+                raise NotADirectoryError(errno.ENOTDIR, f"`paths`: {p!r} is not a directory", p)
+            try:
+                os.makedirs(p, exist_ok=True)
+                st = os.stat(p)
+            except OSError as exc:  # the same OSError subclass (by errno), naming the argument
+                raise OSError(exc.errno, f"`paths`: cannot use {p!r} as a store directory: "
+                                         f"{exc.strerror or exc}", exc.filename) from exc
+            created += [m for m in reversed(missing) if m not in created]
+            # the same folder twice (or through a link) would make recovery see every file twice and
+            # delete it as its own duplicate
+            check((st.st_dev, st.st_ino) not in seen, "paths", "distinct directories",
+                  f"{p!r} is the same directory as {seen.get((st.st_dev, st.st_ino))!r}")
+            seen[(st.st_dev, st.st_ino)] = p
+        if self.fsync:  # a put acknowledged as durable must not lose the folder it lives in
+            for d in created:
+                _fsync_dir(os.path.dirname(d))
         self.read_priority = bool(read_priority)
         self.verify = bool(verify)
         self._lock = threading.RLock()

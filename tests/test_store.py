@@ -757,6 +757,16 @@ def test_bad_arguments(tmp_path):
     for paths in ("", [tmp_path, "  "]):  # "" was the working directory, silently
         with pytest.raises(ValueError, match="non-empty directory paths"):
             KVStore(paths)
+    # a file, or a folder that cannot be made: the error names `paths` (the OSError kind kept)
+    (tmp_path / "afile").write_text("x")
+    for bad, exc in ((tmp_path / "afile", NotADirectoryError), (tmp_path / "afile" / "sub", NotADirectoryError)):
+        with pytest.raises(exc, match="`paths`"):
+            KVStore(bad)
+    # the other arguments are checked before any folder is made: a refused store leaves none
+    for kw in (dict(io_threads=0), dict(max_inflight_bytes=0), dict(engine="bogus")):
+        with pytest.raises(ValueError):
+            KVStore(tmp_path / "new" / "store", **kw)
+        assert not (tmp_path / "new").exists(), kw
     with KVStore(tmp_path) as store:  # nothing was deleted by the refused opens
         assert store.contains("k")
     if not torch.cuda.is_available():
