@@ -1065,8 +1065,15 @@ def decompress_regions(
         if codec == "none" and r.numel() != n:
             raise ValueError(f"region {j} (codec 'none'): {r.numel()} bytes, expected {n} (truncated?)")
     src_dev = cs.regions[idx[0]].device if idx else torch.device("cpu")
-    dev = torch.device(device) if device is not None else (out.device if out is not None else src_dev)
+    try:
+        dev = torch.device(device) if device is not None else (out.device if out is not None else src_dev)
+    except (RuntimeError, TypeError):  # torch's "Expected one of cpu, cuda, ..." names no argument
+        fail("device", "a torch.device or a device string", repr(device), ValueError if isinstance(device, str)
+             else TypeError)
     if out is None:
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"`device`: {dev} is not available (torch {torch.__version__}, "
+                               f"{'no CUDA build' if torch.version.cuda is None else 'no GPU visible'})")
         out = torch.empty(ofmt.nbytes, dtype=torch.uint8, device=dev)
     else:
         _check_bytes(out, "out")

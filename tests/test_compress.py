@@ -406,6 +406,18 @@ def test_staging_shuffled_needs_16_bit_elements():
 
 
 # --------------------------------------------------------------------------------------- errors
+def test_decompress_device_errors_name_the_argument():
+    staging, fmt, _, _ = kv_like(SHAPES[0], torch.bfloat16)
+    packed = compress_regions(staging, fmt, "zstd")
+    with pytest.raises(ValueError, match="`device`"):
+        decompress_regions(packed, device="bogus")
+    with pytest.raises(TypeError, match="`device`"):
+        decompress_regions(packed, device=3.5)
+    if not HAS_CUDA:  # torch's bare "Torch not compiled with CUDA enabled" AssertionError before
+        with pytest.raises(RuntimeError, match="`device`: cuda is not available"):
+            decompress_regions(packed, device="cuda")
+
+
 def test_unknown_codec():
     staging, fmt, _, _ = kv_like(SHAPES[0], torch.bfloat16)
     with pytest.raises(ValueError, match="`codec`: expected one of"):
