@@ -640,11 +640,11 @@ class LayerPipeline:
     # ------------------------------------------------------------------ helpers
     def _resolve_stream_api(self, stream_api) -> str:
         if stream_api is None:
-            if not self.cuda:
-                return "torch"
             from . import config
 
-            stream_api = config.pipeline_stream_api()
+            stream_api = config.pipeline_stream_api()  # read (and checked) on every device
+            if not self.cuda:  # a process-wide preference for GPU pipelines
+                return "torch"
         check(stream_api in ("torch", "cudart"), "stream_api", "'torch' or 'cudart'", repr(stream_api))
         if stream_api == "cudart" and not self.cuda:
             fail("stream_api", "'torch' for a cache on the CPU ('cudart' drives CUDA streams)", "'cudart'")

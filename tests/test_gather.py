@@ -365,6 +365,14 @@ def test_env_backend_and_bad_env(monkeypatch):
     monkeypatch.setenv("KVKERNELS_MAX_CTAS", "x")
     with pytest.raises(ValueError, match="KVKERNELS_MAX_CTAS"):
         kvkernels.gather(lay, [1])
+    monkeypatch.delenv("KVKERNELS_MAX_CTAS")
+    from kvkernels import backends
+
+    # a GPU-only setting is still checked where the Triton FP8 gather runs on the CPU (interpreter)
+    if backends.triton_available(lay.device):
+        monkeypatch.setenv("KVKERNELS_FP8_FMA_DIV", "maybe")
+        with pytest.raises(ValueError, match="KVKERNELS_FP8_FMA_DIV"):
+            kvkernels.gather(lay, [1], quant="fp8", backend="triton")
 
 
 # ------------------------------------------------------------------------------------- fuzzing

@@ -1106,6 +1106,10 @@ def test_stream_api_setting_is_checked(monkeypatch):
     if DEVICE.type == "cpu":  # the variable only applies to GPU caches: CPU pipelines stay synchronous
         with LayerPipeline(cache(), host_bytes=1 << 20) as pipe:
             assert pipe.stream_api == "torch"
+    # a malformed value is refused on every device (on the CPU it was read only by GPU pipelines)
+    monkeypatch.setenv("KVKERNELS_PIPELINE_STREAM_API", "driver")
+    with pytest.raises(ValueError, match="KVKERNELS_PIPELINE_STREAM_API"):
+        LayerPipeline(cache(), host_bytes=1 << 20)
 
 
 def test_cudart_is_the_runtime_already_mapped(tmp_path):

@@ -336,7 +336,8 @@ def quant_gather_triton(layout, block_ids: torch.Tensor, fmt, out: torch.Tensor,
     on_gpu = layout.device.type == "cuda" and not triton_interpret()
     # Triton has fp8e4nv only from sm_89 (it refuses to compile it for an A100)
     hw_cvt = probe.pop("HW_CVT", on_gpu and _has_fp8_cvt(layout.device.index))
-    fma_div = probe.pop("FMA_DIV", on_gpu and config.fp8_fma_div())
+    # (the variable is read on every device: a malformed value is an error on the CPU too)
+    fma_div = probe.pop("FMA_DIV", config.fp8_fma_div() and on_gpu)
     rows = layout.block_size if per_block else layout.block_size * layout.num_heads
     tile = probe.pop("tile_elems", TILE_ELEMS)
     block_r, block_d = tile_rows(rows, layout.head_dim, tile)
