@@ -556,6 +556,7 @@ class KVStore:
                 pieces.append(segs)
         else:
             check_tensor(staging, "staging")
+            check(staging.device.type in ("cpu", "cuda"), "staging", "a tensor in CPU or CUDA memory", staging.device)
             check(staging.dtype == torch.uint8, "staging", "dtype torch.uint8", staging.dtype, TypeError)
             check(staging.dim() == 1 and staging.is_contiguous(), "staging", "a contiguous 1-D buffer", describe(staging))
             check(staging.numel() >= fmt.nbytes, "staging", f"at least {fmt.nbytes} bytes", staging.numel())
@@ -1207,6 +1208,7 @@ def _plan_read(h: Header, layers, out, *, allocate: bool = True):
             out = aligned_empty(total)
         else:
             check_tensor(out, "out")
+            check(out.device.type in ("cpu", "cuda"), "out", "a tensor in CPU or CUDA memory", out.device)
             check(out.dtype == torch.uint8, "out", "dtype torch.uint8", out.dtype, TypeError)
             check(out.dim() == 1 and out.is_contiguous(), "out", "a contiguous 1-D buffer", describe(out))
             check(out.numel() >= total, "out", f"at least {total} bytes", out.numel())
@@ -1237,8 +1239,9 @@ def _check_segments(item, name: str) -> list[torch.Tensor]:
     segs = [item] if isinstance(item, torch.Tensor) else list(item) if isinstance(item, (list, tuple)) else None
     if segs:  # fast path (a region of an LMCache chunk is checked per get: keep it cheap)
         dev = segs[0].device if isinstance(segs[0], torch.Tensor) else None
-        if all(type(t) is torch.Tensor and t.dtype is torch.uint8 and t.dim() == 1 and t.is_contiguous()
-               and t.device == dev for t in segs):
+        if dev is not None and dev.type in ("cpu", "cuda") and all(
+                type(t) is torch.Tensor and t.dtype is torch.uint8 and t.dim() == 1 and t.is_contiguous()
+                and t.device == dev for t in segs):
             return segs
     if not segs:
         fail(name, "a 1-D uint8 tensor or a non-empty list of them", type(item).__name__, TypeError)
@@ -1248,6 +1251,7 @@ def _check_segments(item, name: str) -> list[torch.Tensor]:
         check(t.dtype == torch.uint8, nm, "dtype torch.uint8", t.dtype, TypeError)
         check(t.dim() == 1 and t.is_contiguous(), nm, "a contiguous 1-D uint8 tensor", describe(t))
         check(t.device == segs[0].device, nm, f"device {segs[0].device} (as the region's first piece)", t.device)
+        check(t.device.type in ("cpu", "cuda"), nm, "a tensor in CPU or CUDA memory", t.device)
     return segs
 
 

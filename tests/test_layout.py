@@ -150,6 +150,8 @@ def test_from_strides_generic_and_bounds():
         (lambda: PagedLayout.from_views([[torch.zeros(B, N, H, D)] * 3]), "1 \\(MLA\\) or 2", ValueError),
         (lambda: PagedLayout.from_views([5]), "views\\[0\\]`: expected a sequence", TypeError),
         (lambda: PagedLayout.from_views([[torch.zeros(B, N, H, D, dtype=torch.complex64)]]), "real dtype", TypeError),
+        # a meta tensor has no bytes: a gather over it returned no data and no error
+        (lambda: PagedLayout.from_vllm([torch.zeros(2, B, N, H, D, device="meta")]), "CPU or CUDA memory", ValueError),
     ],
 )
 def test_bad_layouts_raise_naming_the_argument(make, match, exc):

@@ -757,6 +757,12 @@ def test_bad_arguments(tmp_path):
     for paths in ("", [tmp_path, "  "]):  # "" was the working directory, silently
         with pytest.raises(ValueError, match="non-empty directory paths"):
             KVStore(paths)
+    with KVStore(tmp_path) as store:  # a staging without bytes (meta) is named, not torch's copy error
+        for st in (buf.to("meta"), [[p.to("meta") for p in r] for r in _split_regions(buf, meta.fmt, ())]):
+            with pytest.raises(ValueError, match="CPU or CUDA memory"):
+                store.put("m", st, meta)
+        with pytest.raises(ValueError, match="CPU or CUDA memory"):
+            store.get("k", out=torch.empty(meta.fmt.nbytes, dtype=torch.uint8, device="meta"))
     # a file, or a folder that cannot be made: the error names `paths` (the OSError kind kept)
     (tmp_path / "afile").write_text("x")
     for bad, exc in ((tmp_path / "afile", NotADirectoryError), (tmp_path / "afile" / "sub", NotADirectoryError)):
