@@ -512,8 +512,9 @@ class LayerPipeline:
         check_int(prefetch_depth, "prefetch_depth", lo=1)
         check_int(max_ctas, "max_ctas", lo=0, hi=config.MAX_CTAS_LIMIT)  # passed to the kernels as is
         check_int(pack_priority, "pack_priority", hi=0)
-        if store is not None and not all(callable(getattr(store, m, None)) for m in ("put", "get")):
-            fail("store", "a kvkernels.io.KVStore (or an object with its put() and get()) or None",
+        # (a read-only store needs only get(); saves with a store that cannot put are failed saves)
+        if store is not None and not callable(getattr(store, "get", None)):
+            fail("store", "a kvkernels.io.KVStore (or an object with its get() and put()) or None",
                  type(store).__name__, TypeError)
         if not isinstance(read_priority, (bool, np.bool_)):
             fail("read_priority", "True or False", repr(read_priority), TypeError)
@@ -615,6 +616,7 @@ class LayerPipeline:
         self._pending_loads: list[tuple[object, list]] = []
         self._load_cat = None  # the restores' destination ids concatenated when they share a slot
         self._load_errors: list = []  # destination ids (device tensors or host tuples) of loads that failed
+        self._failed_loads: dict[Hashable, None] = {}  # their keys, insertion-ordered (take_failed_loads)
         self._failed_saves: dict[Hashable, None] = {}  # insertion-ordered, FAILED_SAVES_KEPT at most
         self._orphans: list[HostEntry] = []  # replaced entries whose regions are still in use
         self._saves_failing: dict[Hashable, set] = {}  # saves without host memory: layers seen so far
@@ -1412,7 +1414,7 @@ class LayerPipeline:
                 self._finish_issuing_loads()  # a previous load not waited to the end
             except BaseException:  # it could not be issued (reported): this call's restores neither
                 for key, ids, hk, given in checked:
-                    self._load_errors.append(hk if hk is not None else given)
+                    self._note_load_error(key, hk if hk is not None else given)
                 raise
         self._loads = []
         self._load_events = {}
@@ -1426,7 +1428,7 @@ class LayerPipeline:
             # next call into blocks the caller was told were not restored); all are load errors
             for key, ids, hk, given in checked:
                 if key not in handled:
-                    self._load_errors.append(hk if hk is not None else given)
+                    self._note_load_error(key, hk if hk is not None else given)
             self._fail_loads()
             raise
 
@@ -1448,7 +1450,7 @@ class LayerPipeline:
                 err = hk if hk is not None else given
                 handled.add(key)
                 if not ok:
-                    self._load_errors.append(err)
+                    self._note_load_error(key, err)
                     continue
                 ent.users += 1  # (listed at once: a failure below gives the use back through _fail_loads)
                 self._loads.append((ent, ids, ent.state == "loading", err))  # streamed: gate each layer
@@ -1529,8 +1531,8 @@ class LayerPipeline:
         self._next_load_layer = self.layout.num_layers
         if not loads:
             return
-        for *_, err in loads:
-            self._load_errors.append(err)
+        for ent, *_, err in loads:
+            self._note_load_error(ent.key, err)
         try:
             ev = self._event()
             if self.cuda:
@@ -1677,7 +1679,7 @@ class LayerPipeline:
                 if err is None:  # a restore that failed while being issued: reported already
                     continue
                 if self._read_failed(ent):  # a streamed read failed part way: its blocks are not valid
-                    self._load_errors.append(err)
+                    self._note_load_error(ent.key, err)
                 else:
                     loaded.add(ent.key)
         self._pending_loads = still
@@ -1719,6 +1721,20 @@ class LayerPipeline:
         each failed save once)."""
         with self._lock:
             out, self._failed_saves = set(self._failed_saves), {}
+        return out
+
+    def _note_load_error(self, key, ids) -> None:
+        """A restore of ``key`` into ``ids`` that failed: for both getters."""
+        self._load_errors.append(ids)
+        self._failed_loads[key] = None
+
+    def take_failed_loads(self) -> set:
+        """Keys whose restore failed since the last call (the same failures whose destination
+        blocks :meth:`get_block_ids_with_load_errors` reports), emptied by this call. A failed
+        key is never in :meth:`get_finished`'s loaded set; a connector whose framework wants
+        failed loads reported per request (vLLM's ``finished_recving`` with ``failed_recving``)
+        reads them here. Host only, never blocks."""
+        out, self._failed_loads = set(self._failed_loads), {}
         return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -53,10 +53,12 @@ def assert_restore_fails_untouched(pipe, lay, key, blocks):
     """A restore of ``key`` into ``blocks`` reports every block as a load error, nothing as
     loaded, and leaves the blocks' bytes as they were."""
     before = snapshot(lay, blocks)
+    pipe.take_failed_loads()  # (failures of earlier steps)
     run_step_loads(pipe, {key: ids(blocks)})
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert drain(pipe)[1] == set() and pipe.get_block_ids_with_load_errors() == set(blocks)
+    assert pipe.take_failed_loads() == {key} and pipe.take_failed_loads() == set()  # by key too, once
     assert_blocks_hold(lay, blocks, before)
 
 
@@ -233,6 +235,7 @@ def test_missing_key_reports_load_errors_and_writes_nothing():
         assert pipe.get_block_ids_with_load_errors() == {6, 7}
         assert pipe.get_block_ids_with_load_errors() == set()  # cleared
         assert drain(pipe)[1] == {"x"}
+        assert pipe.take_failed_loads() == {"nope"}  # the failed restore by key (vLLM: failed_recving)
     after = snapshot(lay, [6, 7])
     assert all(bytes_equal(a, b) for ra, rb in zip(before, after) for a, b in zip(ra, rb))
 
@@ -2495,12 +2498,13 @@ def test_random_step_sequences_never_restore_wrong_bytes_and_keep_the_pool_whole
                 loaded = pipe.get_finished()[1]
                 _sync()
                 errors = pipe.get_block_ids_with_load_errors()
+                failed_keys = pipe.take_failed_loads()
                 for k, d in dsts.items():
                     if k in loaded:
-                        assert k in truth, where
+                        assert k in truth and k not in failed_keys, where
                         assert_blocks_hold(lay, d, truth[k])
                     else:
-                        assert set(d) <= errors, (where, d, errors)
+                        assert set(d) <= errors and k in failed_keys, (where, d, errors, failed_keys)
             elif op == "prefetch":
                 for k in keys:
                     if k in pipe.entries:
