@@ -580,6 +580,7 @@ class LayerPipeline:
         self._load_batch: _DmaBatch | None = None  # dma-mode restores of the current start_load
         self._finished_off = self._event()  # a previous restore's last layers, issued by start_load
         self._last_waited = -1  # the highest layer wait_for_layer_load was called for, this restore
+        self._loads_async = False  # the current restore is start_load(asynchronous=True): no compute waits
         # one "layer restored" event per layer, re-recorded by each restore (only stream waits bind
         # to them; the last layer's, which get_finished polls, is new per restore)
         self._layer_loaded = [self._event() for _ in range(layout.num_layers)]
@@ -1380,7 +1381,7 @@ class LayerPipeline:
             return f"stored entry {h.meta} is not the {want} asked for"
         return None
 
-    def start_load(self, loads: Mapping[Hashable, object]) -> None:
+    def start_load(self, loads: Mapping[Hashable, object], *, asynchronous: bool = False) -> None:
         """Begin restoring ``{key: dst_block_ids}`` layer by layer (vLLM: ``start_load_kv``).
 
         Each key must be in the host pool: saved earlier, or prefetched from SSD — ready, or
@@ -1395,10 +1396,29 @@ class LayerPipeline:
         raise before anything is issued or changed; a failure after the checks (an allocation, a
         runtime call) raises with every restore of the call reported as a load error, none left
         half started.
+
+        ``asynchronous=True``: the destination blocks are not read by the forward running now
+        (vLLM's asynchronous loads, ``load_kv_async``, started after the forward is launched and
+        reported through ``finished_recving``). Every layer is issued at once on the side
+        streams (behind the compute queued so far: the blocks are free), the compute stream is
+        never made to wait for them (``wait_for_layer_load`` waits for nothing during such a
+        restore), and a key is reported by :meth:`get_finished` once its copies are done — its
+        blocks must not be read before that. Each key must be wholly in host memory: an entry
+        still being read from SSD is refused (``ValueError``; wait for its ``prefetch`` future),
+        so no copy on the side streams ever waits for the disk.
         """
         self._ensure_open()
         _check_mapping(loads, "loads")
+        if not isinstance(asynchronous, (bool, np.bool_)):
+            fail("asynchronous", "True or False", repr(asynchronous), TypeError)
         self._check_device()
+        if asynchronous:
+            with self._lock:
+                for key in loads:
+                    ent = self.entries.get(key)
+                    check(ent is None or ent.state != "loading", f"loads[{key!r}]",
+                          "an entry in host memory for an asynchronous restore (wait for its prefetch)",
+                          "an entry still being read from SSD")
         # (key, device ids, host ids as a tuple or None): the host values once, for the cross-request
         # check and for what a failure reports
         hks = {key: self._host_ids_key(block_ids) for key, block_ids in loads.items()}
@@ -1420,9 +1440,12 @@ class LayerPipeline:
         self._load_events = {}
         self._next_load_layer = 0
         self._last_waited = -1
+        self._loads_async = bool(asynchronous)
         handled: set = set()  # keys of this call already restoring or reported failed
         try:
             self._begin_loads(checked, handled, dma)
+            if asynchronous:
+                self._issue_async_rest()
         except BaseException:  # e.g. an allocation or a runtime call failing after the checks: no
             # restore of this call is left half started (its entries in use, to be issued by the
             # next call into blocks the caller was told were not restored); all are load errors
@@ -1443,6 +1466,8 @@ class LayerPipeline:
                 ent = self.entries.get(key)
                 ok = (ent is not None and ent.state in ("saved", "ready", "saving", "loading")
                       and ent.fmt.num_blocks == ids.numel())
+                if ok and ent.state == "loading" and self._loads_async:
+                    ok = False  # (a prefetch of a missing key began since the check: never gate on the disk)
                 if ok and ent.state == "saving":
                     ok = len(ent.layers_done) == self.layout.num_layers
                 # what a failure reports: host ids as given (their device copy is still queued on the
@@ -1468,6 +1493,16 @@ class LayerPipeline:
                 self._load_cat = torch.cat([ids.to(torch.int64) for _, ids, *_ in self._loads])
         for _ in range(min(self.prefetch_depth, self.layout.num_layers)):
             self._issue_load_layer()
+
+    def _issue_async_rest(self) -> None:
+        """``start_load(asynchronous=True)``: every layer issued now (no layer gates on a read: the
+        entries are in host memory); the side streams ordered after each other as at a restore's
+        end, the compute stream not ordered after them."""
+        while self._next_load_layer < self.layout.num_layers:
+            self._issue_load_layer()
+        self._record(self._finished_off, self.pack_stream)
+        self._wait(self.h2d_stream, self._finished_off)
+        self._last_waited = self.layout.num_layers - 1  # nothing is left for get_finished / start_load
 
     def _finish_issuing_loads(self, *, wait_reads: bool = True) -> None:
         """Issue the current restore's layers not issued yet (a restore not waited to the end)
@@ -1621,6 +1656,8 @@ class LayerPipeline:
         and issue layer ``layer + prefetch_depth`` (vLLM: ``wait_for_layer_load``)."""
         check_int(layer, "layer", lo=0, hi=self.layout.num_layers - 1)
         self._ensure_open()  # close() unpinned the pool: no DMA may start from it any more
+        if self._loads_async:  # every layer is issued and the forward does not read these blocks
+            return
         self._check_device()
         while self._next_load_layer <= layer:  # waited out of order: issue up to it
             self._issue_load_layer()

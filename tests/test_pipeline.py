@@ -2459,7 +2459,8 @@ def test_random_step_sequences_never_restore_wrong_bytes_and_keep_the_pool_whole
     with LayerPipeline(lay, host_bytes=3 * one, prefetch_depth=rng.choice([1, 2, 4]), store=store,
                        copy_mode=copy_mode, slot_bytes=per * rng.choice([1, 2, 3, 8, 64])) as pipe:
         for step in range(40):
-            op = rng.choice(["save", "save", "load", "load", "evict", "savefail", "partial", "prefetch", "loadpart"])
+            op = rng.choice(["save", "save", "load", "load", "evict", "savefail", "partial", "prefetch", "loadpart",
+                             "loadasync"])
             keys = rng.sample(["a", "b", "c", "d"], rng.randint(1, 2))
             where = (seed, step, op, keys)
             if op in ("save", "savefail", "partial"):
@@ -2485,14 +2486,14 @@ def test_random_step_sequences_never_restore_wrong_bytes_and_keep_the_pool_whole
                         assert k in failed, where
                         truth.pop(k, None)
                         ssd.pop(k, None)
-            elif op in ("load", "loadpart"):
+            elif op in ("load", "loadpart", "loadasync"):
                 dst_pool = rng.sample(range(NB), 8)
                 dsts = {}
                 for i, k in enumerate(keys):
                     e = pipe.entries.get(k)
                     dsts[k] = dst_pool[4 * i: 4 * i + (e.fmt.num_blocks if e else 2)]
-                pipe.start_load({k: as_ids(d) for k, d in dsts.items()})
-                for layer in range(L if op == "load" else rng.randrange(0, L)):
+                pipe.start_load({k: as_ids(d) for k, d in dsts.items()}, asynchronous=op == "loadasync")
+                for layer in range(rng.randrange(0, L) if op == "loadpart" else L):
                     pipe.wait_for_layer_load(layer)
                 _sync()
                 loaded = pipe.get_finished()[1]
@@ -2523,3 +2524,58 @@ def test_random_step_sequences_never_restore_wrong_bytes_and_keep_the_pool_whole
             assert sum(region(e) for e in ents) + pipe.pool.free_bytes == pipe.pool.nbytes, where
             spans = sorted((e.offset, e.offset + region(e)) for e in ents)
             assert all(b <= c for (_, b), (c, _) in zip(spans, spans[1:])), (where, spans)
+
+
+@pytest.mark.parametrize("copy_mode", ["gather", "dma"])
+def test_asynchronous_restore_issues_every_layer_and_never_orders_the_compute(monkeypatch, copy_mode):
+    """``start_load(..., asynchronous=True)`` (vLLM's asynchronous loads, started after the forward
+    and reported through finished_recving): the call issues every layer, the compute stream never
+    waits for them (``wait_for_layer_load`` waits for nothing), the key is reported by
+    ``get_finished`` and the bytes are exact. A synchronous restore after it orders the compute
+    again (the spy sees those waits: it can see the ones the asynchronous restore must not make)."""
+    lay = cache()
+    src, dst, dst2 = [1, 2, 3], [20, 21, 22], [27, 28, 29]
+    expect = snapshot(lay, src)
+    with LayerPipeline(lay, host_bytes=1 << 20, copy_mode=copy_mode) as pipe:
+        run_step_saves(pipe, {"a": ids(src)})
+        assert drain(pipe)[0] == {"a"}
+        computes, compute_waits = [], []
+        real_compute, real_wait = pipe._compute, pipe._wait
+
+        def compute():
+            st = real_compute()
+            computes.append(st)
+            return st
+
+        def wait(stream, ev):
+            if any(stream is c for c in computes):
+                compute_waits.append(ev)
+            real_wait(stream, ev)
+
+        monkeypatch.setattr(pipe, "_compute", compute)
+        monkeypatch.setattr(pipe, "_wait", wait)
+        with pytest.raises(TypeError, match="asynchronous"):
+            pipe.start_load({"a": ids(dst)}, asynchronous="yes")
+        pipe.start_load({"a": ids(dst)}, asynchronous=True)
+        assert pipe._next_load_layer == L  # every layer issued by the call
+        for layer in range(L):
+            pipe.wait_for_layer_load(layer)
+        assert compute_waits == []
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert _drain_loads(pipe) == {"a"} and compute_waits == []
+        assert not pipe.get_block_ids_with_load_errors() and pipe.take_failed_loads() == set()
+        assert_blocks_hold(lay, dst, expect)
+        run_step_loads(pipe, {"a": ids(dst2)})  # synchronous: the compute waits for each layer
+        assert len(compute_waits) >= L
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert _drain_loads(pipe) == {"a"}
+        assert_blocks_hold(lay, dst2, expect)
+        # an entry still being read from SSD is refused before anything changes (no copy on the
+        # side streams may wait for the disk)
+        monkeypatch.setattr(pipe.entries["a"], "state", "loading")
+        with pytest.raises(ValueError, match="asynchronous restore"):
+            pipe.start_load({"a": ids(dst)}, asynchronous=True)
+        assert not pipe.get_block_ids_with_load_errors() and pipe.take_failed_loads() == set()
+        assert pipe.entries["a"].users == 0
