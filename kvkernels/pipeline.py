@@ -1,18 +1,20 @@
 """Layer-wise offload / restore: copy-engine DMA overlapped with attention, no host sync in the step.
 
-Contract (full text in ``docs/pipeline.md``). The API maps one-to-one onto vLLM's KV connector
-worker hooks:
+Contract (full text in ``docs/pipeline.md``, with what a vLLM 0.33 connector adapter keeps on
+top: layer names, request ids, ``finished_req_ids``). The worker-side calls:
 
-==========================  ====================================================================
-vLLM hook                   :class:`LayerPipeline`
-==========================  ====================================================================
-``start_load_kv``           :meth:`LayerPipeline.start_load` (``{key: dst_block_ids}``)
-``wait_for_layer_load``     :meth:`LayerPipeline.wait_for_layer_load` (a *stream* wait)
-``save_kv_layer``           :meth:`LayerPipeline.save_layer` (``{key: src_block_ids}``)
-``wait_for_save``           :meth:`LayerPipeline.wait_for_save` (a *stream* wait)
-``get_finished``            :meth:`LayerPipeline.get_finished` (polls events; never blocks)
-``get_block_ids_with_load_errors``  :meth:`LayerPipeline.get_block_ids_with_load_errors`
-==========================  ====================================================================
+==============================================  ====================================================
+vLLM worker hook                                :class:`LayerPipeline`
+==============================================  ====================================================
+``start_load_kv`` (synchronous loads)           :meth:`LayerPipeline.start_load` (``{key: dst_ids}``)
+``start_load_kv`` (``load_kv_async``)           ``start_load(..., asynchronous=True)`` (no compute wait)
+``wait_for_layer_load``                         :meth:`LayerPipeline.wait_for_layer_load` (a *stream* wait)
+``save_kv_layer``                               :meth:`LayerPipeline.save_layer` (``{key: src_ids}``)
+``wait_for_save``                               :meth:`LayerPipeline.wait_for_save` (a *stream* wait)
+``get_transfer_results`` / ``get_finished``     :meth:`LayerPipeline.get_finished` (keys; polls events),
+                                                :meth:`take_failed_saves`, :meth:`take_failed_loads`
+``get_block_ids_with_load_errors``              :meth:`LayerPipeline.get_block_ids_with_load_errors`
+==============================================  ====================================================
 
 Data path, per layer ``l`` (GPU):
 
@@ -25,7 +27,7 @@ Data path, per layer ``l`` (GPU):
   scatters it into the destination blocks -> an event per layer; ``wait_for_layer_load(l)``
   makes the compute stream wait on it and issues layer ``l + prefetch_depth``.
 * SSD: :meth:`prefetch` reads an entry from a :class:`kvkernels.io.KVStore` into the host pool
-  in groups of layers, in layer order (vLLM's async load, before the step). ``start_load`` may
+  in groups of layers, in layer order (the SSD half of an async load, off the step). ``start_load`` may
   be called while that read is still in flight: each layer's H2D then waits, *on the GPU*, for
   that layer's read (``cuStreamWaitValue32`` on a pinned per-layer flag the reading thread sets),
   so the restore and the compute start with the first layers on disk instead of after the whole

@@ -433,6 +433,10 @@ def test_step_path_has_no_host_sync_and_issue_cost(stream_api, copy_mode):
             t_load_h = (time.perf_counter() - t0) / 8
             if copy_mode == "dma":  # host ids: the restore went as batched DMAs (pieces, not an empty batch)
                 assert pipe._load_batch is not None and pipe._load_batch.count > 0
+            pipe.start_load({"w": dst_list}, asynchronous=True)  # every layer at once: no sync either
+            for layer in range(8):
+                pipe.wait_for_layer_load(layer)
+            pipe.get_finished()
         finally:
             torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
