@@ -293,7 +293,7 @@ def main(argv=None, prog: str | None = None) -> int:
         if not any(c in have for c in a.codecs):
             p.error(f"argument --codecs: none of {a.codecs} is available on {dev} (available: {list(have)}; "
                     "ans, gdeflate and lz4 need nvCOMP on a GPU)")
-    if a.sample is not None and not a.tiny:
+    if a.sample is not None and not a.tiny and os.path.exists(a.sample):  # (a missing one is made)
         if not os.path.isfile(a.sample):
             p.error(f"argument --sample: {a.sample!r} is not a file (a sample written by bench/real_kv.py)")
         try:  # read before anything is measured: a file of another kind is one line, not a traceback

@@ -480,7 +480,7 @@ def main(argv=None, prog: str | None = None) -> int:
     p.add_argument("--dir", default=None,
                    help="directory on the disk to measure (default: a temp dir; created when missing, and then "
                         "left); the bench writes only into a new kvk-bench-lmcache-* folder inside it and removes "
-                        "that folder")
+                        "that folder (and, first, makes and removes an empty probe folder there)")
     p.add_argument("--chunks", type=common.positive_int, default=None,
                    help="256-token chunks per batch (default 32 = 8192 tokens, 1 GiB; 8 with --layerwise)")
     p.add_argument("--reps", type=common.positive_int, default=3)

@@ -274,7 +274,7 @@ def main(argv=None, prog: str | None = None) -> int:
     p.add_argument("--dir", default=None,
                    help="directory on the disk to measure (default: a temp dir; created when missing, and then "
                         "left); the bench writes only into a new kvk-bench-store-* folder inside it and removes "
-                        "that folder")
+                        "that folder (and, first, makes and removes an empty probe folder there)")
     p.add_argument("--blocks", type=common.positive_int, default=512,
                    help="blocks per llama3-8b entry (512 = 8192 tokens, 1 GiB)")
     p.add_argument("--entries", type=common.positive_int, default=8)

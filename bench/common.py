@@ -72,9 +72,13 @@ def _cannot_write_in(directory: str) -> str | None:
     import tempfile
 
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".kvk-probe-", dir=directory))
+        probe = tempfile.mkdtemp(prefix=".kvk-probe-", dir=directory)
     except OSError as exc:
         return exc.strerror or str(exc)
+    try:
+        os.rmdir(probe)
+    except OSError:  # writable all the same; say where the stray folder is
+        print(f"kvkernels bench: could not remove the probe folder {probe!r}", file=sys.stderr)
     return None
 
 

@@ -518,7 +518,7 @@ class LayerPipeline:
         if store is not None and not callable(getattr(store, "get", None)):
             fail("store", "a kvkernels.io.KVStore (or an object with its get() and put()) or None",
                  type(store).__name__, TypeError)
-        if not isinstance(read_priority, (bool, np.bool_)):
+        if not (isinstance(read_priority, (bool, np.bool_, int)) and read_priority in (0, 1)):  # (as KVStore's)
             fail("read_priority", "True or False", repr(read_priority), TypeError)
         self.layout = layout
         self.cuda = layout.device.type == "cuda"

@@ -311,6 +311,7 @@ def test_bad_construction(kwargs, match):
         LayerPipeline(cache(), host_bytes=1 << 20, store="/tmp/kv")
     with pytest.raises(TypeError, match="read_priority"):
         LayerPipeline(cache(), host_bytes=1 << 20, read_priority="no")
+    LayerPipeline(cache(), host_bytes=1 << 20, read_priority=0).close()  # 0 / 1 as KVStore takes them
 
 
 def test_bad_calls():
