@@ -120,6 +120,13 @@ def run(calls: int = 3000) -> dict:
 
                         res["LayerPipeline restore per layer (a step: start_load + 32 wait_for_layer_load) "
                             "minus scatter and DMA"] = _median_us(restore, calls, 32)
+
+                        def restore_async():  # every layer issued by the call: one step per call
+                            pipe.start_load({"req": block_ids}, asynchronous=True)
+                            pipe.get_finished()
+
+                        res["LayerPipeline asynchronous restore, a whole step (start_load(asynchronous=True), "
+                            "32 layers) minus scatter and DMA"] = _median_us(restore_async, max(calls // 32, 50))
                     # what was timed restored the saved entry (a missing key is the error path)
                     if "req" not in pipe.entries or pipe.get_block_ids_with_load_errors():
                         raise RuntimeError("host_overhead: the timed restores did not restore the saved entry")

@@ -147,7 +147,7 @@ def test_host_overhead_diagnostic_runs_and_restores_what_it_stubs():
 
     before = (_cuda._load, backends.cuda_ext_available, torch.cuda.current_stream)
     res = host_overhead.run(calls=20)
-    assert len(res) == 6 and all(v["median_us"] > 0 and v["mean_us"] > 0 for v in res.values())
+    assert len(res) == 7 and all(v["median_us"] > 0 and v["mean_us"] > 0 for v in res.values())
     assert (_cuda._load, backends.cuda_ext_available, torch.cuda.current_stream) == before
 
 
