@@ -451,6 +451,7 @@ class HostEntry:
     # streamed SSD read (prefetch): per-layer gate flags (pinned int32 on a GPU host) and events
     gate: torch.Tensor | None = None
     layer_read: list | None = None  # threading.Event per layer: set when its gate is released
+    read_future: Future | None = None  # the prefetch reading it (a second prefetch of the key waits on it)
     # while saving: the host ids of the last layer and their device copy, reused by the next layer
     # when the caller passes the same ids again (vLLM passes one list per request for all layers)
     save_ids: tuple | None = None
@@ -1234,9 +1235,11 @@ class LayerPipeline:
         """Read entry ``key`` (``num_blocks`` blocks) from the SSD store into the host pool, in
         the background (vLLM: the async part of a load, before the step). The future resolves
         to the :class:`HostEntry` (state ``ready`` or ``failed``). A key already in the pool is
-        not read again: the future gives its entry as it is (``saved``, ``ready``, ``loading``,
-        or ``saving`` while a save of it is under way; ``start_load`` restores it once complete);
-        one held there with another number of blocks is a ``ValueError``."""
+        not read again: while a prefetch reads it, the future is that prefetch's (done when the
+        read is, so a done future means the entry is in host memory or failed); else it gives
+        the entry as it is (``saved``, ``ready``, or ``saving`` while a save of it is under way;
+        ``start_load`` restores it once complete); one held there with another number of blocks
+        is a ``ValueError``."""
         self._ensure_open()
         if self.store is None:
             fail("store", "a KVStore to prefetch from", None)
@@ -1248,6 +1251,8 @@ class LayerPipeline:
             if ent is not None and ent.state != "failed":
                 check(ent.fmt.num_blocks == num_blocks, "num_blocks",
                       f"{ent.fmt.num_blocks}, the blocks of key {key!r} in the host pool ({ent.state})", num_blocks)
+            if ent is not None and ent.state == "loading" and ent.read_future is not None:
+                return ent.read_future  # being read: done when that read is (not at once)
             if ent is not None and (ent.state in ("saved", "ready", "loading", "saving") or ent.users):
                 fut: Future = Future()  # present (or failed and still read by a load: retry later)
                 fut.set_result(ent)
@@ -1258,9 +1263,14 @@ class LayerPipeline:
             off = self._alloc_host(fmt.nbytes)
             if off is None:
                 fail("host_bytes", f"room for {fmt.nbytes} more bytes in the host pool", f"{self.pool.free_bytes} free")
+            # the caller gets a future of its own that is already running: cancelling the executor's
+            # queued future skipped run(), and its finally, for good (the entry stayed "loading",
+            # its region held, its gates shut, and every later SSD write waited WRITE_MAX_DELAY_S)
+            done: Future = Future()
+            done.set_running_or_notify_cancel()
             ent = HostEntry(key=key, fmt=fmt, offset=off, buf=self.pool.view(off, fmt.nbytes), state="loading",
                             gate=torch.zeros(num_layers, dtype=torch.int32, pin_memory=self._gpu_gates),
-                            layer_read=[threading.Event() for _ in range(num_layers)])
+                            layer_read=[threading.Event() for _ in range(num_layers)], read_future=done)
             self.entries[key] = ent
         gate = ent.gate.numpy()  # plain stores from the reading thread
 
@@ -1322,12 +1332,6 @@ class LayerPipeline:
                     self._reads_inflight -= 1
                     self._io_cv.notify_all()
             return ent
-
-        # the caller gets a future of its own that is already running: cancelling the executor's
-        # queued future skipped run(), and its finally, for good (the entry stayed "loading",
-        # its region held, its gates shut, and every later SSD write waited WRITE_MAX_DELAY_S)
-        done: Future = Future()
-        done.set_running_or_notify_cancel()
 
         def job():
             try:

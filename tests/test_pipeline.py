@@ -2584,3 +2584,32 @@ def test_asynchronous_restore_issues_every_layer_and_never_orders_the_compute(mo
             pipe.start_load({"a": ids(dst)}, asynchronous=True)
         assert not pipe.get_block_ids_with_load_errors() and pipe.take_failed_loads() == set()
         assert pipe.entries["a"].users == 0
+
+
+def test_a_second_prefetch_of_a_key_being_read_is_done_only_when_that_read_is():
+    """A prefetch of a key another prefetch is reading gives that prefetch's future: it was a done
+    future at once, while the entry was still being read, so an adapter that waits for the
+    future before an asynchronous restore (which refuses entries still being read) was refused."""
+    release = threading.Event()
+    store = _MemStore(fail=lambda key, layers: not release.wait(30))  # reads held until released
+    lay = cache()
+    src, dst = [1, 2, 3], [20, 21, 22]
+    expect = snapshot(lay, src)
+    with LayerPipeline(lay, host_bytes=1 << 20, store=store) as pipe:
+        run_step_saves(pipe, {"a": ids(src)})
+        saved, t0 = set(), time.time()
+        while "a" not in saved and time.time() - t0 < 30:  # reported once its SSD put is done
+            saved |= pipe.get_finished()[0]
+            time.sleep(0.01)
+        assert "a" in saved and "a" in store.data
+        assert pipe.evict("a")
+        f1 = pipe.prefetch("a", num_blocks=3)
+        f2 = pipe.prefetch("a", num_blocks=3)
+        assert f2 is f1 and not f2.done()
+        release.set()
+        assert f2.result(timeout=30).state == "ready"
+        pipe.start_load({"a": ids(dst)}, asynchronous=True)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert _drain_loads(pipe) == {"a"}
+        assert_blocks_hold(lay, dst, expect)
