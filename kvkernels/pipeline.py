@@ -558,6 +558,10 @@ class LayerPipeline:
             self.pack_stream = torch.cuda.Stream(device=dev, priority=pack_priority)
             self.d2h_stream = torch.cuda.Stream(device=dev)
             self.h2d_stream = torch.cuda.Stream(device=dev)
+            # asynchronous restores (start_load(asynchronous=True)) have streams of their own: on
+            # the side streams above they would hold the next step's gathers and restores (the
+            # streams run in order), and through wait_for_save the next forward
+            self._async_streams = (torch.cuda.Stream(device=dev), torch.cuda.Stream(device=dev, priority=pack_priority))
             self._device_index = self.pack_stream.device_index
             if self._kernels in ("triton", "cuda"):
                 # the kernels' per-layer pointer tables are built from a Python list, a blocking
@@ -569,6 +573,7 @@ class LayerPipeline:
                         layout.pointer_table_for((layer,))
         else:
             self.pack_stream = self.d2h_stream = self.h2d_stream = _NullStream()
+            self._async_streams = (_NullStream(), _NullStream())
         # events are reused (a stream wait binds to the record made before it): creating and
         # recording fresh ones cost host time on every layer. _slot_free: the slot's last reader
         # is done; _slot_filled: the slot's gather (save) or H2D (load) is done
@@ -584,6 +589,7 @@ class LayerPipeline:
         self._finished_off = self._event()  # a previous restore's last layers, issued by start_load
         self._last_waited = -1  # the highest layer wait_for_layer_load was called for, this restore
         self._loads_async = False  # the current restore is start_load(asynchronous=True): no compute waits
+        self._async_slots = None  # [slots, free events, filled events, next]: made at the first async restore
         # one "layer restored" event per layer, re-recorded by each restore (only stream waits bind
         # to them; the last layer's, which get_finished polls, is new per restore)
         self._layer_loaded = [self._event() for _ in range(layout.num_layers)]
@@ -592,7 +598,8 @@ class LayerPipeline:
             # be reused: the slots are used on side streams, and torch's pinned-memory allocator
             # does not see DMAs issued through the runtime (stream_api="cudart")
             # (close() runs the same drain once, then it is detached)
-            self._drain_streams = weakref.finalize(self, _drain, (self.pack_stream, self.d2h_stream, self.h2d_stream))
+            self._drain_streams = weakref.finalize(self, _drain, (self.pack_stream, self.d2h_stream, self.h2d_stream,
+                                                                  *self._async_streams))
             for ev in (*self._slot_free["save"], *self._slot_free["load"], *self._slot_filled["save"],
                        *self._slot_filled["load"], *self._ready.values(), self._gathered, self._dma_read,
                        self._finished_off, *self._layer_loaded):
@@ -1431,9 +1438,11 @@ class LayerPipeline:
         # copy_mode="dma": every restore's ids on the host (device ids are not read back: a sync),
         # so the layers go as batched DMAs straight into the blocks; else all through the slots
         dma = self.copy_mode == "dma" and all(hk is not None for hk in hks.values())
-        checked = [(key, self._host_ids(block_ids, f"loads[{key!r}]", unique=True) if dma
-                    else self._ids(block_ids, f"loads[{key!r}]", unique=True), hks[key], block_ids)
-                   for key, block_ids in loads.items()]
+        side = self._async_side if asynchronous else contextlib.nullcontext
+        with side():  # an asynchronous restore's ids are copied on its own pack stream
+            checked = [(key, self._host_ids(block_ids, f"loads[{key!r}]", unique=True) if dma
+                        else self._ids(block_ids, f"loads[{key!r}]", unique=True), hks[key], block_ids)
+                       for key, block_ids in loads.items()]
         self._check_distinct_destinations(checked)
         if self._loads and self._last_waited < self.layout.num_layers - 1:
             try:
@@ -1448,18 +1457,19 @@ class LayerPipeline:
         self._last_waited = -1
         self._loads_async = bool(asynchronous)
         handled: set = set()  # keys of this call already restoring or reported failed
-        try:
-            self._begin_loads(checked, handled, dma)
-            if asynchronous:
-                self._issue_async_rest()
-        except BaseException:  # e.g. an allocation or a runtime call failing after the checks: no
-            # restore of this call is left half started (its entries in use, to be issued by the
-            # next call into blocks the caller was told were not restored); all are load errors
-            for key, ids, hk, given in checked:
-                if key not in handled:
-                    self._note_load_error(key, hk if hk is not None else given)
-            self._fail_loads()
-            raise
+        with side():
+            try:
+                self._begin_loads(checked, handled, dma)
+                if asynchronous:
+                    self._issue_async_rest()
+            except BaseException:  # e.g. an allocation or a runtime call failing after the checks: no
+                # restore of this call is left half started (its entries in use, to be issued by the
+                # next call into blocks the caller was told were not restored); all are load errors
+                for key, ids, hk, given in checked:
+                    if key not in handled:
+                        self._note_load_error(key, hk if hk is not None else given)
+                self._fail_loads()
+                raise
 
     def _begin_loads(self, checked, handled: set, dma: bool) -> None:
         """``start_load`` after its checks: the entries taken into use, the first layers issued."""
@@ -1499,6 +1509,35 @@ class LayerPipeline:
                 self._load_cat = torch.cat([ids.to(torch.int64) for _, ids, *_ in self._loads])
         for _ in range(min(self.prefetch_depth, self.layout.num_layers)):
             self._issue_load_layer()
+
+    @contextlib.contextmanager
+    def _async_side(self):
+        """Run an asynchronous restore's work on its own H2D and pack streams and its own load
+        slots (``num_slots`` more device slots of ``slot_bytes``, allocated at the first one): the
+        restore methods read the streams and slots
+        from these attributes, swapped in for the call's duration (the step-path calls come from
+        one thread)."""
+        if self._async_slots is None:
+            dev = self.layout.device
+            free = [self._event() for _ in range(self.num_slots)]
+            filled = [self._event() for _ in range(self.num_slots)]
+            if self.cuda:
+                for ev in (*free, *filled):
+                    ev.record(self._async_streams[1])  # creates the CUDA event (as the constructor's)
+            # (dma mode uses slots too, for restores given device ids)
+            slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=dev) for _ in range(self.num_slots)]
+            self._async_slots = [slots, free, filled, 0]
+        a = self._async_slots
+        kept = (self.h2d_stream, self.pack_stream, self._slots["load"], self._slot_free["load"],
+                self._slot_filled["load"], self._slot_next["load"])
+        self.h2d_stream, self.pack_stream = self._async_streams
+        self._slots["load"], self._slot_free["load"], self._slot_filled["load"], self._slot_next["load"] = a
+        try:
+            yield
+        finally:
+            a[3] = self._slot_next["load"]
+            (self.h2d_stream, self.pack_stream, self._slots["load"], self._slot_free["load"],
+             self._slot_filled["load"], self._slot_next["load"]) = kept
 
     def _issue_async_rest(self) -> None:
         """``start_load(asynchronous=True)``: every layer issued now (no layer gates on a read: the
@@ -1768,31 +1807,37 @@ class LayerPipeline:
 
     def _note_load_error(self, key, ids) -> None:
         """A restore of ``key`` into ``ids`` that failed: for both getters."""
-        self._load_errors.append(ids)
-        self._failed_loads[key] = None
+        with self._lock:  # (take_failed_loads may run on a connector's thread)
+            self._load_errors.append(ids)
+            self._failed_loads[key] = None
 
     def take_failed_loads(self) -> set:
         """Keys whose restore failed since the last call (the same failures whose destination
         blocks :meth:`get_block_ids_with_load_errors` reports), emptied by this call. A failed
-        key is never in :meth:`get_finished`'s loaded set; a connector whose framework wants
+        restore is never reported loaded by :meth:`get_finished`; a connector whose framework wants
         failed loads reported per request (vLLM's ``finished_recving`` with ``failed_recving``)
-        reads them here. Host only, never blocks."""
-        out, self._failed_loads = set(self._failed_loads), {}
+        reads them here. Host only, never blocks. Outcomes are per key: a key restored by two
+        calls before :meth:`get_finished` reported the first is reported once per outcome (it may
+        then be in both, each speaking of one restore)."""
+        with self._lock:
+            out, self._failed_loads = set(self._failed_loads), {}
         return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Destination block ids of loads that could not restore (missing / failed entries):
         nothing was written to them, except for a restore that failed part way (a streamed
         read that failed, written as zeros; a layer that could not be issued), whose blocks may
-        hold some restored layers — never valid KV either way. Cleared by this call. Reads device ids back to the host
-        (call it after the step, as vLLM does)."""
+        hold some restored layers — never valid KV either way. Cleared by this call. Reads
+        device ids back to the host (a sync: vLLM calls it right after launching the forward, so
+        a connector passes host ids, as vLLM gives them)."""
+        with self._lock:
+            errors, self._load_errors = self._load_errors, []
         out: set[int] = set()
-        for ids in self._load_errors:
+        for ids in errors:
             # host values, or device ids: the caller's own tensor, or one whose copy preceded a
             # restore that get_finished saw complete
             vals = ids.cpu().tolist() if isinstance(ids, torch.Tensor) else ids
             out.update(int(x) for x in vals if x >= 0)
-        self._load_errors = []
         return out
 
     # ------------------------------------------------------------------ host pool management

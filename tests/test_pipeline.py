@@ -693,6 +693,7 @@ def test_streamed_ssd_read_failing_part_way_zeroes_that_layer_and_reports(monkey
         ent = pipe.entries["k"]
         assert ent.state == "failed" and "torn" in ent.error
         assert loaded == set() and pipe.get_block_ids_with_load_errors() == {20, 21}
+        assert pipe.take_failed_loads() == {"k"}
         assert ent.gate.tolist() == [1, 1, 2, 1]  # only layer 2's read failed
     got = snapshot(lay, [20, 21])
     for layer in range(L):  # read layers restored; the failed one zero, never torn or stale bytes
@@ -1033,6 +1034,7 @@ def test_a_start_load_whose_previous_restore_cannot_be_finished_reports_its_own(
             pipe.start_load({"b": [20, 21]})
         monkeypatch.undo()
         assert pipe.get_block_ids_with_load_errors() == {10, 11, 20, 21}
+        assert pipe.take_failed_loads() == {"a", "b"}
         assert drain(pipe)[1] == set()
 
 
@@ -1067,7 +1069,7 @@ def test_streamed_failure_is_reported_by_the_steps_own_get_finished(monkeypatch)
         # reading thread set the state, i.e. reported it a step late)
         saved, loaded = pipe.get_finished()
         assert loaded == set() and not pipe._pending_loads
-        assert pipe.get_block_ids_with_load_errors() == {20, 21}
+        assert pipe.get_block_ids_with_load_errors() == {20, 21} and pipe.take_failed_loads() == {"k"}
         fut.result(timeout=10)
 
 
@@ -1492,6 +1494,7 @@ def test_a_start_load_failing_after_its_checks_leaves_no_restore_half_started(mo
             torch.cuda.synchronize()
         assert drain(pipe)[1] == set()
         assert pipe.get_block_ids_with_load_errors() == {20, 21, 22, 23}
+        assert pipe.take_failed_loads() == {"a", "b"}
         assert pipe.entries["a"].users == 0 and pipe.entries["b"].users == 0 and pipe.evict("a")
         given_away = snapshot(lay, [22, 23])  # the blocks' new owners' KV
         expect = snapshot(lay, [3, 4])
@@ -1754,6 +1757,7 @@ def test_a_restore_layer_that_cannot_be_issued_reports_its_blocks(monkeypatch, t
         _, loaded = drain(pipe)
         assert loaded == set()
         assert pipe.get_block_ids_with_load_errors() == {20, 21, 22, 23}
+        assert pipe.take_failed_loads() == {"a", "b"}
         assert all(e.users == 0 for e in pipe.entries.values())
         monkeypatch.undo()
         expect = snapshot(lay, [3, 9])
@@ -2613,3 +2617,50 @@ def test_a_second_prefetch_of_a_key_being_read_is_done_only_when_that_read_is():
             torch.cuda.synchronize()
         assert _drain_loads(pipe) == {"a"}
         assert_blocks_hold(lay, dst, expect)
+
+
+@pytest.mark.parametrize("copy_mode", ["gather", "dma"])
+def test_asynchronous_restore_runs_on_streams_nothing_else_waits_for(monkeypatch, copy_mode):
+    """An asynchronous restore's copies go on streams of their own, and neither the compute nor
+    the pipeline's other streams ever wait for an event recorded there: on the shared side
+    streams (which run in order) the next step's gathers, and through wait_for_save the next
+    forward, queued behind the whole restore. Tracked by which stream each event was last
+    recorded on (events are reused), over an asynchronous restore, a save step and a synchronous
+    restore."""
+    lay = cache()
+    expect = snapshot(lay, [1, 2, 3])
+    with LayerPipeline(lay, host_bytes=1 << 20, copy_mode=copy_mode) as pipe:
+        run_step_saves(pipe, {"a": ids([1, 2, 3])})
+        assert drain(pipe)[0] == {"a"}
+        shared = [pipe.pack_stream, pipe.d2h_stream, pipe.h2d_stream]
+        asyn = list(pipe._async_streams)
+        last_on, bad, used = {}, [], []
+        real_record, real_wait = pipe._record, pipe._wait
+
+        def record(ev, stream):
+            last_on[id(ev)] = stream
+            used.append(stream)
+            real_record(ev, stream)
+
+        def wait(stream, ev):
+            used.append(stream)
+            if not any(stream is s for s in asyn) and any(last_on.get(id(ev)) is s for s in asyn):
+                bad.append((stream, ev))
+            real_wait(stream, ev)
+
+        monkeypatch.setattr(pipe, "_record", record)
+        monkeypatch.setattr(pipe, "_wait", wait)
+        pipe.start_load({"a": [20, 21, 22]}, asynchronous=True)
+        used_async = list(used)
+        assert any(u is s for u in used_async for s in asyn)  # its work went on its own streams
+        assert not any(u is s for u in used_async for s in shared if s is not None)  # and none on the shared
+        for layer in range(L):
+            pipe.wait_for_layer_load(layer)
+        run_step_saves(pipe, {"b": ids([4, 5])})  # the next step: its gathers and wait_for_save
+        run_step_loads(pipe, {"a": ids([24, 25, 26])})  # and a synchronous restore
+        assert bad == []
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert _drain_loads(pipe) == {"a"}
+        assert_blocks_hold(lay, [20, 21, 22], expect)
+        assert_blocks_hold(lay, [24, 25, 26], expect)
