@@ -39,7 +39,8 @@ Nothing on the step path calls ``torch.cuda.synchronize()``, ``Stream.synchroniz
 (``Event.query()``). On CPU the same code runs synchronously (streams and events are no-ops).
 
 Memory is bounded and allocated once: one pinned host pool of ``host_bytes`` (registered at
-construction) and ``num_slots * slot_bytes`` of device staging per direction.
+construction) and ``num_slots * slot_bytes`` of device staging per direction, plus as much again
+for asynchronous restores, allocated at the first one (``start_load(..., asynchronous=True)``).
 """
 
 from __future__ import annotations
@@ -1418,7 +1419,9 @@ class LayerPipeline:
         restore), and a key is reported by :meth:`get_finished` once its copies are done — its
         blocks must not be read before that. Each key must be wholly in host memory: an entry
         still being read from SSD is refused (``ValueError``; wait for its ``prefetch`` future),
-        so no copy on the side streams ever waits for the disk.
+        so no copy on the side streams ever waits for the disk. Such restores run on an H2D and
+        a pack stream of their own with ``num_slots`` load slots of their own, allocated by the
+        first call (if that allocation fails, the call raises having changed nothing).
         """
         self._ensure_open()
         _check_mapping(loads, "loads")
@@ -1493,6 +1496,12 @@ class LayerPipeline:
                 if not ok:
                     self._note_load_error(key, err)
                     continue
+                if self._loads_async and isinstance(ids, torch.Tensor) and ids.device.type == "cuda":
+                    # a device tensor may be the caller's own (a block table rewritten in place on
+                    # the compute stream): nothing orders the compute after an asynchronous
+                    # restore's scatters, so they read a copy made after the compute's point here
+                    with self._stream(self.pack_stream):
+                        ids = ids.clone()
                 ent.users += 1  # (listed at once: a failure below gives the use back through _fail_loads)
                 self._loads.append((ent, ids, ent.state == "loading", err))  # streamed: gate each layer
                 if ent.done_event is not None and self.cuda:
@@ -1530,9 +1539,9 @@ class LayerPipeline:
         a = self._async_slots
         kept = (self.h2d_stream, self.pack_stream, self._slots["load"], self._slot_free["load"],
                 self._slot_filled["load"], self._slot_next["load"])
-        self.h2d_stream, self.pack_stream = self._async_streams
-        self._slots["load"], self._slot_free["load"], self._slot_filled["load"], self._slot_next["load"] = a
         try:
+            self.h2d_stream, self.pack_stream = self._async_streams
+            self._slots["load"], self._slot_free["load"], self._slot_filled["load"], self._slot_next["load"] = a
             yield
         finally:
             a[3] = self._slot_next["load"]

@@ -2648,8 +2648,15 @@ def test_asynchronous_restore_runs_on_streams_nothing_else_waits_for(monkeypatch
                 bad.append((stream, ev))
             real_wait(stream, ev)
 
+        real_stream = pipe._stream
+
+        def on_stream(st):  # torch work issued on a side stream (the ids' copies, torch.cat, scatters)
+            used.append(st)
+            return real_stream(st)
+
         monkeypatch.setattr(pipe, "_record", record)
         monkeypatch.setattr(pipe, "_wait", wait)
+        monkeypatch.setattr(pipe, "_stream", on_stream)
         pipe.start_load({"a": [20, 21, 22]}, asynchronous=True)
         used_async = list(used)
         assert any(u is s for u in used_async for s in asyn)  # its work went on its own streams
