@@ -402,6 +402,32 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                 raise RuntimeError(f"[vllm calls]: failed saves {sorted(map(str, failed))} or restores failing "
                                    f"on {len(errors)} blocks: the row would be wrong")
 
+        # first case only: an asynchronous restore (vLLM 0.33's load_kv_async: issued after a
+        # forward is launched, for a request that runs in a later step) beside a forward that does
+        # not read its blocks: the forward's slowdown is what it costs (its wall_ms includes the
+        # restore's end only through the final sync); predicted: at most the restore rows' slowdown,
+        # with no wait of the compute stream for it
+        with _optional_rows("[async restore]"):
+            _sync(device)
+            pipe.get_finished()
+
+            def restore_async_beside_compute():
+                end = None
+                pipe.start_load({"req": dst}, asynchronous=True)
+                for l in range(L):
+                    pipe.wait_for_layer_load(l)  # vLLM calls it in every step: nothing to wait for here
+                    end = compute_layer(l) or end
+                return end
+
+            n_rows = len(rows)
+            add("kvk-pipeline[async restore]", "restore", restore_async_beside_compute)
+            _sync(device)
+            pipe.get_finished()
+            failed, errors = pipe.take_failed_loads(), pipe.get_block_ids_with_load_errors()
+            if failed or errors:  # a restore that did not run times as a no-op: never publish the row
+                del rows[n_rows:]
+                raise RuntimeError(f"[async restore]: restores failing on {len(errors)} blocks: the row would be wrong")
+
     rows += _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps, compute_only)
     if timeline_out is not None:
         pipe.get_finished()

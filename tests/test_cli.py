@@ -86,7 +86,7 @@ def test_bench_pipeline_tiny(tmp_path):
     paired = [r for r in res["rows"] if r.get("slowdown_pct") is not None and r["direction"] != "restore-ssd"]
     assert paired and all(r["slowdown_min_pct"] <= r["slowdown_pct"] <= r["slowdown_max_pct"] for r in paired)
     assert {"kvk-pipeline[ctas=all]", "kvk-pipeline[ctas=16,priority=-1]", "kvk-pipeline[ctas=all,priority=-1]",
-            "kvk-pipeline[vllm calls]"} <= {r["method"] for r in res["rows"]}
+            "kvk-pipeline[vllm calls]", "kvk-pipeline[async restore]"} <= {r["method"] for r in res["rows"]}
     doc = json.loads((tmp_path / "pipeline_timeline.json").read_text())
     assert set(doc["variants"]) == {"[ctas=16,priority=-1]", "[ctas=all,priority=-1]"}
     tl = doc["layers"]
