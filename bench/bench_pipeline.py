@@ -26,6 +26,10 @@ For each prompt length and block size, in one run:
   the pipeline's events, completion tracking and host-time bookkeeping (random block ids, as
   every row; ``[dma+cudart,consecutive ids]``, first case only: ids in runs, which merge into
   one piece each — the best case);
+  ``[vllm calls]`` (first case only): the offload issued in vLLM's order (``start_load({})``,
+  ``wait_for_layer_load`` before each layer); ``[async restore]`` (first case only): an
+  asynchronous restore (``start_load(..., asynchronous=True)``, vLLM 0.33's ``load_kv_async``)
+  beside a forward that does not read its blocks — the slowdown it costs;
 * ``sm-zero-copy[ctas]``: compute + an SM gather writing pinned host directly on a side stream
   (LMCache / SGLang style), full grid and 2 CTAs;
 * ``memcpy-per-chunk``: compute + one ``cudaMemcpyAsync`` per chunk on a side stream (vLLM
