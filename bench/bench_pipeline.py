@@ -414,13 +414,20 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         with _optional_rows("[async restore]"):
             _sync(device)
             pipe.get_finished()
+            pipe.take_failed_loads()  # (earlier rows' restores: checked there)
+            pipe.start_load({"req": dst}, asynchronous=True)  # warm-up: its slots and events are made here
+            _sync(device)
+            pipe.get_finished()
 
             def restore_async_beside_compute():
+                # issued once the forward's first layer is queued (vLLM: after the forward is
+                # launched), so its host issue time does not idle the compute stream being timed
                 end = None
-                pipe.start_load({"req": dst}, asynchronous=True)
                 for l in range(L):
                     pipe.wait_for_layer_load(l)  # vLLM calls it in every step: nothing to wait for here
                     end = compute_layer(l) or end
+                    if l == 0:
+                        pipe.start_load({"req": dst}, asynchronous=True)
                 return end
 
             n_rows = len(rows)
@@ -430,7 +437,8 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
             failed, errors = pipe.take_failed_loads(), pipe.get_block_ids_with_load_errors()
             if failed or errors:  # a restore that did not run times as a no-op: never publish the row
                 del rows[n_rows:]
-                raise RuntimeError(f"[async restore]: restores failing on {len(errors)} blocks: the row would be wrong")
+                raise RuntimeError(f"[async restore]: failed restores {sorted(map(str, failed))} on "
+                                   f"{len(errors)} blocks: the row would be wrong")
 
     rows += _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps, compute_only)
     if timeline_out is not None:

@@ -1441,6 +1441,13 @@ class LayerPipeline:
         # copy_mode="dma": every restore's ids on the host (device ids are not read back: a sync),
         # so the layers go as batched DMAs straight into the blocks; else all through the slots
         dma = self.copy_mode == "dma" and all(hk is not None for hk in hks.values())
+        if asynchronous and self.cuda:
+            # a device tensor of ids may be the caller's own (a block table rewritten in place on
+            # the compute stream next step) and nothing orders the compute after an asynchronous
+            # restore: its scatters (and a failure's report) read a copy made here, on the
+            # compute stream, before anything later the caller queues there
+            loads = {k: v.clone(memory_format=torch.contiguous_format)
+                     if isinstance(v, torch.Tensor) and v.device.type == "cuda" else v for k, v in loads.items()}
         side = self._async_side if asynchronous else contextlib.nullcontext
         with side():  # an asynchronous restore's ids are copied on its own pack stream
             checked = [(key, self._host_ids(block_ids, f"loads[{key!r}]", unique=True) if dma
@@ -1496,12 +1503,6 @@ class LayerPipeline:
                 if not ok:
                     self._note_load_error(key, err)
                     continue
-                if self._loads_async and isinstance(ids, torch.Tensor) and ids.device.type == "cuda":
-                    # a device tensor may be the caller's own (a block table rewritten in place on
-                    # the compute stream): nothing orders the compute after an asynchronous
-                    # restore's scatters, so they read a copy made after the compute's point here
-                    with self._stream(self.pack_stream):
-                        ids = ids.clone()
                 ent.users += 1  # (listed at once: a failure below gives the use back through _fail_loads)
                 self._loads.append((ent, ids, ent.state == "loading", err))  # streamed: gate each layer
                 if ent.done_event is not None and self.cuda:

@@ -2671,3 +2671,28 @@ def test_asynchronous_restore_runs_on_streams_nothing_else_waits_for(monkeypatch
         assert _drain_loads(pipe) == {"a"}
         assert_blocks_hold(lay, [20, 21, 22], expect)
         assert_blocks_hold(lay, [24, 25, 26], expect)
+
+
+@pytest.mark.gpu
+def test_asynchronous_restore_reads_device_ids_as_they_were_at_the_call():
+    """A caller's device tensor of ids rewritten in place on the compute stream right after an
+    asynchronous restore (a block table reused by the next step) does not redirect the restore:
+    nothing orders the compute after it, so it reads a copy made at the call. The restore is held
+    behind a busy pack stream (a long kernel queued there first) so its scatters run late."""
+    lay = cache()
+    src, dst = [1, 2, 3], [20, 21, 22]
+    expect = snapshot(lay, src)
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        run_step_saves(pipe, {"a": ids(src)})
+        torch.cuda.synchronize()
+        assert drain(pipe)[0] == {"a"}
+        others = snapshot(lay, [5, 6, 7])
+        table = ids(dst)
+        with torch.cuda.stream(pipe._async_streams[1]):
+            torch.cuda._sleep(50_000_000)  # ~tens of ms of GPU time ahead of the restore's scatters
+        pipe.start_load({"a": table}, asynchronous=True)
+        table.copy_(ids([5, 6, 7]))  # the next step's ids, written on the compute stream
+        torch.cuda.synchronize()
+        assert _drain_loads(pipe) == {"a"}
+        assert_blocks_hold(lay, dst, expect)
+        assert_blocks_hold(lay, [5, 6, 7], others)
