@@ -372,6 +372,22 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                                f"restores failing on {len(errors)} blocks: their rows would be wrong")
         return t_off
 
+    def add_checked(pipe: LayerPipeline, method, direction, fn):
+        """``add``, then the row is dropped and the variant fails when one of its saves or
+        restores failed (a save with no pool room, a restore that did not run: timed as no-ops)."""
+        _sync(device)
+        pipe.get_finished()
+        pipe.take_failed_saves(), pipe.take_failed_loads(), pipe.get_block_ids_with_load_errors()  # older rows'
+        n_rows = len(rows)
+        add(method, direction, fn)
+        _sync(device)
+        pipe.get_finished()
+        saves, loads, errors = pipe.take_failed_saves(), pipe.take_failed_loads(), pipe.get_block_ids_with_load_errors()
+        if saves or loads or errors:
+            del rows[n_rows:]
+            raise RuntimeError(f"{method}: failed saves {sorted(map(str, saves))} or restores "
+                               f"{sorted(map(str, loads))} on {len(errors)} blocks: the row would be wrong")
+
     rows.append({**base, "direction": "-", "method": "compute-alone", "compute_ms": c_ms, "wall_ms": c_wall})
     pipe = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2)  # default 64 MiB slots
     pipeline_rows(pipe)
@@ -396,15 +412,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                 pipe.wait_for_save()
                 return end
 
-            n_rows = len(rows)
-            add("kvk-pipeline[vllm calls]", "offload", offload_as_vllm)
-            _sync(device)
-            pipe.get_finished()
-            failed, errors = pipe.take_failed_saves(), pipe.get_block_ids_with_load_errors()
-            if failed or errors:  # a save with no pool room times as a no-op: never publish the row
-                del rows[n_rows:]
-                raise RuntimeError(f"[vllm calls]: failed saves {sorted(map(str, failed))} or restores failing "
-                                   f"on {len(errors)} blocks: the row would be wrong")
+            add_checked(pipe, "kvk-pipeline[vllm calls]", "offload", offload_as_vllm)
 
         # first case only: an asynchronous restore (vLLM 0.33's load_kv_async: issued after a
         # forward is launched, for a request that runs in a later step) beside a forward that does
@@ -414,7 +422,6 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         with _optional_rows("[async restore]"):
             _sync(device)
             pipe.get_finished()
-            pipe.take_failed_loads()  # (earlier rows' restores: checked there)
             pipe.start_load({"req": dst}, asynchronous=True)  # warm-up: its slots and events are made here
             _sync(device)
             pipe.get_finished()
@@ -430,15 +437,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                         pipe.start_load({"req": dst}, asynchronous=True)
                 return end
 
-            n_rows = len(rows)
-            add("kvk-pipeline[async restore]", "restore", restore_async_beside_compute)
-            _sync(device)
-            pipe.get_finished()
-            failed, errors = pipe.take_failed_loads(), pipe.get_block_ids_with_load_errors()
-            if failed or errors:  # a restore that did not run times as a no-op: never publish the row
-                del rows[n_rows:]
-                raise RuntimeError(f"[async restore]: failed restores {sorted(map(str, failed))} on "
-                                   f"{len(errors)} blocks: the row would be wrong")
+            add_checked(pipe, "kvk-pipeline[async restore]", "restore", restore_async_beside_compute)
 
     rows += _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps, compute_only)
     if timeline_out is not None:
