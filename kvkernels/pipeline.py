@@ -1413,8 +1413,8 @@ class LayerPipeline:
 
         ``asynchronous=True``: the destination blocks are not read by the forward running now
         (vLLM's asynchronous loads, ``load_kv_async``, started after the forward is launched and
-        reported through ``finished_recving``). Every layer is issued at once on the side
-        streams (behind the compute queued so far: the blocks are free), the compute stream is
+        reported through ``finished_recving``). Every layer is issued at once on streams of its
+        own (behind the compute queued so far: the blocks are free), the compute stream is
         never made to wait for them (``wait_for_layer_load`` waits for nothing during such a
         restore), and a key is reported by :meth:`get_finished` once its copies are done — its
         blocks must not be read before that. Each key must be wholly in host memory: an entry
@@ -1470,8 +1470,8 @@ class LayerPipeline:
         with side():
             try:
                 self._begin_loads(checked, handled, dma)
-                if asynchronous:
-                    self._issue_async_rest()
+                if asynchronous:  # every layer now (its entries are in host memory: no read to wait for)
+                    self._finish_issuing_loads()
             except BaseException:  # e.g. an allocation or a runtime call failing after the checks: no
                 # restore of this call is left half started (its entries in use, to be issued by the
                 # next call into blocks the caller was told were not restored); all are load errors
@@ -1549,22 +1549,14 @@ class LayerPipeline:
             (self.h2d_stream, self.pack_stream, self._slots["load"], self._slot_free["load"],
              self._slot_filled["load"], self._slot_next["load"]) = kept
 
-    def _issue_async_rest(self) -> None:
-        """``start_load(asynchronous=True)``: every layer issued now (no layer gates on a read: the
-        entries are in host memory); the side streams ordered after each other as at a restore's
-        end, the compute stream not ordered after them."""
-        while self._next_load_layer < self.layout.num_layers:
-            self._issue_load_layer()
-        self._record(self._finished_off, self.pack_stream)
-        self._wait(self.h2d_stream, self._finished_off)
-        self._last_waited = self.layout.num_layers - 1  # nothing is left for get_finished / start_load
-
     def _finish_issuing_loads(self, *, wait_reads: bool = True) -> None:
         """Issue the current restore's layers not issued yet (a restore not waited to the end)
         and order the compute after them. Its last layers' copies (scatters on the pack stream,
         dma copies on the H2D stream) come before the compute's next kernels and before a next
         load's copies, which may be on the other stream (dma after gather): the compute waits for
-        both streams (stream waits, no host wait). ``wait_reads=False`` (``get_finished``, which
+        both streams (stream waits, no host wait) — except after an asynchronous restore (issued
+        whole by ``start_load`` through here), which nothing on the compute waits for.
+        ``wait_reads=False`` (``get_finished``, which
         never blocks): a streamed layer whose SSD read is not in yet and that only a host wait
         could gate (CPU, or no ``cuStreamWaitValue32``) is left with the rest for a later call."""
         issued = False
@@ -1580,7 +1572,8 @@ class LayerPipeline:
             self._record(self._finished_off, self.pack_stream)
             self._wait(self.h2d_stream, self._finished_off)
             self._record(self._finished_off, self.h2d_stream)
-            self._wait(self._compute(), self._finished_off)
+            if not self._loads_async:  # nothing on the compute waits for an asynchronous restore
+                self._wait(self._compute(), self._finished_off)
             self._last_waited = max(self._last_waited, self._next_load_layer - 1)
 
     def _check_distinct_destinations(self, checked) -> None:
