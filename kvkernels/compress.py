@@ -129,8 +129,9 @@ def _check_fmt(fmt) -> None:
 
 
 # --------------------------------------------------------------------------------------- shuffle
-def _check_planes(element_size: int) -> int:
-    check(element_size == 2, "byteshuffle", "16-bit elements (bf16 / fp16 staging, element_size 2)",
+def _check_planes(element_size: int, name: str = "byteshuffle") -> int:
+    """Byte planes (``name``: the argument asking for them) exist for 16-bit elements only."""
+    check(element_size == 2, name, "16-bit elements (bf16 / fp16 staging, element_size 2)",
           f"element_size {element_size}")
     return element_size
 
@@ -306,7 +307,7 @@ class CompressedStaging:
         check(buf.numel() >= need, "buf", f"at least {need} bytes (all stored regions)", f"{buf.numel()} bytes")
         check(isinstance(byteshuffle, bool), "byteshuffle", "a bool", type(byteshuffle).__name__, TypeError)
         if byteshuffle or scheme == "shuffle":  # as compress_regions: planes of 16-bit elements only
-            _check_planes(_esize(fmt))
+            _check_planes(_esize(fmt), "byteshuffle" if byteshuffle else "scheme")
         regions = [buf[j * pitch: j * pitch + s] for j, s in enumerate(stored)]
         own = store_scheme(quant="fp8", granularity=fmt.granularity) if _is_fp8(fmt) else "raw"
         if scheme is not None:
@@ -897,9 +898,8 @@ def compress_regions(
     check(not (staging_shuffled and byteshuffle), "byteshuffle", "False for a staging gathered with shuffle=True "
           "(it is byte planes already)", True)
     check(not (staging_shuffled and _is_fp8(fmt)), "staging_shuffled", "False for an FP8 staging format", True)
-    if staging_shuffled:  # byte planes exist for 16-bit elements only (an odd entry size lost bytes)
-        check(_esize(fmt) == 2, "staging_shuffled", "False unless the staging holds 16-bit elements "
-              "(gather(shuffle=True) takes bf16 / fp16 caches)", f"element_size {_esize(fmt)}")
+    if staging_shuffled:  # (planes of another element size: an odd entry size lost bytes)
+        _check_planes(_esize(fmt), "staging_shuffled")
     staging_scheme = (store_scheme(quant="fp8", granularity=fmt.granularity) if _is_fp8(fmt)
                       else store_scheme(shuffle=staging_shuffled))
     check_int(chunk_nbytes, "chunk_nbytes", lo=4096, hi=1 << 24)
