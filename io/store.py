@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from kvkernels import config
-from kvkernels._validate import check, check_int, check_tensor, describe, fail
+from kvkernels._validate import check, check_int, check_memory, check_tensor, describe, fail
 
 from .engines import aligned_empty, make_engine
 from .format import CorruptEntryError, EntryMeta, Header, checksum_segments, key_digest
@@ -556,7 +556,7 @@ class KVStore:
                 pieces.append(segs)
         else:
             check_tensor(staging, "staging")
-            check(staging.device.type in ("cpu", "cuda"), "staging", "a tensor in CPU or CUDA memory", staging.device)
+            check_memory(staging, "staging")
             check(staging.dtype == torch.uint8, "staging", "dtype torch.uint8", staging.dtype, TypeError)
             check(staging.dim() == 1 and staging.is_contiguous(), "staging", "a contiguous 1-D buffer", describe(staging))
             check(staging.numel() >= fmt.nbytes, "staging", f"at least {fmt.nbytes} bytes", staging.numel())
@@ -1208,7 +1208,7 @@ def _plan_read(h: Header, layers, out, *, allocate: bool = True):
             out = aligned_empty(total)
         else:
             check_tensor(out, "out")
-            check(out.device.type in ("cpu", "cuda"), "out", "a tensor in CPU or CUDA memory", out.device)
+            check_memory(out, "out")
             check(out.dtype == torch.uint8, "out", "dtype torch.uint8", out.dtype, TypeError)
             check(out.dim() == 1 and out.is_contiguous(), "out", "a contiguous 1-D buffer", describe(out))
             check(out.numel() >= total, "out", f"at least {total} bytes", out.numel())
@@ -1251,7 +1251,7 @@ def _check_segments(item, name: str) -> list[torch.Tensor]:
         check(t.dtype == torch.uint8, nm, "dtype torch.uint8", t.dtype, TypeError)
         check(t.dim() == 1 and t.is_contiguous(), nm, "a contiguous 1-D uint8 tensor", describe(t))
         check(t.device == segs[0].device, nm, f"device {segs[0].device} (as the region's first piece)", t.device)
-        check(t.device.type in ("cpu", "cuda"), nm, "a tensor in CPU or CUDA memory", t.device)
+        check_memory(t, nm)
     return segs
 
 

@@ -27,6 +27,12 @@ def check_tensor(x: Any, name: str) -> torch.Tensor:
     return x
 
 
+def check_memory(t: torch.Tensor, name: str) -> None:
+    """``t`` lives in CPU or CUDA memory: the kernels and the store move the bytes behind
+    ``data_ptr()`` (a meta tensor has none; other devices are not supported)."""
+    check(t.device.type in ("cpu", "cuda"), name, "a tensor in CPU or CUDA memory", t.device)
+
+
 def check_byte_buffer(buf: Any, name: str, nbytes: int) -> torch.Tensor:
     """``buf`` is a 1-D contiguous uint8 tensor of at least ``nbytes`` bytes (a staging buffer's
     shape rules; where it may live is the caller's rule). Messages built on failure only."""

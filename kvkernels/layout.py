@@ -30,7 +30,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ._validate import check, check_int, check_tensor, describe, fail, same_device
+from ._validate import check, check_int, check_memory, check_tensor, describe, fail, same_device
 
 __all__ = ["PagedLayout"]
 
@@ -186,9 +186,7 @@ def _checked_views(views, _names=None) -> tuple[tuple[torch.Tensor, ...], ...]:
             if ref is None:
                 ref = v
                 check(not v.is_complex() and v.dtype != torch.bool, nm, "a real dtype", v.dtype, TypeError)
-                # the kernels and the store move the bytes behind data_ptr(): a meta tensor has none
-                # (a gather "succeeded" with no data), other devices are not supported
-                check(v.device.type in ("cpu", "cuda"), nm, "a tensor in CPU or CUDA memory", v.device)
+                check_memory(v, nm)  # (a meta cache: a gather "succeeded" with no data)
             else:
                 check(v.shape == ref.shape, nm, f"shape {tuple(ref.shape)} like {name(0, 0)}", describe(v))
                 check(v.dtype == ref.dtype, nm, f"dtype {ref.dtype} like {name(0, 0)}", v.dtype, TypeError)
