@@ -19,7 +19,7 @@ import torch
 
 from .models import MODELS, get_model, make_cache
 
-BENCHES = ("gather", "store", "compress", "pipeline", "lmcache", "resources")
+BENCHES = ("gather", "store", "compress", "pipeline", "lmcache", "micro", "resources")
 
 
 def _cmd_info(args) -> int:

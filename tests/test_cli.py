@@ -194,9 +194,9 @@ def test_bench_compress_real_sample_imports_work_outside_the_source_tree(tmp_pat
 def test_bench_compress_docstring_flags_exist(capsys):
     import re
 
-    from kvkernels.bench import bench_compress, bench_gather, bench_lmcache, bench_store
+    from kvkernels.bench import bench_compress, bench_gather, bench_lmcache, bench_micro, bench_store
 
-    for mod in (bench_compress, bench_gather, bench_lmcache, bench_store):
+    for mod in (bench_compress, bench_gather, bench_lmcache, bench_micro, bench_store):
         with pytest.raises(SystemExit) as e:
             mod.main(["--help"])
         assert e.value.code == 0
@@ -229,7 +229,7 @@ def test_bench_store_dir_that_is_a_file_fails_cleanly(tmp_path, capsys):
     assert f.read_text() == "data"
 
 
-@pytest.mark.parametrize("bench", ["store", "compress", "gather", "pipeline", "lmcache", "resources"])
+@pytest.mark.parametrize("bench", ["store", "compress", "gather", "pipeline", "lmcache", "micro", "resources"])
 def test_bench_out_that_cannot_take_results_fails_before_measuring(tmp_path, capsys, bench):
     # the results are written at the end of a run: a bad --out used to end a finished run in a traceback
     f = tmp_path / "afile"
@@ -472,3 +472,109 @@ def test_config_doc_lists_every_variable_the_code_reads():
     for p in files:
         used |= set(re.findall(r"KVKERNELS_[A-Z0-9_]*[A-Z0-9]", p.read_text(errors="replace")))
     assert used - documented == set()
+
+
+# ------------------------------------------------------------------ pytest-benchmark microbenchmarks
+
+
+@pytest.fixture(scope="module")
+def micro_run(tmp_path_factory):
+    """One tiny run of ``kvkernels bench micro`` (pytest-benchmark in a child process), one shape."""
+    from kvkernels.bench import bench_micro
+
+    out = tmp_path_factory.mktemp("micro")
+    res = bench_micro.run(out_dir=str(out), tiny=True, max_time=0.01, min_rounds=1, select="llama3-8b", plot=False)
+    return out, res
+
+
+def test_bench_micro_tiny_runs_every_op_beside_torch(micro_run):
+    from kvkernels.bench import bench_micro
+
+    out, res = micro_run
+    assert res["rc"] == 0
+    rows = res["rows"]
+    backends = bench_micro._backends()  # torch, and triton here (TRITON_INTERPRET=1), cuda where it builds
+    assert backends[0] == "torch" and ("triton" in backends) == (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1")
+    assert sorted((r["op"], r["backend"]) for r in rows) == sorted((o, b) for o in bench_micro.OPS for b in backends)
+    assert all(r["model"] == "llama3-8b" and r["median_us"] > 0 and r["gbps"] > 0 and r["rounds"] >= 1 for r in rows)
+    assert all(r["x_torch"] == 1 for r in rows if r["backend"] == "torch")
+    data = json.loads((out / "micro.json").read_text())
+    assert data["meta"]["tiny"] is True and data["meta"]["peaks"]["d2d_gbps"] > 0 and data["meta"]["pytest_rc"] == 0
+    raw = json.loads((out / "micro-pytest-benchmark.json").read_text())  # pytest-benchmark's own report
+    assert len(raw["benchmarks"]) == len(rows) and all(b["stats"]["rounds"] >= 1 for b in raw["benchmarks"])
+    assert (out / "micro.csv").read_text().startswith("# {")
+
+
+def test_bench_micro_compare_names_what_got_slower(micro_run, tmp_path):
+    from kvkernels.bench import bench_micro
+
+    out, res = micro_run
+    old = json.loads((out / "micro.json").read_text())
+    rows = [dict(r) for r in res["rows"]]
+    meta = old["meta"]
+    assert bench_micro.compare(rows, meta, str(out / "micro.json"), 0.0)[0] == 0  # against itself: unchanged
+    assert all(r["change_pct"] == 0 for r in rows)
+    faster = dict(old, rows=[dict(r, median_us=r["median_us"] / 2) for r in old["rows"]])  # the old run was 2x faster
+    (tmp_path / "old.json").write_text(json.dumps(faster))
+    rc, msg = bench_micro.compare(rows, meta, str(tmp_path / "old.json"), 50.0)
+    assert rc == 1 and "more than 50 % slower" in msg and "gather[torch] +100.0 %" in msg
+    assert bench_micro.compare(rows, meta, str(tmp_path / "old.json"), 150.0)[0] == 0
+    assert all(r["was_us"] * 2 == pytest.approx(r["median_us"]) for r in rows)
+    other = dict(old, meta=dict(meta, device="NVIDIA H100 80GB HBM3"))
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    rc, msg = bench_micro.compare(rows, meta, str(tmp_path / "other.json"), 5.0)
+    assert rc == 2 and "same device" in msg
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    rc, msg = bench_micro.compare(rows, meta, str(tmp_path / "bad.json"), 5.0)
+    assert rc == 2 and "not a micro.json" in msg
+
+
+def test_bench_micro_checks_what_the_kernel_wrote(monkeypatch, request):
+    """The benchmark fails when the op writes other bytes (a fast kernel that writes garbage is no result)."""
+    from kvkernels.bench import bench_micro
+
+    class Bench:  # what test_kernel uses of pytest-benchmark's fixture
+        group, extra_info, stats = None, {}, None
+
+        def __call__(self, fn):
+            fn()
+
+    monkeypatch.setenv(bench_micro.TINY_ENV, "1")
+    bench_micro._case.cache_clear()  # built tiny here, dropped at the end (its cache is written to below)
+    request.addfinalizer(bench_micro._case.cache_clear)
+    bench_micro.test_kernel(Bench(), "llama3-8b-nhd", "gather", "torch")  # the real op passes
+    bench_micro.test_kernel(Bench(), "llama3-8b-nhd", "scatter-fp8", "torch")
+    real = bench_micro.gather_quant
+
+    def wrong(layout, ids, out=None, **kw):
+        res = real(layout, ids, out=out, **kw)
+        if out is not None:  # the benchmarked call (the reference is built with out=None)
+            out.view(-1)[0] ^= 1
+        return res
+
+    monkeypatch.setattr(bench_micro, "gather_quant", wrong)
+    with pytest.raises(AssertionError, match="other bytes than the torch backend"):
+        bench_micro.test_kernel(Bench(), "llama3-8b-nhd", "gather-fp8", "torch")
+    real_scatter = bench_micro.scatter_quant
+
+    def lossy(staging, layout, ids, **kw):
+        real_scatter(staging, layout, ids, **kw)
+        layout.views[0][0][int(ids[0])].view(-1)[0] += 1
+
+    monkeypatch.setattr(bench_micro, "scatter_quant", lossy)
+    with pytest.raises(AssertionError, match="destination blocks differ"):
+        bench_micro.test_kernel(Bench(), "llama3-8b-nhd", "scatter-shuffle", "torch")
+
+
+def test_bench_micro_bad_arguments(tmp_path, capsys):
+    from kvkernels.bench import bench_micro
+
+    for argv, msg in ((["--fail-slower", "5"], "needs --compare"),
+                      (["--compare", str(tmp_path / "none.json")], "no file"),
+                      (["--max-time", "0"], "expected seconds > 0"),
+                      (["--compare", __file__, "--fail-slower", "-1"], "a percentage >= 0")):
+        with pytest.raises(SystemExit) as e:
+            bench_micro.main(argv + ["--out", str(tmp_path / "o")])
+        assert e.value.code == 2
+        assert msg in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,380 @@
+"""Benchmark: per-kernel microbenchmarks under pytest-benchmark, for regression tracking between commits.
+
+One benchmark per (shape, op, backend): the paged ``gather`` and ``scatter``, the FP8 quantizing
+gather / dequantizing scatter (per token-head scales) and the byte-plane shuffle, each for every
+backend that runs here — ``torch`` (:mod:`kvkernels.reference`, the index-and-copy a user would
+write instead: the baseline), ``triton`` and, on a GPU where it builds, ``cuda``. Shapes: one per
+chunk class of the model registry, vLLM's layouts, block size 16, ``--blocks`` random blocks of a
+pool of 8x as many: llama3-8b NHD (32 KB chunks), llama3-70b-tp8 HND (4 KB), deepseek-v3 MLA
+(18 KB); on a CPU (or ``--tiny``) the same three cut to 2 layers, 1 head, block size 4, 8 of 64
+blocks (their numbers prove that the kernels run, nothing more).
+
+Timing is pytest-benchmark's: rounds of one call each, wall clock, ``torch.cuda.synchronize()``
+ending every round on a GPU (so a round is the kernel's time plus one launch and one sync, a few
+µs; ``kvkernels bench gather`` has the CUDA-event figures). Each benchmark first runs its op once
+(JIT compile, first-use build) and afterwards checks what the op wrote: bit-exact against the
+torch backend (the FP8 codes too), the torch FP8 scatter within e4m3's rounding of the source.
+
+Two ways to run it:
+
+    pytest bench/bench_micro.py --benchmark-only                # pytest-benchmark's table; all of
+    pytest bench/bench_micro.py --benchmark-autosave            # its options apply (save, compare,
+    pytest bench/bench_micro.py --benchmark-compare --benchmark-compare-fail=median:10%   # gate, ...)
+
+    kvkernels bench micro --out bench_results/h100              # + % of the measured copy peak,
+    kvkernels bench micro --compare OLD/micro.json --fail-slower 10   # x torch, CSV/JSON/PNG
+
+The second runs the first in a child process, then writes ``micro.csv`` / ``micro.json`` (rows with
+the median, min, rounds, GB/s = bytes read + written over the median, % of the device-copy peak
+measured in the same run, speed-up over the torch backend; GPU, versions, date), ``micro.png`` and
+pytest-benchmark's own JSON (``micro-pytest-benchmark.json``, readable by ``pytest-benchmark
+compare``). ``--compare`` puts an earlier ``micro.json`` beside it (same device and sizes only) and
+``--fail-slower PCT`` exits 1 when a median got more than PCT % slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+try:  # run as a script or a pytest file (bench/ on sys.path) or as kvkernels.bench.bench_micro
+    from . import common
+except ImportError:  # pragma: no cover
+    import common  # type: ignore
+
+import kvkernels
+from kvkernels import QuantStagingFormat, StagingFormat
+from kvkernels.models import get_model, make_cache
+from kvkernels.quant import gather_quant, scatter_quant
+
+TINY_ENV = "KVK_MICRO_TINY"  # "1": the tiny CPU-sized shapes on any device (set by --tiny)
+BLOCKS_ENV = "KVK_MICRO_BLOCKS"  # blocks per benchmark on the full shapes (set by --blocks)
+
+# (name, model, layout): one registry shape per chunk class (chunk bytes at block size 16, bf16)
+FULL_CASES = (("llama3-8b-nhd", "llama3-8b", "vllm-nhd"),  # 32 KB chunks
+              ("llama3-70b-tp8-hnd", "llama3-70b-tp8", "vllm-hnd"),  # 4 KB
+              ("deepseek-v3-mla", "deepseek-v3-mla", "mla"))  # 18 KB
+# op name -> gather_quant / scatter_quant keywords
+OPS = {"gather": ("gather", {}), "scatter": ("scatter", {}),
+       "gather-fp8": ("gather", {"quant": "fp8"}), "scatter-fp8": ("scatter", {"quant": "fp8"}),
+       "gather-shuffle": ("gather", {"shuffle": True}), "scatter-shuffle": ("scatter", {"shuffle": True})}
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _tiny() -> bool:
+    return os.environ.get(TINY_ENV, "0") == "1" or not torch.cuda.is_available()
+
+
+def _blocks() -> int:
+    text = os.environ.get(BLOCKS_ENV, "").strip() or "256"
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{BLOCKS_ENV}: expected a positive number of blocks, got {text!r}")
+    return n
+
+
+def _backends() -> list[str]:
+    """Every backend that runs here: torch always, triton on a GPU or under TRITON_INTERPRET=1, cuda
+    on a GPU where the csrc library builds (the build happens here, once, at collection)."""
+    dev = _device()
+    out = ["torch"]
+    if kvkernels.backends.triton_available(dev):
+        out.append("triton")
+    if dev.type == "cuda" and kvkernels.backends.cuda_ext_available():
+        out.append("cuda")
+    return out
+
+
+class Case:
+    """A paged cache of one shape with normal(0, 1) values (real KV's range: FP8 scales stay
+    meaningful, no NaN), a source block set and a disjoint destination set."""
+
+    def __init__(self, name: str, model: str, layout: str):
+        self.device = _device()
+        tiny = _tiny()
+        shape = get_model(model)
+        if tiny:
+            shape = shape.scaled(num_layers=2, num_kv_heads=1)
+        block_size = 4 if tiny else 16
+        self.blocks = 8 if tiny else _blocks()
+        pool = 8 * self.blocks
+        self.name, self.model, self.layout_name = name, model, layout
+        self.layout = make_cache(layout, num_layers=shape.num_layers, num_blocks=pool, block_size=block_size,
+                                 num_heads=shape.num_kv_heads, head_dim=shape.head_dim, device=self.device,
+                                 fill="zero")
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        for views in self.layout.views:
+            for v in views:
+                v.normal_(generator=gen)
+        perm = torch.randperm(pool, generator=torch.Generator().manual_seed(1))
+        self.ids = perm[: self.blocks].to(self.device)
+        self.dst_ids = perm[self.blocks: 2 * self.blocks].to(self.device)
+        fmt = StagingFormat.for_layout(self.layout, self.blocks)
+        self.payload = fmt.num_regions * fmt.payload_nbytes
+        qf = QuantStagingFormat.for_layout(self.layout, self.blocks, granularity="token")
+        self.fp8_moved = self.payload + qf.num_regions * qf.num_kv * (qf.q_nbytes + qf.scale_nbytes)
+        self.sources: dict[str, torch.Tensor] = {}  # op keywords -> the torch backend's staging of ids
+
+    def info(self) -> dict:
+        lay = self.layout
+        return {"model": self.model, "layout": self.layout_name, "chunk_kb": round(lay.chunk_nbytes / 1024, 2),
+                "blocks": self.blocks, "layers": lay.num_layers, "payload_mb": round(self.payload / 1e6, 3),
+                "device": str(self.device)}
+
+    def moved(self, kw: dict) -> int:
+        """Bytes the op must read + write: payload + codes + scales for FP8, else twice the payload."""
+        return self.fp8_moved if kw.get("quant") else 2 * self.payload
+
+    def source(self, kw: dict) -> torch.Tensor:
+        key = json.dumps(kw, sort_keys=True)
+        if key not in self.sources:
+            self.sources[key] = gather_quant(self.layout, self.ids, backend="torch", **kw)
+        return self.sources[key]
+
+
+@functools.lru_cache(maxsize=None)
+def _case(name: str) -> Case:
+    for c in FULL_CASES:
+        if c[0] == name:
+            return Case(*c)
+    raise KeyError(name)
+
+
+def _cases() -> list[str]:
+    return [c[0] for c in FULL_CASES]
+
+
+def _timed(fn, device: torch.device):
+    if device.type != "cuda":
+        return fn
+
+    def run():
+        fn()
+        torch.cuda.synchronize(device)
+
+    return run
+
+
+def _plain(case: Case, ids: torch.Tensor) -> torch.Tensor:
+    return kvkernels.gather(case.layout, ids, backend="torch")
+
+
+def pytest_generate_tests(metafunc):
+    """Parametrized at collection, not import: the CLI imports this module without building anything."""
+    if metafunc.definition.name == "test_kernel":
+        metafunc.parametrize("case_name", _cases())
+        metafunc.parametrize("op", list(OPS))
+        metafunc.parametrize("backend", _backends())
+
+
+def test_kernel(benchmark, case_name, op, backend):
+    case = _case(case_name)
+    kind, kw = OPS[op]
+    if kind == "gather":
+        out = torch.empty_like(case.source(kw))
+
+        def fn():
+            gather_quant(case.layout, case.ids, out=out, backend=backend, validate=False, **kw)
+    else:
+        staging = case.source(kw)
+
+        def fn():
+            scatter_quant(staging, case.layout, case.dst_ids, backend=backend, validate=False, **kw)
+
+    fn()  # warm-up: JIT compile / first-use build, outside the timed rounds
+    benchmark.group = f"{case_name} {op}"
+    benchmark.extra_info.update(case.info(), op=op, backend=backend, moved_bytes=case.moved(kw))
+    benchmark(_timed(fn, case.device))
+    stats = getattr(benchmark, "stats", None)  # None under --benchmark-disable
+    if stats is not None:
+        benchmark.extra_info["gbps"] = common.gbps(case.moved(kw), stats.stats.median * 1e3)
+
+    # what the op wrote, after the timed rounds (a fast kernel that writes garbage is no result)
+    if kind == "gather":
+        assert torch.equal(out, case.source(kw)), f"{op}[{backend}] wrote other bytes than the torch backend"
+        return
+    got = _plain(case, case.dst_ids)
+    want = _plain(case, case.ids)
+    if not kw.get("quant"):  # lossless: the destination holds the source blocks' bytes
+        assert torch.equal(got, want), f"{op}[{backend}]: the destination blocks differ from the source's"
+    elif backend != "torch":  # FP8: the same dequantized bytes as the torch backend's scatter
+        scatter_quant(staging, case.layout, case.dst_ids, backend="torch", **kw)
+        assert torch.equal(got, _plain(case, case.dst_ids)), f"{op}[{backend}] dequantized otherwise than torch"
+    else:  # the torch FP8 round trip itself: within e4m3's rounding (3 mantissa bits: 2^-4 relative)
+        a = got.view(case.layout.dtype).float()
+        b = want.view(case.layout.dtype).float()
+        assert torch.allclose(a, b, rtol=2 ** -4 + 2 ** -8, atol=1e-3), \
+            f"{op}[torch]: round trip off by {(a - b).abs().max().item():.3g}"
+
+
+# ------------------------------------------------------------------------------------ CLI wrapper
+
+
+def _rows(report: dict, peaks: dict) -> list[dict]:
+    """pytest-benchmark's JSON -> one row per benchmark (times in µs), % of peak, x the torch backend."""
+    rows = []
+    for b in report.get("benchmarks", []):
+        x, s = b.get("extra_info", {}), b["stats"]
+        row = {k: x.get(k) for k in ("model", "layout", "chunk_kb", "blocks", "layers", "payload_mb", "op",
+                                     "backend")}
+        row["method"] = f"{x.get('op')}[{x.get('backend')}]"
+        row.update(median_us=s["median"] * 1e6, min_us=s["min"] * 1e6, iqr_us=s["iqr"] * 1e6, rounds=s["rounds"],
+                   gbps=common.gbps(x.get("moved_bytes", 0), s["median"] * 1e3))
+        peak = peaks.get("d2d_gbps")
+        row["pct_peak"] = 100.0 * row["gbps"] / peak if peak else None
+        rows.append(row)
+    torch_us = {(r["model"], r["layout"], r["op"]): r["median_us"] for r in rows if r["backend"] == "torch"}
+    for r in rows:
+        t = torch_us.get((r["model"], r["layout"], r["op"]))
+        r["x_torch"] = t / r["median_us"] if t and r["median_us"] > 0 else None
+    return rows
+
+
+def _key(r: dict) -> tuple:
+    return (r.get("model"), r.get("layout"), r.get("blocks"), r.get("layers"), r.get("op"), r.get("backend"))
+
+
+def compare(rows: list[dict], meta: dict, old_path: str, fail_slower: float | None) -> tuple[int, str]:
+    """Put an earlier run's medians beside these (``was_us``, ``change_pct``: + is slower). Returns
+    (exit code, message): 2 when the runs cannot be compared (other device or sizes, unreadable
+    file), 1 when ``fail_slower`` is given and a median got more than that many % slower, else 0."""
+    try:
+        with open(old_path) as f:
+            old = json.load(f)
+        old_meta, old_rows = old["meta"], old["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return 2, f"--compare {old_path}: not a micro.json of this bench ({type(exc).__name__}: {exc})"
+    for k in ("device", "tiny"):
+        if old_meta.get(k) != meta.get(k):
+            return 2, (f"--compare {old_path}: measured with {k}={old_meta.get(k)!r}, this run {k}={meta.get(k)!r}; "
+                       "timings compare only on the same device and sizes")
+    before = {_key(r): r for r in old_rows}
+    matched, worse = 0, []
+    for r in rows:
+        o = before.get(_key(r))
+        if o is None or not o.get("median_us"):
+            continue
+        matched += 1
+        r["was_us"] = o["median_us"]
+        r["change_pct"] = 100.0 * (r["median_us"] / o["median_us"] - 1.0)
+        if fail_slower is not None and r["change_pct"] > fail_slower:
+            worse.append(f"{r['model']}/{r['layout']} {r['method']} {r['change_pct']:+.1f} %")
+    if matched == 0:
+        return 2, f"--compare {old_path}: no benchmark in common with this run"
+    msg = f"compared {matched} of {len(rows)} benchmarks with {old_path} (commit {old_meta.get('commit')})"
+    if worse:
+        return 1, msg + f"; more than {fail_slower:g} % slower: " + "; ".join(worse)
+    return 0, msg
+
+
+def run(*, out_dir: str = "bench_results", tiny: bool = False, blocks: int = 256, max_time: float = 0.5,
+        min_rounds: int = 5, select: str | None = None, plot: bool = True, compare_to: str | None = None,
+        fail_slower: float | None = None, pytest_args: list[str] | tuple = ()) -> dict:
+    device = _device()
+    if device.type == "cpu" and not tiny:
+        print("[bench] no GPU: running tiny CPU sizes (numbers prove the script runs, nothing more)")
+        tiny = True
+    meta = common.env_record(tiny=tiny)
+    peaks = common.measure_peaks(device, 1 << 20 if tiny else 1 << 30)
+    meta["peaks"] = peaks
+    with tempfile.TemporaryDirectory(prefix="kvk-micro-") as tmp:
+        raw = os.path.join(tmp, "report.json")
+        ini = os.path.join(tmp, "pytest.ini")  # this file's own settings, not the repository's
+        with open(ini, "w") as f:
+            f.write("[pytest]\n")
+        cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-c", ini, "--rootdir", tmp,
+               "-p", "no:cacheprovider", "-q", "--disable-warnings", "--benchmark-only", f"--benchmark-json={raw}",
+               f"--benchmark-max-time={max_time}", f"--benchmark-min-rounds={min_rounds}",
+               "--benchmark-columns=min,median,iqr,rounds", "--benchmark-sort=name"]
+        if select:
+            cmd += ["-k", select]
+        cmd += list(pytest_args)
+        child_env = dict(os.environ, **{TINY_ENV: "1" if tiny else "0", BLOCKS_ENV: str(blocks)})
+        print("[bench] " + " ".join(cmd), flush=True)
+        rc = subprocess.call(cmd, env=child_env)
+        if not os.path.exists(raw):
+            print(f"[bench] pytest exited {rc} without a report", file=sys.stderr)
+            return {"rows": [], "meta": meta, "paths": {}, "rc": rc or 1}
+        with open(raw) as f:
+            report = json.load(f)
+    rows = _rows(report, peaks)
+    meta["pytest_rc"] = rc
+    cmp_rc, cmp_msg = 0, None
+    if compare_to:
+        cmp_rc, cmp_msg = compare(rows, meta, compare_to, fail_slower)
+    paths = common.write_results(rows, meta, out_dir, "micro")
+    paths["pytest-benchmark"] = os.path.join(out_dir, "micro-pytest-benchmark.json")
+    with open(paths["pytest-benchmark"], "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['date']}")
+    print(f"# measured device-copy peak: {peaks['d2d_gbps']:.3g} GB/s (read + write)")
+    cols = ["model", "layout", "chunk_kb", "method", "median_us", "gbps", "pct_peak", "x_torch"]
+    if any("change_pct" in r for r in rows):
+        cols += ["was_us", "change_pct"]
+    print(common.format_table(rows, cols))
+    if cmp_msg:
+        print(("# " if cmp_rc == 0 else "# FAIL: ") + cmp_msg)
+    res = common.finish(rows, meta, paths, out_dir=out_dir, stem="micro", plot=plot,
+                        case=lambda r: f"{r['model']}/{r['layout']}\n{r['op']}", value="pct_peak",
+                        ylabel="% of measured device-copy peak", title="kernel microbenchmarks")
+    res["rc"] = rc if rc else cmp_rc
+    return res
+
+
+def main(argv=None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="arguments after -- go to pytest and pytest-benchmark, e.g.\n"
+                                       "  -- --benchmark-autosave\n"
+                                       "  -- --benchmark-compare --benchmark-compare-fail=median:10%\n"
+                                       "(--benchmark-only is always on)")
+    p.add_argument("--out", default="bench_results", help="directory for CSV/JSON/PNG")
+    p.add_argument("--tiny", action="store_true", help="tiny CPU-sized shapes, also on a GPU")
+    p.add_argument("--blocks", type=common.positive_int, default=256, help="blocks per benchmark (full shapes)")
+    p.add_argument("--max-time", type=float, default=0.5, help="seconds per benchmark (pytest-benchmark)")
+    p.add_argument("--min-rounds", type=common.positive_int, default=5, help="rounds per benchmark, at least")
+    p.add_argument("-k", dest="select", metavar="EXPR", help="pytest -k expression (e.g. 'gather and triton')")
+    p.add_argument("--compare", metavar="MICRO_JSON", help="micro.json of an earlier run on the same device")
+    p.add_argument("--fail-slower", type=float, metavar="PCT", help="with --compare: exit 1 when a median is "
+                   "more than PCT %% slower")
+    p.add_argument("--no-plot", action="store_true")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    a = p.parse_args(argv)
+    if not a.max_time > 0:
+        p.error(f"argument --max-time: expected seconds > 0, got {a.max_time}")
+    if a.fail_slower is not None and a.compare is None:
+        p.error("argument --fail-slower: needs --compare")
+    if a.fail_slower is not None and not a.fail_slower >= 0:
+        p.error(f"argument --fail-slower: expected a percentage >= 0, got {a.fail_slower}")
+    if importlib.util.find_spec("pytest_benchmark") is None:
+        p.error("needs pytest-benchmark: pip install 'kvkernels[bench]'")
+    if a.compare is not None and not os.path.isfile(a.compare):
+        p.error(f"argument --compare: no file {a.compare!r}")
+    common.bench_paths(p, out=a.out)
+    res = run(out_dir=a.out, tiny=a.tiny, blocks=a.blocks, max_time=a.max_time, min_rounds=a.min_rounds,
+              select=a.select, plot=not a.no_plot, compare_to=a.compare, fail_slower=a.fail_slower,
+              pytest_args=extra)
+    return res["rc"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
