@@ -1107,7 +1107,7 @@ def decompress_regions(
             if codec in _GPU_ONLY:  # the native streams, after their checked headers
                 regs = [r[_NV_HEAD.size:] for r in regs]
             with torch.cuda.device(dev):  # nvCOMP's scratch on the codec's device (as for compress)
-                _gpu_decompress([r if r.device == dev else r.to(dev) for r in regs], codec, sub, scratch, stream,
+                _gpu_decompress([r if same_device(r.device, dev) else r.to(dev) for r in regs], codec, sub, scratch, stream,
                                 cs.chunk_nbytes, _esize(fmt), cs.scheme == "shuffle", checksummed,
                                 names=[idx[k] for k in comp_j])
             if scratch is not tgt:
