@@ -86,13 +86,17 @@ def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_r
             fmt = QuantStagingFormat.for_layout(lay, blocks, granularity=gran)
             moved = payload + fmt.num_regions * fmt.num_kv * (fmt.q_nbytes + fmt.scale_nbytes)
             err = torch.zeros(1, dtype=torch.int32, device=device)
-            ref = torch.zeros(fmt.nbytes, dtype=torch.uint8, device=device)
+            # ref and every variant's out start poisoned alike (0x5A): a byte a variant fails to write
+            # then differs from ref (with one buffer kept across variants it held the last one's
+            # correct byte); bytes no kernel writes stay equal
+            ref = torch.full((fmt.nbytes,), 0x5A, dtype=torch.uint8, device=device)
             quant_gather_triton(lay, ids, fmt, ref, err)
-            out = torch.zeros_like(ref)
+            out = torch.empty_like(ref)
             base = {"model": m, "chunk_kb": round(lay.chunk_nbytes / 1024, 2), "granularity": gran}
             for name, probe in VARIANTS.items():
                 try:
                     fn = lambda: quant_gather_triton(lay, ids, fmt, out, err, _probe=probe)  # noqa: E731
+                    out.fill_(0x5A)
                     fn()
                     torch.cuda.synchronize()
                     diff = int((out != ref).sum())
@@ -111,6 +115,7 @@ def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_r
             # would add its own setup to this row only)
             fn = lambda: quant_gather_cuda(lay, ids, fmt, out, err)  # noqa: E731
             try:
+                out.fill_(0x5A)
                 fn()
                 torch.cuda.synchronize()
                 diff = int((out != ref).sum())

@@ -117,7 +117,9 @@ def command(out: str, archs=ARCHS, extra=()) -> list[str]:
     inc = cutlass_include()
     if inc is not None:  # -isystem: CUTLASS's own host warnings are not ours to fail on
         gen += ["-isystem", inc, "-DKVK_HAVE_CUTE=1"]
-    return [exe, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-Wall,-Wextra,-Werror",
+    # --threads 0: the targets compile in parallel, one thread per core (25 -> 20 s on the 2-core
+    # CPU host; every fresh GPU machine builds it once, in its first timed step)
+    return [exe, "-O3", "-std=c++17", "-shared", "--threads", "0", "-Xcompiler", "-fPIC,-Wall,-Wextra,-Werror",
             "-Werror", "all-warnings", "-cudart", "shared", *gen, *extra, *SOURCES, "-o", out]
 
 

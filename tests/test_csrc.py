@@ -1001,11 +1001,11 @@ def test_capi_size_checks_do_not_wrap(capi):
 
 
 def _cudart_of(lib_path: str):
-    """The libcudart instance the library at ``lib_path`` resolved to (already loaded: same handle)."""
-    with open("/proc/self/maps") as f:
-        paths = {line.split()[-1] for line in f if "libcudart.so" in line}
-    assert paths, "libcudart not mapped"
-    return ctypes.CDLL(sorted(paths)[0])
+    """The libcudart the library at ``lib_path`` resolved to: its symbols looked up through the
+    library's own handle (dlsym searches it and its dependencies; a process may map more than one
+    libcudart, e.g. another soname from a wheel, and the first path of /proc/self/maps in sorted
+    order could be the other one)."""
+    return ctypes.CDLL(lib_path)
 
 
 @needs_nvcc
