@@ -340,7 +340,7 @@ def test_blank_variables_mean_their_defaults(monkeypatch):
         assert config.cache_dir().endswith(os.path.join(".cache", "kvkernels"))
 
 
-def test_bench_resources_under_the_interpreter_passes_only_its_arguments(monkeypatch):
+def test_bench_resources_under_the_interpreter_passes_only_its_arguments(monkeypatch, tmp_path):
     # `*(argv or sys.argv[1:])`: an empty argv re-ran the child with the caller's own arguments
     from kvkernels.bench import bench_resources
 
@@ -352,8 +352,9 @@ def test_bench_resources_under_the_interpreter_passes_only_its_arguments(monkeyp
     assert cli.main(["bench", "resources"]) == 0
     assert seen[0][0][-2:] == ["-m", "kvkernels.bench.bench_resources"]
     assert "TRITON_INTERPRET" not in seen[0][1]["env"]
-    assert cli.main(["bench", "resources", "--out", "x"]) == 0
-    assert seen[1][0][-2:] == ["--out", "x"]
+    out = str(tmp_path / "x")  # (a bare "x" was made in the current folder: the parent checks and creates --out)
+    assert cli.main(["bench", "resources", "--out", out]) == 0
+    assert seen[1][0][-2:] == ["--out", out]
 
 
 def test_info_reports_a_backend_it_cannot_use(monkeypatch, capsys):
