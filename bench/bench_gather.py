@@ -209,7 +209,7 @@ def _quant_rows(lay, ids, dst_ids, payload, base, peaks, device, backends) -> li
     for vname, kw in variants:
         if "quant" in kw:
             qf = QuantStagingFormat.for_layout(lay, len(ids), granularity=kw["granularity"])
-            moved = payload + qf.num_regions * qf.num_kv * (qf.q_nbytes + qf.scale_nbytes)
+            moved = common.fp8_moved(qf, payload)
         else:
             moved = 2 * payload
         for b in backends:

@@ -3,17 +3,21 @@
 One benchmark per (shape, op, backend): the paged ``gather`` and ``scatter``, the FP8 quantizing
 gather / dequantizing scatter (per token-head scales) and the byte-plane shuffle, each for every
 backend that runs here — ``torch`` (:mod:`kvkernels.reference`, the index-and-copy a user would
-write instead: the baseline), ``triton`` and, on a GPU where it builds, ``cuda``. Shapes: one per
-chunk class of the model registry, vLLM's layouts, block size 16, ``--blocks`` random blocks of a
-pool of 8x as many: llama3-8b NHD (32 KB chunks), llama3-70b-tp8 HND (4 KB), deepseek-v3 MLA
-(18 KB); on a CPU (or ``--tiny``) the same three cut to 2 layers, 1 head, block size 4, 8 of 64
-blocks (their numbers prove that the kernels run, nothing more).
+write instead: the baseline), ``triton`` and, on a GPU where it builds, ``cuda`` (when it does not,
+the reason is printed and ``--compare`` counts its missing rows). Shapes: vLLM's layouts, block
+size 16, ``--blocks`` random blocks (default 2048) of a pool of twice as many: llama3-8b NHD and HND
+(32 KB chunks, 8 heads: other strides), llama3-70b-tp8 NHD (4 KB), deepseek-v3 MLA (18 KB); on a
+CPU (or ``--tiny``) the same four cut to 2 layers, 2 heads, block size 4, 8 of 16 blocks (their
+numbers prove that the kernels run, nothing more).
 
 Timing is pytest-benchmark's: rounds of one call each, wall clock, ``torch.cuda.synchronize()``
-ending every round on a GPU (so a round is the kernel's time plus one launch and one sync, a few
-µs; ``kvkernels bench gather`` has the CUDA-event figures). Each benchmark first runs its op once
-(JIT compile, first-use build) and afterwards checks what the op wrote: bit-exact against the
-torch backend (the FP8 codes too), the torch FP8 scatter within e4m3's rounding of the source.
+ending every round on a GPU, so a round is the kernel plus the op's host path (argument checks,
+launch: tens of µs) plus one sync — at 2048 blocks a few percent of the kernel's time;
+``kvkernels bench gather`` has the CUDA-event figures, the ones to quote against the peak. Each
+benchmark first runs its op once (JIT compile, first-use build); after the timed rounds it poisons
+what the op writes (the staging buffer, the destination blocks), runs the op once more and checks
+the result: bit-exact against the torch backend (the FP8 codes too), the torch FP8 scatter within
+e4m3's rounding of the source. A benchmark that fails its check is marked ``verified: false``.
 
 Two ways to run it:
 
@@ -28,8 +32,10 @@ The second runs the first in a child process, then writes ``micro.csv`` / ``micr
 the median, min, rounds, GB/s = bytes read + written over the median, % of the device-copy peak
 measured in the same run, speed-up over the torch backend; GPU, versions, date), ``micro.png`` and
 pytest-benchmark's own JSON (``micro-pytest-benchmark.json``, readable by ``pytest-benchmark
-compare``). ``--compare`` puts an earlier ``micro.json`` beside it (same device and sizes only) and
-``--fail-slower PCT`` exits 1 when a median got more than PCT % slower.
+compare``; its saved runs, with ``-- --benchmark-autosave``, go to ``--out``/pytest-benchmark).
+``--compare`` puts an earlier ``micro.json`` beside it (same device and sizes only, every row of it
+verified) and ``--fail-slower PCT`` exits 1 when a median got more than PCT % slower or a row of the
+earlier run is missing.
 """
 
 from __future__ import annotations
@@ -59,14 +65,16 @@ from kvkernels.quant import gather_quant, scatter_quant
 TINY_ENV = "KVK_MICRO_TINY"  # "1": the tiny CPU-sized shapes on any device (set by --tiny)
 BLOCKS_ENV = "KVK_MICRO_BLOCKS"  # blocks per benchmark on the full shapes (set by --blocks)
 
-# (name, model, layout): one registry shape per chunk class (chunk bytes at block size 16, bf16)
+# (name, model, layout): the registry's chunk classes (bytes per block at block size 16, bf16)
 FULL_CASES = (("llama3-8b-nhd", "llama3-8b", "vllm-nhd"),  # 32 KB chunks
-              ("llama3-70b-tp8-hnd", "llama3-70b-tp8", "vllm-hnd"),  # 4 KB
+              ("llama3-8b-hnd", "llama3-8b", "vllm-hnd"),  # 32 KB, heads outside the tokens
+              ("llama3-70b-tp8-nhd", "llama3-70b-tp8", "vllm-nhd"),  # 4 KB (one head: HND is the same bytes)
               ("deepseek-v3-mla", "deepseek-v3-mla", "mla"))  # 18 KB
 # op name -> gather_quant / scatter_quant keywords
 OPS = {"gather": ("gather", {}), "scatter": ("scatter", {}),
        "gather-fp8": ("gather", {"quant": "fp8"}), "scatter-fp8": ("scatter", {"quant": "fp8"}),
        "gather-shuffle": ("gather", {"shuffle": True}), "scatter-shuffle": ("scatter", {"shuffle": True})}
+POISON = 0x5A  # written over the outputs before the checked call
 
 
 def _device() -> torch.device:
@@ -78,25 +86,30 @@ def _tiny() -> bool:
 
 
 def _blocks() -> int:
-    text = os.environ.get(BLOCKS_ENV, "").strip() or "256"
+    text = os.environ.get(BLOCKS_ENV, "").strip() or "2048"
     try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"{BLOCKS_ENV}: expected a positive number of blocks, got {text!r}")
-    return n
+        return common.positive_int(text)
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"{BLOCKS_ENV}: {exc}") from None
 
 
-def _backends() -> list[str]:
+def _backends(say: bool = False) -> list[str]:
     """Every backend that runs here: torch always, triton on a GPU or under TRITON_INTERPRET=1, cuda
-    on a GPU where the csrc library builds (the build happens here, once, at collection)."""
+    on a GPU where the csrc library builds (the build happens here, once). ``say``: print why
+    triton or cuda is left out on a GPU."""
     dev = _device()
     out = ["torch"]
     if kvkernels.backends.triton_available(dev):
         out.append("triton")
-    if dev.type == "cuda" and kvkernels.backends.cuda_ext_available():
-        out.append("cuda")
+    elif say and dev.type == "cuda":
+        print("[bench] triton left out: it does not run here")
+    if dev.type == "cuda":
+        if kvkernels.backends.cuda_ext_available():
+            out.append("cuda")
+        elif say:
+            from kvkernels import _cuda
+
+            print(f"[bench] cuda backend left out: {_cuda.reason()}")
     return out
 
 
@@ -109,10 +122,10 @@ class Case:
         tiny = _tiny()
         shape = get_model(model)
         if tiny:
-            shape = shape.scaled(num_layers=2, num_kv_heads=1)
+            shape = shape.scaled(num_layers=2, num_kv_heads=2)
         block_size = 4 if tiny else 16
         self.blocks = 8 if tiny else _blocks()
-        pool = 8 * self.blocks
+        pool = 2 * self.blocks
         self.name, self.model, self.layout_name = name, model, layout
         self.layout = make_cache(layout, num_layers=shape.num_layers, num_blocks=pool, block_size=block_size,
                                  num_heads=shape.num_kv_heads, head_dim=shape.head_dim, device=self.device,
@@ -126,8 +139,9 @@ class Case:
         self.dst_ids = perm[self.blocks: 2 * self.blocks].to(self.device)
         fmt = StagingFormat.for_layout(self.layout, self.blocks)
         self.payload = fmt.num_regions * fmt.payload_nbytes
+        self.poison = torch.full((fmt.nbytes,), POISON, dtype=torch.uint8, device=self.device)
         qf = QuantStagingFormat.for_layout(self.layout, self.blocks, granularity="token")
-        self.fp8_moved = self.payload + qf.num_regions * qf.num_kv * (qf.q_nbytes + qf.scale_nbytes)
+        self.fp8_moved = common.fp8_moved(qf, self.payload)
         self.sources: dict[str, torch.Tensor] = {}  # op keywords -> the torch backend's staging of ids
 
     def info(self) -> dict:
@@ -146,11 +160,17 @@ class Case:
             self.sources[key] = gather_quant(self.layout, self.ids, backend="torch", **kw)
         return self.sources[key]
 
+    def poison_destination(self) -> None:
+        """Every byte of the destination blocks set to POISON (a scatter that writes nothing is seen)."""
+        kvkernels.scatter(self.poison, self.layout, self.dst_ids, backend="torch")
 
-@functools.lru_cache(maxsize=None)
+
+@functools.lru_cache(maxsize=1)  # one shape's cache at a time (the case is the outermost parameter)
 def _case(name: str) -> Case:
     for c in FULL_CASES:
         if c[0] == name:
+            if _device().type == "cuda":
+                torch.cuda.empty_cache()  # the previous case's cache, just dropped by the lru
             return Case(*c)
     raise KeyError(name)
 
@@ -198,21 +218,28 @@ def test_kernel(benchmark, case_name, op, backend):
 
     fn()  # warm-up: JIT compile / first-use build, outside the timed rounds
     benchmark.group = f"{case_name} {op}"
-    benchmark.extra_info.update(case.info(), op=op, backend=backend, moved_bytes=case.moved(kw))
+    benchmark.extra_info.update(case.info(), op=op, backend=backend, moved_bytes=case.moved(kw), verified=False)
     benchmark(_timed(fn, case.device))
     stats = getattr(benchmark, "stats", None)  # None under --benchmark-disable
     if stats is not None:
         benchmark.extra_info["gbps"] = common.gbps(case.moved(kw), stats.stats.median * 1e3)
 
-    # what the op wrote, after the timed rounds (a fast kernel that writes garbage is no result)
+    # what the op writes, poisoned first, then one more call checked: a kernel that writes nothing
+    # (or part) would otherwise pass on the bytes an earlier call or backend left there
     if kind == "gather":
+        out.fill_(POISON)
+        fn()
         assert torch.equal(out, case.source(kw)), f"{op}[{backend}] wrote other bytes than the torch backend"
+        benchmark.extra_info["verified"] = True
         return
+    case.poison_destination()
+    fn()
     got = _plain(case, case.dst_ids)
     want = _plain(case, case.ids)
     if not kw.get("quant"):  # lossless: the destination holds the source blocks' bytes
         assert torch.equal(got, want), f"{op}[{backend}]: the destination blocks differ from the source's"
     elif backend != "torch":  # FP8: the same dequantized bytes as the torch backend's scatter
+        case.poison_destination()
         scatter_quant(staging, case.layout, case.dst_ids, backend="torch", **kw)
         assert torch.equal(got, _plain(case, case.dst_ids)), f"{op}[{backend}] dequantized otherwise than torch"
     else:  # the torch FP8 round trip itself: within e4m3's rounding (3 mantissa bits: 2^-4 relative)
@@ -220,6 +247,7 @@ def test_kernel(benchmark, case_name, op, backend):
         b = want.view(case.layout.dtype).float()
         assert torch.allclose(a, b, rtol=2 ** -4 + 2 ** -8, atol=1e-3), \
             f"{op}[torch]: round trip off by {(a - b).abs().max().item():.3g}"
+    benchmark.extra_info["verified"] = True
 
 
 # ------------------------------------------------------------------------------------ CLI wrapper
@@ -233,6 +261,7 @@ def _rows(report: dict, peaks: dict) -> list[dict]:
         row = {k: x.get(k) for k in ("model", "layout", "chunk_kb", "blocks", "layers", "payload_mb", "op",
                                      "backend")}
         row["method"] = f"{x.get('op')}[{x.get('backend')}]"
+        row["verified"] = bool(x.get("verified"))  # False: the op's check after the rounds failed
         row.update(median_us=s["median"] * 1e6, min_us=s["min"] * 1e6, iqr_us=s["iqr"] * 1e6, rounds=s["rounds"],
                    gbps=common.gbps(x.get("moved_bytes", 0), s["median"] * 1e3))
         peak = peaks.get("d2d_gbps")
@@ -251,8 +280,10 @@ def _key(r: dict) -> tuple:
 
 def compare(rows: list[dict], meta: dict, old_path: str, fail_slower: float | None) -> tuple[int, str]:
     """Put an earlier run's medians beside these (``was_us``, ``change_pct``: + is slower). Returns
-    (exit code, message): 2 when the runs cannot be compared (other device or sizes, unreadable
-    file), 1 when ``fail_slower`` is given and a median got more than that many % slower, else 0."""
+    (exit code, message): 2 when the runs cannot be compared (other device or sizes, an unreadable
+    file, an earlier run with a row that failed its check), 1 when ``fail_slower`` is given and a
+    median got more than that many % slower or a row of the earlier run is missing here (a backend
+    that no longer builds must not pass the gate by its absence), else 0."""
     try:
         with open(old_path) as f:
             old = json.load(f)
@@ -263,7 +294,12 @@ def compare(rows: list[dict], meta: dict, old_path: str, fail_slower: float | No
         if old_meta.get(k) != meta.get(k):
             return 2, (f"--compare {old_path}: measured with {k}={old_meta.get(k)!r}, this run {k}={meta.get(k)!r}; "
                        "timings compare only on the same device and sizes")
+    bad = [f"{r.get('model')}/{r.get('layout')} {r.get('method')}" for r in old_rows if r.get("verified") is False]
+    if bad:
+        return 2, f"--compare {old_path}: not a baseline, its checks failed for " + "; ".join(bad)
     before = {_key(r): r for r in old_rows}
+    mine = {_key(r) for r in rows}
+    missing = [f"{k[0]}/{k[1]} {k[4]}[{k[5]}]" for k in before if k not in mine]
     matched, worse = 0, []
     for r in rows:
         o = before.get(_key(r))
@@ -277,21 +313,21 @@ def compare(rows: list[dict], meta: dict, old_path: str, fail_slower: float | No
     if matched == 0:
         return 2, f"--compare {old_path}: no benchmark in common with this run"
     msg = f"compared {matched} of {len(rows)} benchmarks with {old_path} (commit {old_meta.get('commit')})"
+    if missing:
+        msg += f"; {len(missing)} of its benchmarks not run here: " + "; ".join(missing)
     if worse:
-        return 1, msg + f"; more than {fail_slower:g} % slower: " + "; ".join(worse)
-    return 0, msg
+        msg += f"; more than {fail_slower:g} % slower: " + "; ".join(worse)
+    return (1 if fail_slower is not None and (worse or missing) else 0), msg
 
 
-def run(*, out_dir: str = "bench_results", tiny: bool = False, blocks: int = 256, max_time: float = 0.5,
+def run(*, out_dir: str = "bench_results", tiny: bool = False, blocks: int = 2048, max_time: float = 0.5,
         min_rounds: int = 5, select: str | None = None, plot: bool = True, compare_to: str | None = None,
         fail_slower: float | None = None, pytest_args: list[str] | tuple = ()) -> dict:
-    device = _device()
-    if device.type == "cpu" and not tiny:
-        print("[bench] no GPU: running tiny CPU sizes (numbers prove the script runs, nothing more)")
-        tiny = True
-    meta = common.env_record(tiny=tiny)
-    peaks = common.measure_peaks(device, 1 << 20 if tiny else 1 << 30)
-    meta["peaks"] = peaks
+    device, tiny, meta = common.start(tiny)
+    peaks = meta["peaks"]
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the peaks' buffers: the child process needs the memory
+    _backends(say=True)  # (the child finds the same, the CUDA build cached)
     with tempfile.TemporaryDirectory(prefix="kvk-micro-") as tmp:
         raw = os.path.join(tmp, "report.json")
         ini = os.path.join(tmp, "pytest.ini")  # this file's own settings, not the repository's
@@ -300,7 +336,9 @@ def run(*, out_dir: str = "bench_results", tiny: bool = False, blocks: int = 256
         cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-c", ini, "--rootdir", tmp,
                "-p", "no:cacheprovider", "-q", "--disable-warnings", "--benchmark-only", f"--benchmark-json={raw}",
                f"--benchmark-max-time={max_time}", f"--benchmark-min-rounds={min_rounds}",
-               "--benchmark-columns=min,median,iqr,rounds", "--benchmark-sort=name"]
+               "--benchmark-columns=min,median,iqr,rounds", "--benchmark-sort=name",
+               # its storage (made on every run, used by --benchmark-autosave): under --out, not the cwd
+               f"--benchmark-storage=file://{os.path.abspath(os.path.join(out_dir, 'pytest-benchmark'))}"]
         if select:
             cmd += ["-k", select]
         cmd += list(pytest_args)
@@ -323,7 +361,7 @@ def run(*, out_dir: str = "bench_results", tiny: bool = False, blocks: int = 256
         json.dump(report, f, indent=1)
     print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['date']}")
     print(f"# measured device-copy peak: {peaks['d2d_gbps']:.3g} GB/s (read + write)")
-    cols = ["model", "layout", "chunk_kb", "method", "median_us", "gbps", "pct_peak", "x_torch"]
+    cols = ["model", "layout", "chunk_kb", "method", "median_us", "gbps", "pct_peak", "x_torch", "verified"]
     if any("change_pct" in r for r in rows):
         cols += ["was_us", "change_pct"]
     print(common.format_table(rows, cols))
@@ -331,7 +369,7 @@ def run(*, out_dir: str = "bench_results", tiny: bool = False, blocks: int = 256
         print(("# " if cmp_rc == 0 else "# FAIL: ") + cmp_msg)
     res = common.finish(rows, meta, paths, out_dir=out_dir, stem="micro", plot=plot,
                         case=lambda r: f"{r['model']}/{r['layout']}\n{r['op']}", value="pct_peak",
-                        ylabel="% of measured device-copy peak", title="kernel microbenchmarks")
+                        ylabel="% of measured device-copy peak", title="kernel microbenchmarks", series="backend")
     res["rc"] = rc if rc else cmp_rc
     return res
 
@@ -345,7 +383,8 @@ def main(argv=None, prog: str | None = None) -> int:
                                        "(--benchmark-only is always on)")
     p.add_argument("--out", default="bench_results", help="directory for CSV/JSON/PNG")
     p.add_argument("--tiny", action="store_true", help="tiny CPU-sized shapes, also on a GPU")
-    p.add_argument("--blocks", type=common.positive_int, default=256, help="blocks per benchmark (full shapes)")
+    p.add_argument("--blocks", type=common.positive_int, default=2048, help="blocks per benchmark (full shapes; "
+                   "the pool holds twice as many)")
     p.add_argument("--max-time", type=float, default=0.5, help="seconds per benchmark (pytest-benchmark)")
     p.add_argument("--min-rounds", type=common.positive_int, default=5, help="rounds per benchmark, at least")
     p.add_argument("-k", dest="select", metavar="EXPR", help="pytest -k expression (e.g. 'gather and triton')")

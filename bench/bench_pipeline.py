@@ -800,13 +800,8 @@ def _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps, compute_only) -> li
 
 def run(*, models=("llama3-8b",), seqs=(4096, 8192), block_sizes=(16, 2), out_dir="bench_results", tiny=False,
         plot=True) -> dict:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not tiny:
-        print("[bench] no GPU: running tiny CPU sizes (numbers prove the script runs, nothing more)")
-        tiny = True
-    meta = common.env_record(tiny=tiny)
-    peaks = common.measure_peaks(device, 1 << 20 if tiny else 1 << 30)
-    meta["peaks"] = peaks
+    device, tiny, meta = common.start(tiny)
+    peaks = meta["peaks"]
     rows: list[dict] = []
     tl_box: dict = {}
     _FAILED.clear()

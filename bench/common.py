@@ -230,6 +230,26 @@ def gbps(nbytes: int, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e9 if ms > 0 else float("nan")
 
 
+def start(tiny: bool, peak_nbytes: int | None = None) -> tuple[torch.device, bool, dict]:
+    """A bench's first steps: the device (CUDA when there is one), whether the run is tiny (always on
+    a machine without a GPU, said once), and the run's record (:func:`env_record`) with the peaks
+    measured now (``meta["peaks"]``; ``peak_nbytes``: default 1 MiB tiny, 1 GiB otherwise)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not tiny:
+        print("[bench] no GPU: running tiny CPU sizes (numbers prove the script runs, nothing more)")
+        tiny = True
+    meta = env_record(tiny=tiny)
+    meta["peaks"] = measure_peaks(device, peak_nbytes or (1 << 20 if tiny else 1 << 30))
+    return device, tiny, meta
+
+
+def fp8_moved(qfmt, payload: int) -> int:
+    """Bytes an FP8 quantizing gather (or dequantizing scatter) must move: the raw ``payload`` read
+    (written) plus the codes and scales written (read), per region and K/V entry of ``qfmt`` (a
+    :class:`kvkernels.QuantStagingFormat`); its bandwidth bound is this over the device-copy peak."""
+    return payload + qfmt.num_regions * qfmt.num_kv * (qfmt.q_nbytes + qfmt.scale_nbytes)
+
+
 def measure_peaks(device: torch.device, nbytes: int = 1 << 30) -> dict:
     """Measured ceilings: one-shot device copy (read + write bytes counted) and pinned D2H / H2D."""
     peaks: dict = {"copy_nbytes": nbytes}
@@ -322,12 +342,12 @@ def plot_bars(rows: list[dict], *, group: str, series: str, value: str, title: s
 
 
 def finish(rows: list[dict], meta: dict, paths: dict, *, out_dir: str, stem: str, plot: bool, case, value: str,
-           ylabel: str, title: str) -> dict:
-    """Optional PNG (grouped by ``case(row)``, one bar per method), the 'wrote' line, the result."""
+           ylabel: str, title: str, series: str = "method") -> dict:
+    """Optional PNG (grouped by ``case(row)``, one bar per ``series``), the 'wrote' line, the result."""
     if plot:
         for r in rows:
             r["case"] = case(r)
-        png = plot_bars([r for r in rows if r.get(value) is not None], group="case", series="method", value=value,
+        png = plot_bars([r for r in rows if r.get(value) is not None], group="case", series=series, value=value,
                         ylabel=ylabel, title=f"{title} - {meta['device']}", path=os.path.join(out_dir, f"{stem}.png"))
         if png:
             paths["png"] = png

@@ -84,7 +84,7 @@ def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_r
         payload = raw.num_regions * raw.payload_nbytes  # as bench_gather
         for gran in ("token", "block"):
             fmt = QuantStagingFormat.for_layout(lay, blocks, granularity=gran)
-            moved = payload + fmt.num_regions * fmt.num_kv * (fmt.q_nbytes + fmt.scale_nbytes)
+            moved = common.fp8_moved(fmt, payload)
             err = torch.zeros(1, dtype=torch.int32, device=device)
             # ref and every variant's out start poisoned alike (0x5A): a byte a variant fails to write
             # then differs from ref (with one buffer kept across variants it held the last one's

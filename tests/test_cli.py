@@ -484,7 +484,7 @@ def micro_run(tmp_path_factory):
     from kvkernels.bench import bench_micro
 
     out = tmp_path_factory.mktemp("micro")
-    res = bench_micro.run(out_dir=str(out), tiny=True, max_time=0.01, min_rounds=1, select="llama3-8b", plot=False)
+    res = bench_micro.run(out_dir=str(out), tiny=True, max_time=0.01, min_rounds=1, select="llama3-8b-nhd", plot=False)
     return out, res
 
 
@@ -497,7 +497,8 @@ def test_bench_micro_tiny_runs_every_op_beside_torch(micro_run):
     backends = bench_micro._backends()  # torch, and triton here (TRITON_INTERPRET=1), cuda where it builds
     assert backends[0] == "torch" and ("triton" in backends) == (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1")
     assert sorted((r["op"], r["backend"]) for r in rows) == sorted((o, b) for o in bench_micro.OPS for b in backends)
-    assert all(r["model"] == "llama3-8b" and r["median_us"] > 0 and r["gbps"] > 0 and r["rounds"] >= 1 for r in rows)
+    assert all(r["model"] == "llama3-8b" and r["layout"] == "vllm-nhd" and r["median_us"] > 0 and r["gbps"] > 0
+               and r["rounds"] >= 1 and r["verified"] is True for r in rows)
     assert all(r["x_torch"] == 1 for r in rows if r["backend"] == "torch")
     data = json.loads((out / "micro.json").read_text())
     assert data["meta"]["tiny"] is True and data["meta"]["peaks"]["d2d_gbps"] > 0 and data["meta"]["pytest_rc"] == 0
@@ -528,14 +529,29 @@ def test_bench_micro_compare_names_what_got_slower(micro_run, tmp_path):
     (tmp_path / "bad.json").write_text("[1, 2]")
     rc, msg = bench_micro.compare(rows, meta, str(tmp_path / "bad.json"), 5.0)
     assert rc == 2 and "not a micro.json" in msg
+    # a row of the baseline missing here (a backend that stopped building) fails the gate
+    extra = dict(old, rows=old["rows"] + [dict(old["rows"][0], backend="cuda", method="gather[cuda]")])
+    (tmp_path / "extra.json").write_text(json.dumps(extra))
+    rc, msg = bench_micro.compare(rows, meta, str(tmp_path / "extra.json"), 50.0)
+    assert rc == 1 and "1 of its benchmarks not run here" in msg and "[cuda]" in msg
+    assert bench_micro.compare(rows, meta, str(tmp_path / "extra.json"), None)[0] == 0  # reported, no gate
+    # a baseline with a row that failed its check is no baseline
+    unchecked = dict(old, rows=[dict(old["rows"][0], verified=False)] + old["rows"][1:])
+    (tmp_path / "unchecked.json").write_text(json.dumps(unchecked))
+    rc, msg = bench_micro.compare(rows, meta, str(tmp_path / "unchecked.json"), 50.0)
+    assert rc == 2 and "its checks failed" in msg
 
 
 def test_bench_micro_checks_what_the_kernel_wrote(monkeypatch, request):
-    """The benchmark fails when the op writes other bytes (a fast kernel that writes garbage is no result)."""
+    """The benchmark fails when the op writes other bytes, or nothing: a kernel that leaves its
+    output alone would pass on what an earlier call (or another backend) left there."""
     from kvkernels.bench import bench_micro
 
     class Bench:  # what test_kernel uses of pytest-benchmark's fixture
-        group, extra_info, stats = None, {}, None
+        group, stats = None, None
+
+        def __init__(self):
+            self.extra_info = {}
 
         def __call__(self, fn):
             fn()
@@ -543,28 +559,35 @@ def test_bench_micro_checks_what_the_kernel_wrote(monkeypatch, request):
     monkeypatch.setenv(bench_micro.TINY_ENV, "1")
     bench_micro._case.cache_clear()  # built tiny here, dropped at the end (its cache is written to below)
     request.addfinalizer(bench_micro._case.cache_clear)
-    bench_micro.test_kernel(Bench(), "llama3-8b-nhd", "gather", "torch")  # the real op passes
-    bench_micro.test_kernel(Bench(), "llama3-8b-nhd", "scatter-fp8", "torch")
-    real = bench_micro.gather_quant
+    for op in ("gather", "scatter", "scatter-fp8"):  # the real ops pass
+        b = Bench()
+        bench_micro.test_kernel(b, "llama3-8b-nhd", op, "torch")
+        assert b.extra_info["verified"] is True
+    real_g, real_s = bench_micro.gather_quant, bench_micro.scatter_quant
 
     def wrong(layout, ids, out=None, **kw):
-        res = real(layout, ids, out=out, **kw)
+        res = real_g(layout, ids, out=out, **kw)
         if out is not None:  # the benchmarked call (the reference is built with out=None)
             out.view(-1)[0] ^= 1
         return res
 
-    monkeypatch.setattr(bench_micro, "gather_quant", wrong)
-    with pytest.raises(AssertionError, match="other bytes than the torch backend"):
-        bench_micro.test_kernel(Bench(), "llama3-8b-nhd", "gather-fp8", "torch")
-    real_scatter = bench_micro.scatter_quant
+    def idle_gather(layout, ids, out=None, **kw):
+        return out if out is not None else real_g(layout, ids, **kw)
 
     def lossy(staging, layout, ids, **kw):
-        real_scatter(staging, layout, ids, **kw)
+        real_s(staging, layout, ids, **kw)
         layout.views[0][0][int(ids[0])].view(-1)[0] += 1
 
-    monkeypatch.setattr(bench_micro, "scatter_quant", lossy)
-    with pytest.raises(AssertionError, match="destination blocks differ"):
-        bench_micro.test_kernel(Bench(), "llama3-8b-nhd", "scatter-shuffle", "torch")
+    for name, g, sc, op, msg in (("wrong", wrong, real_s, "gather-fp8", "other bytes than the torch backend"),
+                                 ("idle", idle_gather, real_s, "gather", "other bytes than the torch backend"),
+                                 ("lossy", real_g, lossy, "scatter-shuffle", "destination blocks differ"),
+                                 ("idle", real_g, lambda *a, **k: None, "scatter", "destination blocks differ")):
+        monkeypatch.setattr(bench_micro, "gather_quant", g)
+        monkeypatch.setattr(bench_micro, "scatter_quant", sc)
+        b = Bench()
+        with pytest.raises(AssertionError, match=msg):
+            bench_micro.test_kernel(b, "llama3-8b-nhd", op, "torch")
+        assert b.extra_info["verified"] is False, name
 
 
 def test_bench_micro_bad_arguments(tmp_path, capsys):
