@@ -35,13 +35,13 @@ pytest-benchmark's own JSON (``micro-pytest-benchmark.json``, readable by ``pyte
 compare``; its saved runs, with ``-- --benchmark-autosave``, go to ``--out``/pytest-benchmark).
 ``--compare`` puts an earlier ``micro.json`` beside it (same device and sizes only, every row of it
 verified) and ``--fail-slower PCT`` exits 1 when a median got more than PCT % slower or a row of the
-earlier run is missing.
+earlier run is missing (unless ``-k`` chose a subset).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import gc
 import importlib.util
 import json
 import os
@@ -165,14 +165,25 @@ class Case:
         kvkernels.scatter(self.poison, self.layout, self.dst_ids, backend="torch")
 
 
-@functools.lru_cache(maxsize=1)  # one shape's cache at a time (the case is the outermost parameter)
+_CASE: dict[str, Case] = {}  # the one case alive (the case is the outermost parameter)
+
+
 def _case(name: str) -> Case:
-    for c in FULL_CASES:
-        if c[0] == name:
-            if _device().type == "cuda":
-                torch.cuda.empty_cache()  # the previous case's cache, just dropped by the lru
-            return Case(*c)
-    raise KeyError(name)
+    """The cache of shape ``name``, built once; the previous shape's is dropped (and its memory
+    handed back) before the new one is allocated."""
+    if name not in _CASE:
+        spec = next((c for c in FULL_CASES if c[0] == name), None)
+        if spec is None:
+            raise KeyError(name)
+        _CASE.clear()
+        gc.collect()
+        if _device().type == "cuda":
+            torch.cuda.empty_cache()
+        _CASE[name] = Case(*spec)
+    return _CASE[name]
+
+
+_case.cache_clear = _CASE.clear  # type: ignore[attr-defined]
 
 
 def _cases() -> list[str]:
@@ -278,12 +289,15 @@ def _key(r: dict) -> tuple:
     return (r.get("model"), r.get("layout"), r.get("blocks"), r.get("layers"), r.get("op"), r.get("backend"))
 
 
-def compare(rows: list[dict], meta: dict, old_path: str, fail_slower: float | None) -> tuple[int, str]:
+def compare(rows: list[dict], meta: dict, old_path: str, fail_slower: float | None,
+            subset: bool = False) -> tuple[int, str]:
     """Put an earlier run's medians beside these (``was_us``, ``change_pct``: + is slower). Returns
     (exit code, message): 2 when the runs cannot be compared (other device or sizes, an unreadable
     file, an earlier run with a row that failed its check), 1 when ``fail_slower`` is given and a
     median got more than that many % slower or a row of the earlier run is missing here (a backend
-    that no longer builds must not pass the gate by its absence), else 0."""
+    that no longer builds must not pass the gate by its absence; ``subset``: this run chose its
+    benchmarks with -k, missing rows are only listed), else 0. A baseline whose pytest run failed
+    (its failed benchmarks may have left no row to compare) is refused."""
     try:
         with open(old_path) as f:
             old = json.load(f)
@@ -294,6 +308,8 @@ def compare(rows: list[dict], meta: dict, old_path: str, fail_slower: float | No
         if old_meta.get(k) != meta.get(k):
             return 2, (f"--compare {old_path}: measured with {k}={old_meta.get(k)!r}, this run {k}={meta.get(k)!r}; "
                        "timings compare only on the same device and sizes")
+    if old_meta.get("pytest_rc") not in (0, None):
+        return 2, f"--compare {old_path}: not a baseline, its pytest run exited {old_meta.get('pytest_rc')}"
     bad = [f"{r.get('model')}/{r.get('layout')} {r.get('method')}" for r in old_rows if r.get("verified") is False]
     if bad:
         return 2, f"--compare {old_path}: not a baseline, its checks failed for " + "; ".join(bad)
@@ -314,10 +330,11 @@ def compare(rows: list[dict], meta: dict, old_path: str, fail_slower: float | No
         return 2, f"--compare {old_path}: no benchmark in common with this run"
     msg = f"compared {matched} of {len(rows)} benchmarks with {old_path} (commit {old_meta.get('commit')})"
     if missing:
-        msg += f"; {len(missing)} of its benchmarks not run here: " + "; ".join(missing)
+        msg += (f"; {len(missing)} of its benchmarks not run here" + (" (-k chose them)" if subset else "") + ": "
+                + "; ".join(missing))
     if worse:
         msg += f"; more than {fail_slower:g} % slower: " + "; ".join(worse)
-    return (1 if fail_slower is not None and (worse or missing) else 0), msg
+    return (1 if fail_slower is not None and (worse or (missing and not subset)) else 0), msg
 
 
 def run(*, out_dir: str = "bench_results", tiny: bool = False, blocks: int = 2048, max_time: float = 0.5,
@@ -354,7 +371,7 @@ def run(*, out_dir: str = "bench_results", tiny: bool = False, blocks: int = 204
     meta["pytest_rc"] = rc
     cmp_rc, cmp_msg = 0, None
     if compare_to:
-        cmp_rc, cmp_msg = compare(rows, meta, compare_to, fail_slower)
+        cmp_rc, cmp_msg = compare(rows, meta, compare_to, fail_slower, subset=bool(select))
     paths = common.write_results(rows, meta, out_dir, "micro")
     paths["pytest-benchmark"] = os.path.join(out_dir, "micro-pytest-benchmark.json")
     with open(paths["pytest-benchmark"], "w") as f:

@@ -505,6 +505,7 @@ def test_bench_micro_tiny_runs_every_op_beside_torch(micro_run):
     raw = json.loads((out / "micro-pytest-benchmark.json").read_text())  # pytest-benchmark's own report
     assert len(raw["benchmarks"]) == len(rows) and all(b["stats"]["rounds"] >= 1 for b in raw["benchmarks"])
     assert (out / "micro.csv").read_text().startswith("# {")
+    assert (out / "pytest-benchmark").is_dir()
 
 
 def test_bench_micro_compare_names_what_got_slower(micro_run, tmp_path):
@@ -535,6 +536,12 @@ def test_bench_micro_compare_names_what_got_slower(micro_run, tmp_path):
     rc, msg = bench_micro.compare(rows, meta, str(tmp_path / "extra.json"), 50.0)
     assert rc == 1 and "1 of its benchmarks not run here" in msg and "[cuda]" in msg
     assert bench_micro.compare(rows, meta, str(tmp_path / "extra.json"), None)[0] == 0  # reported, no gate
+    rc, msg = bench_micro.compare(rows, meta, str(tmp_path / "extra.json"), 50.0, subset=True)
+    assert rc == 0 and "-k chose them" in msg  # a -k subset is not a regression
+    failed_run = dict(old, meta=dict(meta, pytest_rc=1))
+    (tmp_path / "failed.json").write_text(json.dumps(failed_run))
+    rc, msg = bench_micro.compare(rows, meta, str(tmp_path / "failed.json"), 50.0)
+    assert rc == 2 and "pytest run exited 1" in msg
     # a baseline with a row that failed its check is no baseline
     unchecked = dict(old, rows=[dict(old["rows"][0], verified=False)] + old["rows"][1:])
     (tmp_path / "unchecked.json").write_text(json.dumps(unchecked))
@@ -578,6 +585,9 @@ def test_bench_micro_checks_what_the_kernel_wrote(monkeypatch, request):
         real_s(staging, layout, ids, **kw)
         layout.views[0][0][int(ids[0])].view(-1)[0] += 1
 
+    assert list(bench_micro._CASE) == ["llama3-8b-nhd"]
+    bench_micro.test_kernel(Bench(), "deepseek-v3-mla", "gather", "torch")
+    assert list(bench_micro._CASE) == ["deepseek-v3-mla"]  # one shape's cache alive at a time
     for name, g, sc, op, msg in (("wrong", wrong, real_s, "gather-fp8", "other bytes than the torch backend"),
                                  ("idle", idle_gather, real_s, "gather", "other bytes than the torch backend"),
                                  ("lossy", real_g, lossy, "scatter-shuffle", "destination blocks differ"),
