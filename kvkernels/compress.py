@@ -422,6 +422,23 @@ def _pool() -> _cf.ThreadPoolExecutor:
         return _POOL
 
 
+def _segments(fmt, planes: bool) -> list[tuple[int, int]]:
+    """``[(offset in the region, nbytes)]`` that zstd frames never straddle: each entry's two byte
+    planes when the region holds planes, else the whole payload."""
+    if planes:
+        return [(eo + h, en // 2) for eo, en in _entries(fmt) for h in (0, en // 2)]
+    return [(0, fmt.payload_nbytes)]
+
+
+def _nv_zstd_fits(fmt, planes: bool) -> bool:
+    """True when nvCOMP's zstd can take this format's frames in place: its encoder wants 4-byte and
+    its decoder 8-byte aligned frame data (nvcomp/zstd.h); frames start at segment starts plus
+    multiples of the 4096-byte chunk, so the segments decide. Byte planes of an entry whose element
+    count is not a multiple of 8 (no real head_dim: it takes an odd block size and head_dim) go
+    through the host's zstd instead, on any machine (the same bytes)."""
+    return all(o % 8 == 0 for o, _ in _segments(fmt, planes))
+
+
 def _frames(n: int, segments, chunk: int) -> list[tuple[int, int]]:
     """``[(offset, nbytes)]`` of the frames of one region: every segment (a byte plane of an
     entry when shuffled, else the whole payload) cut into pieces of at most ``chunk`` bytes, so
@@ -925,15 +942,13 @@ def compress_regions(
                 for eo, en in _entries(fmt):
                     _split_planes(staging[o + eo: o + eo + en], 2, out=base[o + eo: o + eo + en])
     payloads = [base[o: o + n] for o in offsets]
-    if byteshuffle or staging_shuffled:  # (both the same planes: no zstd frame straddles two)
-        segs = [(eo + h, en // 2) for eo, en in _entries(fmt) for h in (0, en // 2)]
-    else:
-        segs = [(0, n)]
-    frames = _frames(n, segs, chunk_nbytes)
+    planes = byteshuffle or staging_shuffled  # (both the same planes: no zstd frame straddles two)
+    frames = _frames(n, _segments(fmt, planes), chunk_nbytes)
 
-    if c == "zstd" and dev.type == "cuda" and not _have_nvcomp():
-        # the portable codec without nvCOMP: encode a host copy (ordered after ``stream``'s work),
-        # so "auto" and "zstd" still write a file on a GPU machine that lacks nvCOMP
+    if c == "zstd" and dev.type == "cuda" and not (_have_nvcomp() and _nv_zstd_fits(fmt, planes)):
+        # the portable codec without nvCOMP (or with frames it cannot take in place): encode a host
+        # copy (ordered after ``stream``'s work), so "auto" and "zstd" still write a file on a GPU
+        # machine that lacks nvCOMP
         with torch.cuda.stream(stream) if stream is not None else _nullctx():
             payloads = [p.cpu() for p in payloads]
         stored = _zstd_compress_cpu(payloads, frames, chunk_nbytes, lvl)
@@ -1101,7 +1116,8 @@ def decompress_regions(
     comp_j = [k for k, j in enumerate(idx) if k not in set(raw_j)]
     if comp_j:
         regs = [cs.regions[idx[k]] for k in comp_j]
-        if dev.type == "cuda" and codec != "none" and (codec in _GPU_ONLY or _have_nvcomp()):
+        if dev.type == "cuda" and codec != "none" and (codec in _GPU_ONLY or (
+                _have_nvcomp() and _nv_zstd_fits(fmt, cs.scheme == "shuffle"))):
             sub = _SubFmt(fmt.region_nbytes, fmt.payload_nbytes, len(comp_j))
             scratch = tgt if comp_j == list(range(len(idx))) else torch.empty(sub.nbytes, dtype=torch.uint8, device=dev)
             if codec in _GPU_ONLY:  # the native streams, after their checked headers

@@ -925,6 +925,33 @@ def test_ans_truncated_region_is_an_error(how):
     assert torch.equal(decompress_regions(packed), staging)  # the intact regions still decode
 
 
+ODD_PLANES = (41, 3, 1, 5, 2)  # 615 elements per entry: its low-byte plane starts at byte 615
+
+
+def test_zstd_byte_planes_nvcomp_cannot_take_in_place_are_found():
+    """nvCOMP's zstd wants 8-byte aligned frames; byte planes of an entry whose element count is
+    not a multiple of 8 start off that grid, and both sides then use the host's zstd (the same
+    bytes): a GPU decoder failed on them with 'truncated or corrupted' (a review, 2026-11-24)."""
+    from kvkernels import compress as C
+
+    _, odd, _, _ = kv_like(ODD_PLANES, torch.bfloat16)
+    _, real, _, _ = kv_like(SHAPES[3], torch.bfloat16)
+    assert not C._nv_zstd_fits(odd, True) and C._nv_zstd_fits(odd, False)
+    assert C._nv_zstd_fits(real, True) and C._nv_zstd_fits(real, False)
+    assert [o for o, _ in C._segments(odd, True)] == [0, 615, 1230, 1845]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, nvcomp])])
+def test_zstd_byte_planes_off_nvcomps_grid_round_trip(device):
+    staging, fmt, _, _ = kv_like(ODD_PLANES, torch.bfloat16, device=device)
+    packed = compress_regions(staging, fmt, "zstd", byteshuffle=True)  # (on a GPU: by the host's zstd)
+    assert all(sz < fmt.payload_nbytes for sz in packed.stored_nbytes)  # frames really made, none stored raw
+    assert torch.equal(decompress_regions(packed, device=device), staging)
+    host = CompressedStaging(fmt, "zstd", [r.cpu() for r in packed.regions], packed.stored_nbytes,
+                             packed.raw_nbytes, True, packed.chunk_nbytes)
+    assert torch.equal(decompress_regions(host, device=device), staging)  # a file read back on either side
+
+
 _DAMAGED_ANS = """
 import sys, torch
 sys.path.insert(0, "tests")
