@@ -230,22 +230,17 @@ FIRST = ["llama3-70b-tp8", "deepseek-v3-mla", "llama3-8b"]
 
 def run(*, models=None, layouts=("nhd", "hnd"), pool=4096, blocks=2048, out_dir="bench_results", quick=False,
         peak_nbytes=1 << 30, tiny=False, plot=True) -> dict:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not tiny:
-        print("[bench] no GPU: running tiny CPU sizes (numbers prove the script runs, nothing more)")
-        tiny = True
+    device, tiny, meta = common.start(tiny, peak_nbytes)
+    peaks = meta["peaks"]
     if tiny:
         models = models or ["smollm2-135m"]
-        pool, blocks, peak_nbytes = 32, 8, 1 << 20
+        pool, blocks = 32, 8
         print(f"[bench] tiny sizes: pool {pool}, {blocks} blocks (--pool / --blocks do not apply)")
     elif quick:
         models = models or ["llama3-8b", "deepseek-v3-mla"]
         blocks = min(blocks, 512)
     # the shapes with open targets first (4 KB chunks, MLA), so a time-capped run still has them
     models = models or sorted(MODELS, key=lambda m: (m not in FIRST, FIRST.index(m) if m in FIRST else 0))
-    meta = common.env_record(tiny=tiny)
-    peaks = common.measure_peaks(device, peak_nbytes)
-    meta["peaks"] = peaks
     rows: list[dict] = []
     for m in models:
         keys = ["mla"] if get_model(m).mla else [k for k in layouts if k != "mla"]

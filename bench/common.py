@@ -233,13 +233,13 @@ def gbps(nbytes: int, ms: float) -> float:
 def start(tiny: bool, peak_nbytes: int | None = None) -> tuple[torch.device, bool, dict]:
     """A bench's first steps: the device (CUDA when there is one), whether the run is tiny (always on
     a machine without a GPU, said once), and the run's record (:func:`env_record`) with the peaks
-    measured now (``meta["peaks"]``; ``peak_nbytes``: default 1 MiB tiny, 1 GiB otherwise)."""
+    measured now (``meta["peaks"]``: over 1 MiB when tiny, else ``peak_nbytes``, default 1 GiB)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not tiny:
         print("[bench] no GPU: running tiny CPU sizes (numbers prove the script runs, nothing more)")
         tiny = True
     meta = env_record(tiny=tiny)
-    meta["peaks"] = measure_peaks(device, peak_nbytes or (1 << 20 if tiny else 1 << 30))
+    meta["peaks"] = measure_peaks(device, 1 << 20 if tiny else (peak_nbytes or 1 << 30))
     return device, tiny, meta
 
 
