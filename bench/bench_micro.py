@@ -49,7 +49,6 @@ import subprocess
 import sys
 import tempfile
 
-import pytest
 import torch
 
 try:  # run as a script or a pytest file (bench/ on sys.path) or as kvkernels.bench.bench_micro
