@@ -391,6 +391,22 @@ def _slices(n: int, row_elems: int):
 
 
 # ------------------------------------------------------------------------------------ references
+def _byte_view(v: torch.Tensor) -> torch.Tensor:
+    from .reference import _byte_view as bv
+
+    return bv(v)
+
+
+def _check_ref_args(layout, block_ids, fmt, buf, name: str, fmt_type) -> None:
+    """The exported references' argument checks (:func:`kvkernels.reference._check_args`), plus
+    what FP8 needs: a cache dtype it quantizes and a buffer its fp32 scale views can address."""
+    from .reference import _check_args
+
+    _check_args(layout, block_ids, fmt, buf, name, fmt_type)
+    _check_dtype(layout, "fp8", False)
+    _check_aligned(buf, name)
+
+
 def _ids(layout, block_ids):
     ids = block_ids.to(device=layout.device, dtype=torch.int64)
     valid = (ids >= 0) & (ids < layout.num_blocks)
@@ -401,8 +417,12 @@ def gather_fp8(layout: PagedLayout, block_ids: torch.Tensor, fmt: QuantStagingFo
     """Reference FP8 gather: quantize ``block_ids`` of ``fmt.layers`` into ``out[:fmt.nbytes]``.
 
     ``block_ids`` int32/int64 ``[n]`` (padding / invalid ids -> all-zero codes and scales);
-    ``out`` uint8 ``[>= fmt.nbytes]``, written in place; gaps and region padding are zeroed.
+    ``out`` uint8 ``[>= fmt.nbytes]``, 16-byte aligned, written in place; gaps and region padding
+    are zeroed. Arguments are checked as in :func:`kvkernels.reference.gather`, before any byte
+    is written (the views below are strided into ``out``'s storage: a short ``out`` would be
+    written past its end).
     """
+    _check_ref_args(layout, block_ids, fmt, out, "out", QuantStagingFormat)
     ids, valid = _ids(layout, block_ids)
     if layout.device.type == "cpu" and out.device.type == "cpu":
         return _gather_fp8_cpu(layout, ids, valid, fmt, out)
@@ -424,7 +444,12 @@ def gather_fp8(layout: PagedLayout, block_ids: torch.Tensor, fmt: QuantStagingFo
 
 def scatter_fp8(staging: torch.Tensor, layout: PagedLayout, block_ids: torch.Tensor, fmt: QuantStagingFormat) -> None:
     """Reference FP8 scatter: dequantize ``staging`` into ``block_ids`` of the cache (in place);
-    padding / invalid ids are skipped."""
+    padding / invalid ids are skipped. Arguments checked as in :func:`gather_fp8`.
+
+    The cache is written through byte views, as the raw reference does: torch refuses in-place
+    writes in the cache's dtype to tensors made under ``torch.inference_mode()`` (how serving
+    code allocates its caches), and every other backend and scheme restores those."""
+    _check_ref_args(layout, block_ids, fmt, staging, "staging", QuantStagingFormat)
     ids, valid = _ids(layout, block_ids)
     sel = valid.nonzero().flatten()
     dst = ids.index_select(0, sel)
@@ -439,7 +464,8 @@ def scatter_fp8(staging: torch.Tensor, layout: PagedLayout, block_ids: torch.Ten
             qo, so = fmt.q_offset(layer, c), fmt.scale_offset(layer, c)
             q = buf[qo : qo + fmt.q_nbytes].view(n, bs, hh, d).index_select(0, sel)
             s = buf[so : so + fmt.scale_nbytes].view(torch.float32).view(sshape).index_select(0, sel)
-            layout.views[layer][c].index_copy_(0, dst, dequantize_rows(q, s, layout.dtype, fmt.granularity))
+            y = dequantize_rows(q, s, layout.dtype, fmt.granularity).contiguous()
+            _byte_view(layout.views[layer][c]).index_copy_(0, dst, _byte_view(y))
 
 
 def _gather_fp8_cpu(layout: PagedLayout, ids, valid, fmt: QuantStagingFormat, out: torch.Tensor) -> torch.Tensor:
@@ -486,9 +512,9 @@ def _scatter_fp8_cpu(staging: torch.Tensor, layout: PagedLayout, sel, dst, fmt: 
             if stk is not None:  # k layers, every slot restored: one set of ops
                 y = _dequantize_rows_cpu(*_region_sections(staging, fmt, r, k, c), layout.dtype, fmt.granularity)
                 if n == 1:
-                    stk[:, int(dst[0])].copy_(y[:, 0])
+                    _byte_view(stk[:, int(dst[0])]).copy_(_byte_view(y[:, 0]))
                 else:
-                    stk.index_copy_(1, dst, y)
+                    _byte_view(stk).index_copy_(1, dst, _byte_view(y))
                 continue
             q_all, s_all = (t[0] for t in _region_sections(staging, fmt, r, 1, c))
             view = layout.views[fmt.layers[r]][c]
@@ -499,9 +525,9 @@ def _scatter_fp8_cpu(staging: torch.Tensor, layout: PagedLayout, sel, dst, fmt: 
                     q, s = q_all.index_select(0, sel[i:j]), s_all.index_select(0, sel[i:j])
                 y = _dequantize_rows_cpu(q, s, layout.dtype, fmt.granularity)
                 if j - i == 1:  # index_copy_ is elementwise on CPU; one block is one strided copy
-                    view[int(dst[i])].copy_(y[0])
+                    _byte_view(view[int(dst[i])]).copy_(_byte_view(y[0]))
                 else:
-                    view.index_copy_(0, dst[i:j], y)
+                    _byte_view(view).index_copy_(0, dst[i:j], _byte_view(y))
 
 
 def _entries(fmt: StagingFormat):
@@ -515,6 +541,7 @@ def gather_shuffle(layout: PagedLayout, block_ids: torch.Tensor, fmt: StagingFor
     then its low-byte plane (16-bit caches; little-endian element bytes)."""
     from . import reference
 
+    reference._check_args(layout, block_ids, fmt, out, "out")  # (the raw gather below fills its own buffer)
     raw = reference.gather(layout, block_ids, fmt, torch.empty(fmt.nbytes, dtype=torch.uint8, device=layout.device))
     half = fmt.entry_nbytes // 2
     for off in _entries(fmt):
@@ -530,6 +557,7 @@ def scatter_shuffle(staging: torch.Tensor, layout: PagedLayout, block_ids: torch
     """Reference shuffled scatter: undo the plane split, then the raw scatter (in place)."""
     from . import reference
 
+    reference._check_args(layout, block_ids, fmt, staging, "staging")  # (the raw scatter reads its own copy)
     # (only the format's bytes cross: the staging may be a slice of a large pinned pool)
     buf = staging[: fmt.nbytes].to(layout.device) if staging.device != layout.device else staging
     raw = torch.zeros(fmt.nbytes, dtype=torch.uint8, device=layout.device)

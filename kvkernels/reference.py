@@ -30,19 +30,24 @@ def _byte_view(v: torch.Tensor) -> torch.Tensor:
     return v.view(torch.uint8)
 
 
-def _check_args(layout, block_ids, fmt, buf, name: str) -> None:
+def _check_args(layout, block_ids, fmt, buf, name: str, fmt_type=StagingFormat) -> None:
     """Everything these functions index, checked before the first byte moves: the public ops pass
     arguments they built and checked, but these are exported, and a format of another layout or a
     short buffer used to fail part-way (an ``IndexError`` or a view error after some layers were
-    written). Integer checks only (messages built on failure only): no device work, no sync."""
+    written). Integer checks only (messages built on failure only): no device work, no sync.
+    ``fmt_type``: the format class expected (``kvkernels.quant`` passes its FP8 format, which has
+    no element size: its codes are bytes)."""
     if not isinstance(layout, PagedLayout):
         fail("layout", "a kvkernels.PagedLayout", type(layout).__name__, TypeError)
-    if not isinstance(fmt, StagingFormat):
-        fail("fmt", "a kvkernels.StagingFormat", type(fmt).__name__, TypeError)
-    mine = (layout.block_size, layout.num_heads, layout.head_dim, layout.element_size, layout.num_kv)
-    theirs = (fmt.block_size, fmt.num_heads, fmt.head_dim, fmt.element_size, fmt.num_kv)
+    if not isinstance(fmt, fmt_type):
+        fail("fmt", f"a kvkernels.{fmt_type.__name__}", type(fmt).__name__, TypeError)
+    sized = fmt_type is StagingFormat
+    mine = (layout.block_size, layout.num_heads, layout.head_dim, layout.num_kv) + \
+        ((layout.element_size,) if sized else ())
+    theirs = (fmt.block_size, fmt.num_heads, fmt.head_dim, fmt.num_kv) + ((fmt.element_size,) if sized else ())
     if mine != theirs:
-        fail("fmt", f"a format of this layout (block_size, heads, head_dim, element_size, kv = {mine})", theirs)
+        what = "block_size, heads, head_dim, kv" + (", element_size" if sized else "")
+        fail("fmt", f"a format of this layout ({what} = {mine})", theirs)
     nl = layout.num_layers
     if not all(0 <= j < nl for j in fmt.layers):
         fail("fmt", f"layers in [0, {nl})", fmt.layers)

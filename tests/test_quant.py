@@ -9,6 +9,7 @@ trips within the tolerance table below.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -593,6 +594,56 @@ def test_errors():
         gather_quant(bf, [0], quant="fp8", layers=[5])
     assert all(torch.equal(a, b) for a, b in zip(before, cache_bytes(bf)))  # nothing was written
 
+
+
+@pytest.mark.parametrize("fn", ["gather_fp8", "scatter_fp8", "gather_shuffle", "scatter_shuffle"])
+@pytest.mark.parametrize("case", ["short-buffer", "other-shape", "ids-count", "not-a-format"])
+def test_exported_references_refuse_bad_arguments_before_moving_a_byte(fn, case):
+    """kvkernels.quant exports its torch references. They checked nothing: their views are strided
+    into the buffer's storage, so a short ``out`` slice was written past its end (into its parent)
+    and a short ``staging`` slice read past its end; a format of another shape was broadcast."""
+    from kvkernels import quant
+
+    fp8 = fn.endswith("fp8")
+    lay = cache("vllm-nhd", seed=3)
+    ids = torch.tensor([1, 2], device=DEVICE)
+    fmt = QuantStagingFormat.for_layout(lay, 2) if fp8 else StagingFormat.for_layout(lay, 2)
+    parent = gather_quant(lay, ids, quant="fp8") if fp8 else gather_quant(lay, ids, shuffle=True)
+    buf, exc = parent, ValueError
+    if case == "short-buffer":
+        buf = parent[:16]  # the rest of the parent is a valid staging: reading it would "work"
+    elif case == "other-shape":
+        fmt = dataclasses.replace(fmt, head_dim=1)
+    elif case == "ids-count":
+        ids = torch.tensor([1, 2, 3], device=DEVICE)
+    else:
+        fmt, exc = (StagingFormat.for_layout(lay, 2) if fp8 else object()), TypeError
+    dst = cache("vllm-nhd", fill="zero")
+    keep = parent.clone()
+    with pytest.raises(exc):
+        if fn.startswith("gather"):
+            getattr(quant, fn)(lay, ids, fmt, buf)
+        else:
+            getattr(quant, fn)(buf, dst, ids, fmt)
+    assert torch.equal(parent, keep)  # nothing written into (or past) the buffer
+    assert not any(b.any() for b in cache_bytes(dst))  # nothing restored
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kw", [{"quant": "fp8"}, {"shuffle": True}])
+def test_scatter_into_a_cache_made_under_inference_mode(backend, kw):
+    """Serving code allocates its caches under ``torch.inference_mode()``. The torch FP8 scatter
+    wrote them in their dtype, which torch refuses outside that mode, where every other backend
+    and scheme (byte views, kernels) restores them."""
+    src = cache("vllm-nhd", seed=4)
+    with torch.inference_mode():
+        dst = cache("vllm-nhd", fill="zero")
+    st = gather_quant(src, [1, 2, 5], **kw)
+    scatter_quant(st, dst, [0, 3, 7], backend=backend, **kw)
+    ref = cache("vllm-nhd", fill="zero")
+    scatter_quant(st, ref, [0, 3, 7], backend=backend, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(cache_bytes(dst), cache_bytes(ref)))
+    assert any(b.any() for b in cache_bytes(dst))
 
 # ------------------------------------------------------------------------- GPU compile (no GPU)
 COMPILE_PROBE = r"""
