@@ -1061,7 +1061,7 @@ def decompress_regions(
     _check_fmt(fmt)
     if cs.byteshuffle:  # planes of 16-bit elements only (compress_regions and from_buffer refuse others)
         _check_planes(_esize(fmt))
-    sel = normalize_layers(layers, max(fmt.layers) + 1) if layers is not None else fmt.layers
+    sel = normalize_layers(layers, max(fmt.layers) + 1, staged=fmt.layers)
     idx = [fmt.region_index(l) for l in sel]
     ofmt = _OutFmt(fmt.region_nbytes, len(idx))
     n = fmt.payload_nbytes

@@ -30,8 +30,12 @@ def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
-def normalize_layers(layers, num_layers: int) -> tuple[int, ...]:
-    """``None`` -> all layers; an int -> one layer; an iterable -> sorted, distinct, in range."""
+def normalize_layers(layers, num_layers: int, staged: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """``None`` -> all layers; an int -> one layer; an iterable -> sorted, distinct, in range.
+    ``staged``: the layers a buffer holds; each one asked for must be among them (``None`` ->
+    all of them)."""
+    if staged is not None and layers is None:
+        return tuple(staged)
     if layers is None:
         return tuple(range(num_layers))
     if isinstance(layers, torch.Tensor):
@@ -46,7 +50,10 @@ def normalize_layers(layers, num_layers: int) -> tuple[int, ...]:
     for x in seq:
         if isinstance(x, bool) or not isinstance(x, int):
             fail("layers", "ints", f"an element of type {type(x).__name__}", TypeError)
-        check(0 <= x < num_layers, "layers", f"layer indices in [0, {num_layers})", x)
+        if staged is not None:
+            check(x in staged, "layers", f"layers among the staged ones {tuple(staged)}", x)
+        else:
+            check(0 <= x < num_layers, "layers", f"layer indices in [0, {num_layers})", x)
     check(len(set(seq)) == len(seq), "layers", "distinct layer indices", seq)
     return tuple(sorted(seq))
 
@@ -168,9 +175,7 @@ class StagingFormat(RegionArithmetic):
 
     def with_layers(self, layers) -> "StagingFormat":
         """The same format restricted to a subset of its layers."""
-        sel = normalize_layers(layers, max(self.layers) + 1)
-        for l in sel:
-            self.region_index(l)
+        sel = normalize_layers(layers, max(self.layers) + 1, staged=self.layers)
         return StagingFormat(sel, self.num_blocks, self.block_size, self.num_heads, self.head_dim, self.element_size, self.num_kv)
 
 

@@ -126,6 +126,19 @@ def test_none_codec_roundtrip():
     assert torch.equal(decompress_regions(packed), staging)
 
 
+@pytest.mark.parametrize("layers", [1, [2, 0], 7])
+def test_a_layer_not_stored_is_named_with_the_stored_ones(layers):
+    """decompress_regions(layers=...) named `layer` (no such argument) for a layer missing from a
+    subset, and gave the range [0, max + 1) for one past it; with_layers the same."""
+    staging, fmt, layout, ids = kv_like(SHAPES[1], torch.bfloat16)
+    sub = fmt.with_layers([0, 2])
+    packed = compress_regions(staging[: sub.nbytes].clone(), sub, "zstd")
+    want = r"`layers`: expected layers among the staged ones \(0, 2\), got (1|7)"
+    with pytest.raises(ValueError, match=want):
+        decompress_regions(packed, layers=layers)
+    with pytest.raises(ValueError, match=want):
+        sub.with_layers(layers)
+
 def test_layer_subset_and_scatter_into_other_blocks():
     staging, fmt, layout, ids = kv_like(SHAPES[1], torch.bfloat16)
     packed = compress_regions(staging, fmt, "zstd", byteshuffle=True)
