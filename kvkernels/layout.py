@@ -179,6 +179,10 @@ def _checked_views(views, _names=None) -> tuple[tuple[torch.Tensor, ...], ...]:
             # in-place copies refuse a leaf that requires grad part way through a scatter
             check(not v.requires_grad, nm, "a tensor that does not require grad (pass .detach())", describe(v))
             check(v.stride(3) == 1 or v.shape[3] == 1, nm, "a contiguous head dim (stride 1)", describe(v))
+            # (torch's own dtype views are aligned; Tensor.set_ on a byte offset is not, and the
+            # FP8 / shuffle kernels load whole elements: a misaligned-address fault on a GPU)
+            check(v.data_ptr() % v.element_size() == 0, nm, f"an address aligned to its {v.element_size()}-byte "
+                  "elements", f"address {v.data_ptr():#x}")
             # an expanded dim (stride 0) makes blocks / tokens / heads share memory: a scatter
             # would write one place from several slots (the backends disagree on the result)
             check(all(n == 1 or st != 0 for n, st in zip(v.shape, v.stride())), nm,

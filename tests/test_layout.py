@@ -287,6 +287,17 @@ def test_a_cache_that_requires_grad_is_refused():
     assert PagedLayout.from_vllm(caches).num_layers == 2
 
 
+def test_a_cache_at_an_address_not_aligned_to_its_elements_is_refused():
+    """Tensor.set_ at a byte offset gives a bf16 cache at an odd address: the raw kernels cope
+    (1-byte words) but the FP8 and shuffle kernels load whole elements (a fault on a GPU)."""
+    raw = torch.zeros(2 * 8 * 4 * 2 * 8 * 2 + 1, dtype=torch.uint8)
+    odd = torch.empty(0, dtype=torch.bfloat16).set_(raw.untyped_storage()[1:], 0, (2, 8, 4, 2, 8))
+    assert odd.data_ptr() % 2 == 1
+    with pytest.raises(ValueError, match=r"views\[0\]\[0\]`: expected an address aligned to its 2-byte elements"):
+        PagedLayout.from_views([[odd[0], odd[1]]])
+    ok = raw[:-1].view(torch.bfloat16).view(2, 8, 4, 2, 8)
+    assert PagedLayout.from_views([[ok[0], ok[1]]]).num_layers == 1
+
 def test_from_strides_sizes_every_layer_from_the_smallest_storage_and_checks_offsets():
     # num_blocks was computed per layer: two storages of different sizes gave views of different
     # shapes and a confusing "shape ... like views[0][0]" error, though the docstring promised the
