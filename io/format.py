@@ -94,7 +94,10 @@ def _round_up(x: int, a: int = REGION_ALIGN) -> int:
 
 
 def _ascii(s: str, name: str) -> bytes:
-    b = s.encode("ascii", "strict") if isinstance(s, str) else b""
+    try:
+        b = s.encode("ascii", "strict") if isinstance(s, str) else b""
+    except UnicodeEncodeError:
+        b = b""  # refused below: the error names the field, not the codec
     check(isinstance(s, str) and 0 < len(b) <= 16 and b"\x00" not in b, name, "1-16 ASCII characters", repr(s))
     return b
 
@@ -137,7 +140,7 @@ class EntryMeta:
         check(list(self.layers) == sorted(set(self.layers)), "meta.layers", "ascending distinct layers", self.layers)
         for name in ("num_blocks", "block_size", "num_heads", "head_dim", "element_size", "num_layers"):
             check_int(getattr(self, name), f"meta.{name}", lo=1, hi=2**31 - 1)
-        check(self.num_kv in (1, 2), "meta.num_kv", "1 or 2", self.num_kv)
+        check_int(self.num_kv, "meta.num_kv", lo=1, hi=2)  # (2.0 == 2: `in (1, 2)` let a float through)
         check(max(self.layers) < self.num_layers, "meta.layers", f"layers < num_layers={self.num_layers}", self.layers)
         # each field fits its u32, but their product must fit the header's u64 sizes and offsets
         total = self.fmt.nbytes + _round_up(_FIXED.size + _REGION.size * len(self.layers))

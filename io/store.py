@@ -102,6 +102,15 @@ class _Entry:
     doomed: str | None = None  # dropped while being read: "" = unlink, ".corrupt" = rename, when the last reader leaves
 
 
+@dataclass
+class _Room:
+    """A put's reservation (:meth:`KVStore._make_room`), given back when it commits or fails."""
+
+    nbytes: int
+    digest: bytes
+    replaces: _Entry | None  # the indexed version it was credited for (its bytes leave at the commit)
+
+
 _LOCK_NAME = ".kvkernels.lock"
 
 
@@ -325,7 +334,10 @@ class KVStore:
         if capacity_bytes is not None:
             check_int(capacity_bytes, "capacity_bytes", lo=1)
         self.paths = [os.path.abspath(p) for p in paths]
-        self.fsync = bool(fsync)
+        # not bool(): verify=None (None is "the default" for the other arguments) turned checksums off
+        for name, flag in (("read_priority", read_priority), ("verify", verify), ("fsync", fsync)):
+            check(isinstance(flag, bool), name, "True or False", repr(flag), TypeError)
+        self.fsync = fsync
         # every other argument before a folder is made: a refused store leaves nothing behind
         self.capacity_bytes = capacity_bytes
         self.engine = make_engine(engine)
@@ -360,12 +372,17 @@ class KVStore:
         if self.fsync:  # a put acknowledged as durable must not lose the folder it lives in
             for d in created:
                 _fsync_dir(os.path.dirname(d))
-        self.read_priority = bool(read_priority)
-        self.verify = bool(verify)
+        self.read_priority = read_priority
+        self.verify = verify
         self._lock = threading.RLock()
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU: oldest first
         self._used = 0
         self._reserved = 0  # bytes of puts between their room check and their commit (capacity holds under concurrency)
+        # digest -> [indexed entry, count of puts in flight that will replace it]: its bytes leave
+        # when one commits, so no room check counts them (two overwrites in flight evicted an
+        # unrelated entry); dropped with the entry, counted once however many puts replace it
+        self._credits: dict[bytes, list] = {}
+        self._credit = 0  # bytes of the entries in _credits
         self._room = threading.Condition(self._lock)  # notified when a reservation is released
         # digests renamed into place but not yet visible (directory fsync pending): a drop of their
         # older version must not unlink or rename the path, which already holds the new file
@@ -474,6 +491,10 @@ class KVStore:
             ent.seq = next(self._rename_seq)
             if ent.path == self._path_for(digest):
                 self._file_seq[digest] = ent.seq
+        # reopened with a smaller capacity_bytes: back under it now, not at some later put
+        while self.capacity_bytes is not None and self._used > self.capacity_bytes:
+            self._drop(next(iter(self._index)))  # the oldest (nothing is pinned yet)
+            self._stats["evictions"] += 1
         report["entries"] = len(self._index)
         return report
 
@@ -586,7 +607,7 @@ class KVStore:
         """Write the body (in a worker, hashing beside it); the commit finishes on a commit thread."""
         t0 = time.perf_counter()
         tmp = None
-        reserved = 0
+        room = None
         try:
             fmt = meta.fmt
             single = len(pieces) == 1 and len(pieces[0]) == 1 and pieces[0][0].numel() == fmt.nbytes
@@ -610,7 +631,7 @@ class KVStore:
                 if self.fsync:
                     _fsync_dir(os.path.dirname(d))
                 self._shards_synced.add(d)
-            reserved = self._make_room(_round4k(plan[-1].offset + plan[-1].stored), exclude=digest)
+            room = self._make_room(_round4k(plan[-1].offset + plan[-1].stored), exclude=digest)
             tmp = f"{final}.tmp.{os.getpid()}.{next(self._tmp_seq)}"
             sums_f = self._hasher.submit(lambda: [checksum_segments(_views(segs)) for segs in regions])
             if single:
@@ -629,20 +650,20 @@ class KVStore:
                     sums_f.exception()  # wait: the hasher still reads the caller's buffer
                 raise
         except BaseException:
-            self._put_failed(tmp, nbytes, reserved)
+            self._put_failed(tmp, nbytes, room)
             raise
         # header, sync, rename and directory sync run on a commit thread: this worker takes the
         # next request while the disk syncs (the file is complete and private until the rename)
         try:
             return _Later(self._committer.submit(self._commit, digest, meta, sizes, sums_f, tmp, final, nbytes,
-                                                 reserved, t0))
+                                                 room, t0))
         except BaseException:
             sums_f.exception()
-            self._put_failed(tmp, nbytes, reserved)
+            self._put_failed(tmp, nbytes, room)
             raise
 
     def _commit(self, digest: bytes, meta: EntryMeta, sizes, sums_f: Future, tmp: str, final: str, nbytes: int,
-                reserved: int, t0: float) -> Header:
+                room: _Room | None, t0: float) -> Header:
         try:
             header = Header(digest, meta, Header.layout_regions(meta, sizes, sums_f.result()), time.time_ns())
             self.engine.write_header(tmp, header.pack(), fsync=self.fsync)
@@ -652,7 +673,7 @@ class KVStore:
                 gen = self._renames[digest] = self._renames.get(digest, 0) + 1  # this rename's order
                 seq = self._file_seq[digest] = next(self._rename_seq)
         except BaseException:
-            self._put_failed(tmp, nbytes, reserved)
+            self._put_failed(tmp, nbytes, room)
             raise
         sync_error = None
         try:
@@ -668,12 +689,12 @@ class KVStore:
                 old = self._index.pop(digest, None)
                 if old is not None:
                     self._used -= old.nbytes
+                    self._uncredit(digest)
                     self._retire(old, final)
                 self._index[digest] = _Entry(final, header, header.file_nbytes, seq=seq)
                 self._used += header.file_nbytes
             self._unpublish(digest)
-            self._reserved -= reserved
-            self._room.notify_all()
+            self._release_room(room)
             if sync_error is None:
                 self._stats["puts"] += 1
                 self._stats["bytes_written"] += nbytes
@@ -704,12 +725,11 @@ class KVStore:
             del self._publishing[digest]
             self._renames.pop(digest, None)  # no rename of this key in flight: nothing to order
 
-    def _put_failed(self, tmp: str | None, nbytes: int, reserved: int = 0) -> None:
+    def _put_failed(self, tmp: str | None, nbytes: int, room: _Room | None = None) -> None:
         try:
             with self._lock:
                 self._stats["put_errors"] += 1
-                self._reserved -= reserved
-                self._room.notify_all()
+                self._release_room(room)
                 if tmp is not None:
                     # a refused delete (EROFS after an EIO remounted the file system read-only) is
                     # logged and counted, not raised: the put's own error stays the one its future
@@ -718,35 +738,65 @@ class KVStore:
         finally:  # in-flight bytes never stay counted (they would block every later put)
             self._release_inflight(nbytes)
 
-    def _make_room(self, need: int, exclude: bytes) -> int:
+    def _make_room(self, need: int, exclude: bytes) -> _Room | None:
         """Evict LRU entries until ``need`` more bytes fit, and reserve them (returned; released
         when the put commits or fails), so concurrent puts cannot overshoot the capacity."""
         if self.capacity_bytes is None:
-            return 0
+            return None
         if need > self.capacity_bytes:
             raise ValueError(f"`staging`: entry of {need} bytes exceeds capacity_bytes={self.capacity_bytes}")
         with self._lock:
-            def fits() -> bool:
+            def fits(freed: int = 0) -> bool:
                 cur = self._index.get(exclude)
-                return self._used + self._reserved - (cur.nbytes if cur else 0) + need <= self.capacity_bytes
+                mine = cur.nbytes if cur is not None and exclude not in self._credits else 0
+                return self._used + self._reserved - self._credit - mine - freed + need <= self.capacity_bytes
 
-            while True:
-                for digest in list(self._index):
-                    if fits():
-                        break
-                    if digest == exclude or digest in self._pins:
-                        continue
-                    self._drop(digest)
-                    self._stats["evictions"] += 1
-                if fits() or self._reserved == 0:
-                    break
-                self._room.wait()  # only puts in flight stand in the way: wait for one to commit or fail
-            if not fits():
-                raise OSError(errno.ENOSPC, f"store full: {self._used} of {self.capacity_bytes} bytes held by "
-                              f"pinned entries ({len(self._pins)} pinned), puts in flight ({self._reserved} B) "
-                              f"or the entry being replaced")
+            while not fits():
+                # an entry a put in flight replaces frees nothing more when evicted: its bytes are
+                # already counted as leaving
+                victims = [d for d in self._index if d != exclude and d not in self._pins and d not in self._credits]
+                if fits(sum(self._index[d].nbytes for d in victims)):
+                    for digest in victims:  # oldest first
+                        if fits():
+                            break
+                        self._drop(digest)
+                        self._stats["evictions"] += 1
+                elif self._reserved:
+                    # only puts in flight could make room (one fails, or its entry becomes
+                    # evictable): wait for one to commit or fail, evicting nothing yet
+                    self._room.wait()
+                else:  # nothing is evicted for a put that cannot fit anyway
+                    raise OSError(errno.ENOSPC, f"store full: {self._used} of {self.capacity_bytes} bytes held by "
+                                  f"pinned entries ({len(self._pins)} pinned), puts in flight ({self._reserved} B) "
+                                  f"or the entry being replaced")
             self._reserved += need
-            return need
+            cur = self._index.get(exclude)
+            if cur is not None:
+                if exclude not in self._credits:
+                    self._credits[exclude] = [cur, 0]
+                    self._credit += cur.nbytes
+                self._credits[exclude][1] += 1
+            return _Room(need, exclude, cur)
+
+    def _release_room(self, room: _Room | None) -> None:
+        """Give back a put's reservation and its share of the credit (lock held)."""
+        if room is None:
+            return
+        self._reserved -= room.nbytes
+        c = self._credits.get(room.digest)
+        if c is not None and c[0] is room.replaces:  # (not when that version left the index meanwhile)
+            c[1] -= 1
+            if c[1] == 0:
+                del self._credits[room.digest]
+                self._credit -= room.replaces.nbytes
+        self._room.notify_all()
+
+    def _uncredit(self, digest: bytes) -> None:
+        """``digest``'s indexed entry leaves the index (lock held): its bytes are no longer counted
+        as leaving with a put in flight (they left)."""
+        c = self._credits.pop(digest, None)
+        if c is not None:
+            self._credit -= c[0].nbytes
 
     def _drop(self, digest: bytes, rename_to: str | None = None, expect: _Entry | None = None) -> bool:
         """Remove an entry from the index and its file from disk (deferred while it is read).
@@ -762,6 +812,7 @@ class KVStore:
             del self._index[digest]
             self._pins.pop(digest, None)
             self._used -= ent.nbytes
+            self._uncredit(digest)
             if ent.readers:
                 ent.doomed = rename_to or ""
             elif self._owns_file(digest, ent):
@@ -819,7 +870,7 @@ class KVStore:
         For compressed schemes a region holds its stored bytes (``header(key)`` gives their
         sizes). The future gives ``out`` back; it raises ``KeyError`` on a miss and
         ``CorruptEntryError`` when a checksum fails (the entry is then dropped, and the bytes
-        already in ``out`` must not be used).
+        already in ``out`` must not be used). A closed store raises ``RuntimeError`` (hit or miss).
 
         ``expect``: a :class:`Header` from ``header(key)`` (or a put's future): read only that
         version's bytes. When the key holds another version (or none), or that version is
@@ -831,6 +882,9 @@ class KVStore:
         self._check_process()
         digest = key_digest(key)
         _check_expect(expect)
+        with self._submit_lock:  # a miss too: a closed store's index is stale
+            if self._closed:
+                raise RuntimeError("KVStore is closed")
         with self._lock:
             ent = self._index.get(digest)
             if ent is None or (expect is not None and not _same_content(ent.header, expect)):
@@ -1080,15 +1134,19 @@ class KVStore:
 
         ``expect``: a :class:`Header` from ``header(key)``: delete only that version, or one of the
         same bytes (False when the key holds other content now: e.g. a put replaced the version
-        found unusable)."""
+        found unusable). ``RuntimeError`` once the store is closed."""
         self._check_process()
         _check_expect(expect)
         digest = key_digest(key)
-        if expect is None:
-            return self._drop(digest)
-        with self._lock:  # (reentrant: _drop takes it too)
-            ent = self._index.get(digest)
-            return ent is not None and _same_content(ent.header, expect) and self._drop(digest, expect=ent)
+        # one step with close(), as a submit is: once closed, the folder may be another store's
+        with self._submit_lock:
+            if self._closed:
+                raise RuntimeError("KVStore is closed")
+            if expect is None:
+                return self._drop(digest)
+            with self._lock:  # (reentrant: _drop takes it too)
+                ent = self._index.get(digest)
+                return ent is not None and _same_content(ent.header, expect) and self._drop(digest, expect=ent)
 
     def pin(self, key) -> bool:
         """Protect ``key``'s entry from LRU eviction until a matching :meth:`unpin`; False if absent.

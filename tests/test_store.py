@@ -1821,3 +1821,144 @@ def test_requests_racing_close_are_refused_or_completed_never_stranded(tmp_path)
     from kvkernels.io.format import key_digest
 
     assert store._index[key_digest("a")].readers == 0  # the refused get gave its reader back
+
+
+def test_a_closed_store_refuses_remove_and_get(tmp_path):
+    # a closed store's remove deleted the entry of the store that took its folder next; its get
+    # of a key it did not hold was a KeyError future where a held key raised "closed"
+    _, buf, meta = staged()
+    old = KVStore(tmp_path)
+    old.put("k", buf, meta).result()
+    old.close()
+    with KVStore(tmp_path) as new:
+        h = new.header("k")
+        for call in (lambda: old.remove("k"), lambda: old.remove("k", expect=h), lambda: old.get("k"),
+                     lambda: old.get("absent"), lambda: old.get("absent", expect=h)):
+            with pytest.raises(RuntimeError, match="KVStore is closed"):
+                call()
+        assert torch.equal(new.get("k").result(timeout=10), buf)
+
+
+def _gate_headers(store, monkeypatch):
+    """Hold every put after its room check (its header write waits): returns the gate to open."""
+    gate = threading.Event()
+    real = store.engine.write_header
+    monkeypatch.setattr(store.engine, "write_header", lambda *a, **kw: (gate.wait(10), real(*a, **kw))[1])
+    return gate
+
+
+def _wait_reserved(store, n):
+    deadline = time.monotonic() + 10
+    while store._reserved != n:
+        assert time.monotonic() < deadline, (store._reserved, n)
+        time.sleep(0.01)
+
+
+def test_concurrent_overwrites_evict_no_unrelated_entry(tmp_path, monkeypatch):
+    # each overwrite's room check counted the other's new file in full beside the old version it
+    # replaces: x, k0', k1', k2 fit exactly, yet x was evicted
+    _, buf, meta = staged()
+    _, buf2, _ = staged(seed=1)
+    size = 4096 + buf.numel()
+    with KVStore(tmp_path, capacity_bytes=4 * size, io_threads=4) as store:
+        for k in ("x", "k0", "k1", "k2"):
+            store.put(k, buf, meta).result()
+        gate = _gate_headers(store, monkeypatch)
+        f0 = store.put("k0", buf2, meta)
+        _wait_reserved(store, size)
+        f1 = store.put("k1", buf2, meta)
+        _wait_reserved(store, 2 * size)
+        gate.set()
+        f0.result(timeout=10), f1.result(timeout=10)
+        st = store.stats()
+        assert store.contains("x") and st["evictions"] == 0 and st["bytes_used"] == 4 * size
+        # two puts of one key and a remove of the version they replace: its bytes are credited
+        # once (both new files are on disk until one rename replaces the other: the second room
+        # check may evict), and the credit goes with the entry, not again with each put
+        gate.clear()
+        fs = [store.put("k2", buf2, meta) for _ in range(2)]
+        _wait_reserved(store, 2 * size)
+        assert store._credit == size
+        assert store.remove("k2") and store._credit == 0
+        gate.set()
+        for f in fs:
+            f.result(timeout=10)
+        assert (store._reserved, store._credit, store._credits) == (0, 0, {})
+        assert store.contains("k2") and store.stats()["bytes_used"] == sum(os.path.getsize(p) for p in files(tmp_path))
+
+
+def test_a_put_that_cannot_fit_for_pinned_entries_evicts_nothing(tmp_path):
+    # the put evicted every unpinned entry, then failed with ENOSPC all the same
+    _, buf, meta = staged()
+    _, big, big_meta = staged(ids=(3, 9, 1, 4, 5, 6))  # two entries' worth
+    size = 4096 + buf.numel()
+    with KVStore(tmp_path, capacity_bytes=3 * size) as store:
+        for k in "abc":
+            store.put(k, buf, meta).result()
+        assert store.pin("a") and store.pin("b")
+        with pytest.raises(OSError, match="pinned") as ei:
+            store.put("big", big, big_meta).result(timeout=10)
+        assert ei.value.errno == errno.ENOSPC
+        assert [store.contains(k) for k in "abc"] == [True] * 3 and store.stats()["evictions"] == 0
+        assert store.unpin("a")
+        store.put("big", big, big_meta).result(timeout=10)  # now it fits: "a" and "c" (LRU, unpinned) go
+        assert [store.contains(k) for k in ("a", "b", "c", "big")] == [False, True, False, True]
+
+
+def test_entries_evicted_for_a_put_the_disk_then_refuses_stay_evicted(tmp_path, monkeypatch):
+    # docs/store.md: eviction runs before the write (the disk's ENOSPC comes later); nothing of the
+    # failed put is indexed, and the store's accounting is given back
+    _, buf, meta = staged()
+    size = 4096 + buf.numel()
+    with KVStore(tmp_path, capacity_bytes=2 * size, engine="posix") as store:
+        store.put("a", buf, meta).result()
+        store.put("b", buf, meta).result()
+
+        def full(fd, bufs, offset, *a):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "pwritev", full)
+        err = store.put("c", buf, meta).exception(timeout=10)
+        monkeypatch.undo()
+        assert isinstance(err, OSError) and err.errno == errno.ENOSPC
+        assert [store.contains(k) for k in "abc"] == [False, True, False] and store.stats()["evictions"] == 1
+        assert store._reserved == 0 and store.stats()["bytes_used"] == size and len(files(tmp_path)) == 1
+
+
+def test_reopening_with_a_smaller_capacity_evicts_down_to_it(tmp_path):
+    _, buf, meta = staged()
+    size = 4096 + buf.numel()
+    with KVStore(tmp_path) as store:
+        for i, k in enumerate("abcd"):
+            store.put(k, buf, meta).result()
+            t = 1_000_000_000 + i  # recovery orders entries by mtime: a is the oldest
+            os.utime(store._index[key_digest(k)].path, (t, t))
+    with KVStore(tmp_path, capacity_bytes=2 * size) as store:
+        st = store.stats()
+        assert st["bytes_used"] == 2 * size and st["evictions"] == 2 and st["recovery"]["entries"] == 2
+        assert [store.contains(k) for k in "abcd"] == [False, False, True, True] and len(files(tmp_path)) == 2
+
+
+def test_meta_fields_are_checked_by_type_and_as_ascii(tmp_path):
+    _, buf, meta = staged()
+    for num_kv, exc in ((2.0, TypeError), (True, TypeError), (3, ValueError), (0, ValueError)):
+        with pytest.raises(exc, match="meta.num_kv"):  # 2.0 passed `in (1, 2)`
+            EntryMeta(**{**meta.__dict__, "num_kv": num_kv}).validate()
+    for name in ("dtype", "scheme", "codec"):  # a raw UnicodeEncodeError named no field
+        with pytest.raises(ValueError, match=f"meta.{name}"):
+            EntryMeta(**{**meta.__dict__, name: "bfloat16\u00e9"}).validate()
+    with KVStore(tmp_path) as store:
+        with pytest.raises(TypeError, match="meta.num_kv"):
+            store.put("k", buf, EntryMeta(**{**meta.__dict__, "num_kv": 2.0}))
+        assert len(store) == 0
+
+
+@pytest.mark.parametrize("name", ["read_priority", "verify", "fsync"])
+def test_store_flags_must_be_bools(tmp_path, name):
+    # bool(): verify=None turned checksums off, fsync="no" left fsync on
+    for bad in (None, 0, 1, "no"):
+        with pytest.raises(TypeError, match=f"`{name}`"):
+            KVStore(tmp_path / "new", **{name: bad})
+    assert not (tmp_path / "new").exists()  # refused before a folder is made
+    with KVStore(tmp_path, **{name: False}) as store:
+        assert getattr(store, name) is False
