@@ -126,7 +126,7 @@ def test_none_codec_roundtrip():
     assert torch.equal(decompress_regions(packed), staging)
 
 
-@pytest.mark.parametrize("layers", [1, [2, 0], 7])
+@pytest.mark.parametrize("layers", [1, [2, 1], 7])
 def test_a_layer_not_stored_is_named_with_the_stored_ones(layers):
     """decompress_regions(layers=...) named `layer` (no such argument) for a layer missing from a
     subset, and gave the range [0, max + 1) for one past it; with_layers the same."""
