@@ -417,6 +417,21 @@ def test_partial_lookup_locks_and_unlock(adapter, l1):
     assert adapter.lock_count(keys[0]) == 0 and adapter.report_status()["locked_keys"] == 0
 
 
+def test_a_closed_adapters_delete_removes_nothing_of_the_folders_next_store(l1, tmp_path):
+    """KVStore.remove on a closed store raises now (it used to unlink a file of the store that
+    had opened the folder since); LMCache's eviction may still call delete after close: nothing
+    is deleted and nothing is raised into it."""
+    from kvkernels.io import KVStore
+
+    a = _make(l1, tmp_path / "kv")
+    k = _key(60)
+    assert _store(a, [k], l1.alloc(1, seed=60)).is_successful()
+    paths = a.store.paths
+    a.close()
+    with KVStore(paths) as st:
+        a.delete([k])
+        assert st.contains(object_key_string(k))
+
 def test_miss_and_layout_mismatch_fail_without_touching_buffers(adapter, l1):
     src = l1.alloc(1, seed=60)
     assert _store(adapter, [_key(60)], src).is_successful()

@@ -1188,6 +1188,12 @@ def test_a_closed_plugin_answers_lookups_puts_and_prefetches_without_raising(mgr
     assert mgr.plugin.batched_get_blocking(keys) == [None, None] and not mgr.plugin.pin(keys[0])
     assert _active(mgr) == before  # nothing allocated from LMCache's pool (it may be freed with the plugin)
     assert not mgr.plugin._lookup_pins and all(mgr.plugin.pin_count(k) == 0 for k in keys)
+    # a closed plugin's remove deletes nothing: the folder may be another store's by then
+    from kvkernels.io import KVStore
+
+    with KVStore(mgr.plugin.store.paths) as st:
+        assert mgr.plugin.remove(keys[0]) is False
+        assert st.contains(key_string(keys[0]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn], ids=str)
@@ -1451,3 +1457,66 @@ def test_sync_layerwise_get_waits_for_room_and_frees_everything_when_the_plugin_
             for o in held:
                 o.ref_count_down()
             m.close()
+
+
+# ------------------------------------------------ regressions found by review (2026-11-24)
+def test_a_put_batch_overlapping_close_skips_the_rest_and_lmcache_drops_its_references(mgr, monkeypatch):
+    """close() (LMCache closing its CPU backend, or DELETE /backends/<name>, on another thread)
+    ran while StorageManager.batched_put was inside the plugin: the submit of the next key failed
+    (the put pool was shut down) and raised into batched_put, which has no try, so LMCache's loop
+    dropping its own reference on every object never ran (the objects leaked). Keys from the close
+    on are skipped, as for a put after close; the key submitted before it is still written."""
+    p = mgr.plugin
+    keys = [_key(900 + i) for i in range(3)]
+    objs = [mgr.chunk(900 + i)[0] for i in range(3)]
+    real_contains = p.store.contains
+    closer = threading.Thread(target=p.close)
+
+    def contains(ks):  # the second key passed the closed check; close() runs to its end meanwhile
+        if ks == key_string(keys[1]) and not closer.is_alive() and not p._closed:
+            closer.start()
+            closer.join(30)
+        return real_contains(ks)
+
+    monkeypatch.setattr(p.store, "contains", contains)
+    mgr.sm.batched_put(keys, objs)  # the real caller: raised RuntimeError('cannot schedule new futures ...')
+    assert p._closed and not closer.is_alive()
+    assert [o.get_ref_count() for o in objs] == [1, 1, 1]  # LocalCPUBackend's only (was 2: leaked)
+    assert p.stats()["put_skipped"] == 2 and p.stats()["puts"] == 1 and p.stats()["put_errors"] == 0
+    assert not p._put_tasks and p._held == 0
+    assert real_contains(key_string(keys[0])) and not real_contains(key_string(keys[1]))
+
+
+def test_a_layerwise_async_lookup_rounded_to_no_chunk_leaves_no_record_to_take_a_later_lookups_pins(tmp_path):
+    """Layer-wise mode: a sync lookup (cache_engine.lookup, pin=True) holds a chunk's layer keys; a
+    layer entry goes; an async lookup A finds L-1 layers, LMCache rounds that to 0 chunks, unpins
+    them itself and asks for no prefetch. A's record of the L-1 pins stayed (the sync pin kept the
+    unpin from trimming it); after the layer is stored again, lookup B pins the chunk and the sync
+    lookup's unpin trimmed B's record instead of A's: B's prefetch released nothing and the chunk
+    stayed pinned forever (never evictable)."""
+    options, mla, fmt, shape = LAYERWISE["T2D"]
+    m = Manager(tmp_path / "kv", lmcache_options=options, use_mla=mla, fsync=False)
+    try:
+        p = m.plugin
+        keys, objs, _ = _layer_objs(m, fmt, shape, seed=9)
+        last = objs[-1].tensor.clone()
+        m.put(keys, objs)
+        hit, mapping = m.sm.batched_contains(keys, None, True)  # the sync lookup
+        assert hit == L and list(mapping) == ["kvkernels"]
+        m.sm.remove(keys[-1])
+        m.run(m.sm.async_lookup_and_prefetch("A", keys, [0, T], pin=True, keys_per_chunk=L))  # LMCache's own
+        assert not p._lookup_pins  # A recorded nothing: LMCache unpinned its L-1 hits, no prefetch follows
+        assert [p.store.pin_count(key_string(k)) for k in keys] == [1] * (L - 1) + [0]  # the sync lookup's
+        again = m.sm.allocate(torch.Size(shape), torch.bfloat16, fmt)
+        again.tensor.copy_(last)
+        m.put([keys[-1]], [again])
+        assert m.run(p.batched_async_contains("B", keys, pin=True)) == L  # lookup B (its prefetch follows)
+        m.sm.batched_unpin(keys, ["kvkernels"])  # the sync lookup's lookup_unpin
+        got = m.run(p.batched_get_non_blocking("B", keys))  # B's prefetch
+        assert len(got) == L
+        for o in got:
+            o.ref_count_down()
+        assert [p.store.pin_count(key_string(k)) for k in keys] == [0] * L  # was [1, 1, 1, 0]
+        assert [p.pin_count(k) for k in keys] == [0] * L and not p._lookup_pins
+    finally:
+        m.close()

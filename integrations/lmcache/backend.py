@@ -159,6 +159,7 @@ class KVKernelsBackend(StoragePluginInterface):
                                     f"{type(exc).__name__}: {exc}") from exc
         self._num_heads = self.settings.num_kv_heads or self._heads_from_metadata(metadata)
         self._layer_order = self._layerwise_order(config, metadata)
+        self._layer_keys_per_chunk = self._layerwise_keys_per_chunk(config, metadata)
         self._metas: dict = {}
         self._lock = threading.Lock()
         self._put_tasks: dict[str, int] = {}
@@ -246,6 +247,19 @@ class KVKernelsBackend(StoragePluginInterface):
             return None
         return "TD" if getattr(metadata, "use_mla", False) else "T2D"
 
+    @staticmethod
+    def _layerwise_keys_per_chunk(config, metadata) -> Optional[int]:
+        """Layer keys per chunk in LMCache's layer-wise mode: the ``keys_per_chunk`` its cache
+        engine passes to ``async_lookup_and_prefetch`` (``metadata.kv_shape[0]``, its
+        ``num_layers``); None when layer-wise mode is off or the shape is unknown."""
+        if not getattr(config, "use_layerwise", False):
+            return None
+        try:
+            n = int(metadata.kv_shape[0])
+        except (AttributeError, TypeError, ValueError, IndexError):
+            return None
+        return n if n > 0 else None
+
     def _read_shape(self, key: CacheEngineKey, header) -> tuple[ChunkShape, MemoryFormat]:
         """Shape and MemoryFormat of the object a read of ``key`` fills: a layer key of layer-wise
         mode gets LMCache's layer-wise object; ``ValueError`` when the entry does not fit it."""
@@ -290,16 +304,29 @@ class KVKernelsBackend(StoragePluginInterface):
 
     async def batched_async_contains(self, lookup_id: str, keys: List[CacheEngineKey], pin: bool = False) -> int:
         """Number of leading keys stored (prefix semantics); pins them when ``pin``, recorded under
-        ``lookup_id`` so that ``batched_get_non_blocking`` of that lookup releases exactly those."""
+        ``lookup_id`` so that ``batched_get_non_blocking`` of that lookup releases exactly those.
+
+        Layer keys (layer-wise mode): only the hits of whole chunks are recorded. LMCache
+        (``StorageManager.async_lookup_and_prefetch``) rounds the count down to whole chunks,
+        unpins the rounded-off tail itself (``unpin``) and passes only the rest to
+        ``batched_get_non_blocking``; when nothing is left it calls no get at all. A record of
+        the tail was never popped then, and trimming it at the tail's unpin failed while another
+        (synchronous) pin held the key: the stale record later made an unpin trim a live
+        lookup's record, whose pins were then never released (entries pinned forever).
+        """
         n = 0
         for key in keys:
             if not self.contains(key, pin=pin):
                 break
             n += 1
-        if pin and n:
+        kpc = self._layer_keys_per_chunk
+        # as LMCache rounds (num_hit_keys_raw // keys_per_chunk * keys_per_chunk); its keys start
+        # at a chunk boundary, also after another backend's hits
+        recorded = n // kpc * kpc if kpc and n and isinstance(keys[0], LayerCacheEngineKey) else n
+        if pin and recorded:
             with self._lock:
                 rec = self._lookup_pins.setdefault(lookup_id, Counter())
-                rec.update(key_string(k) for k in keys[:n])
+                rec.update(key_string(k) for k in keys[:recorded])
         return n
 
     def batched_contains(self, keys: List[CacheEngineKey], pin: bool = False) -> int:
@@ -342,8 +369,11 @@ class KVKernelsBackend(StoragePluginInterface):
         ks = key_string(key)
         res = self._unpin_ks(ks)
         with self._lock:
-            # LMCache unpins a lookup's rounded-off tail itself: pins recorded for lookups may never
-            # exceed the pins held, so such a record gives the key up (and an empty record goes)
+            # a caller that rounds a lookup's hits down unpins the rounded-off tail itself; where
+            # that tail was recorded (plain keys: their chunks are not known here), pins recorded
+            # for lookups may never exceed the pins held, so such a record gives the key up (and
+            # an empty record goes). LMCache 0.5.6 rounds layer keys only, whose tails
+            # batched_async_contains does not record: nothing to trim then
             excess = sum(rec.get(ks, 0) for rec in self._lookup_pins.values()) - self._pins.get(ks, 0)
             # newest first: LMCache's tail unpin follows the lookup whose batched_async_contains
             # just ran (no await between them), not the oldest record
@@ -389,16 +419,18 @@ class KVKernelsBackend(StoragePluginInterface):
         """Store chunks asynchronously; returns one Future (of the written header) per accepted key.
 
         Keys already stored or being stored are skipped (no reference taken, no callback), as
-        are all keys once the plugin is closed (LMCache's StorageManager.batched_put does not
-        expect a backend to raise).
+        are all keys once the plugin is closed, also when ``close()`` runs while this call is
+        under way (LMCache's StorageManager.batched_put does not expect a backend to raise: an
+        exception would also skip its loop dropping LMCache's own references to the objects).
         """
         if self._closed:
-            self._warn_once("closed-put", "kvkernels LMCache plugin: closed (with LMCache's CPU backend); "
-                            "puts are skipped")
-            self._count("put_skipped", len(keys))
+            self._skip_closed(len(keys))
             return []
         futures: List[Future] = []
         for key, obj in zip(keys, objs):
+            if self._closed:  # close() ran on another thread since the check above: skip the rest
+                self._skip_closed()
+                continue
             ks = key_string(key)
             if self.store.contains(ks):
                 self._count("put_skipped")
@@ -443,14 +475,24 @@ class KVKernelsBackend(StoragePluginInterface):
             fut: Future = Future()
             try:
                 self._put_pool.submit(self._put_one, key, ks, obj, t, shape, on_complete_callback, fut, nbytes)
-            except BaseException:
+            except BaseException as exc:
                 obj.ref_count_down()
                 with self._lock:
                     self._put_tasks.pop(ks, None)
                     self._held -= nbytes
-                raise
+                # close() shut the pool down between the check at the top of this iteration and
+                # the submit (close() sets _closed first): a put after close, skipped like one
+                if not (isinstance(exc, RuntimeError) and self._closed):
+                    raise
+                self._skip_closed()
+                continue
             futures.append(fut)
         return futures
+
+    def _skip_closed(self, n: int = 1) -> None:
+        self._warn_once("closed-put", "kvkernels LMCache plugin: closed (with LMCache's CPU backend); "
+                        "puts are skipped")
+        self._count("put_skipped", n)
 
     def _put_one(self, key, ks: str, obj: MemoryObj, t: torch.Tensor, shape: ChunkShape, callback, fut: Future,
                  nbytes: int) -> None:
@@ -719,8 +761,17 @@ class KVKernelsBackend(StoragePluginInterface):
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
         # the store's drop takes its pins; the lookups holding them still unpin later, and those
         # unpins give up the lost pins first (_unpin_ks), never the pin of a lookup made after the
-        # key was stored again (dropping this plugin's count here let them take those)
-        return self.store.remove(key_string(key))
+        # key was stored again (dropping this plugin's count here let them take those).
+        # Closed (LMCache may keep calling a plugin it closed with its CPU backend): nothing is
+        # removed, the folder may be another store's by now (the store refuses with RuntimeError)
+        if self._closed:
+            return False
+        try:
+            return self.store.remove(key_string(key))
+        except RuntimeError:
+            if self._closed:  # closed on another thread since the check
+                return False
+            raise
 
     def get_allocator_backend(self):
         return self.local_cpu_backend

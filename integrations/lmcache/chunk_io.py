@@ -300,7 +300,10 @@ class ChunkIO:
                     # without the kvkernels header of 2026-11-23, written by an older kvkernels):
                     # drop the entry so that it is stored again, instead of a miss on every read
                     if pending.key is not None:  # that version only: a newer one put meanwhile stays
-                        self.store.remove(pending.key, expect=header)
+                        try:
+                            self.store.remove(pending.key, expect=header)
+                        except RuntimeError:  # the store closed meanwhile: its folder is not ours to edit
+                            pass
                     from kvkernels.io import CorruptEntryError
 
                     raise CorruptEntryError(f"entry {pending.key!r} does not decode ({exc}); removed") from exc

@@ -635,11 +635,19 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         for key in keys:
             ks = object_key_string(key)
             with self._lock:
+                if self._closed:  # (LMCache's eviction may still run): the folder is not ours now
+                    break
                 if self._locks.get(ks, 0) > 0:
                     self.counters["delete_refused_locked"] += 1
                     continue
+                try:
+                    removed = self.store.remove(ks)
+                except RuntimeError:
+                    if not self._closed:
+                        raise
+                    break  # closed on another thread meanwhile: nothing more is deleted
                 told = self._told.pop(ks, None)
-                if self.store.remove(ks):
+                if removed:
                     self.counters["deleted"] += 1
                     if told is None:  # recovered, never counted in LMCache's usage
                         self.counters["deleted_recovered"] += 1
