@@ -393,6 +393,11 @@ class KVStore:
         self._pins: dict[bytes, int] = {}  # digest -> pin count: pinned entries are never evicted
         self._inflight = 0
         self._inflight_cv = threading.Condition()
+        # puts take their in-flight bytes in arrival order (tickets): a put that did not fit
+        # waited while smaller later ones kept fitting, 8-16 s beside two busy writers
+        self._ticket_next = 0
+        self._ticket_serving = 0
+        self._tickets_abandoned: set[int] = set()
         self._seq = itertools.count()
         self._tmp_seq = itertools.count()
         self._shards_synced: set[str] = set()  # shard folders whose name this store has made durable
@@ -593,10 +598,29 @@ class KVStore:
             raise
 
     def _acquire_inflight(self, n: int) -> None:
+        """Wait for this put's turn (first come, first served) and for ``n`` bytes of room (a put
+        larger than the bound waits for nothing else to be in flight)."""
         with self._inflight_cv:
-            while self._inflight > 0 and self._inflight + n > self.max_inflight_bytes:
-                self._inflight_cv.wait()
+            t = self._ticket_next
+            self._ticket_next += 1
+            try:
+                while self._ticket_serving != t or (self._inflight > 0 and
+                                                    self._inflight + n > self.max_inflight_bytes):
+                    self._inflight_cv.wait()
+            except BaseException:  # (KeyboardInterrupt in the wait): the turn passes on, never stuck
+                self._tickets_abandoned.add(t)
+                self._next_ticket()
+                raise
             self._inflight += n
+            self._ticket_serving += 1
+            self._next_ticket()
+
+    def _next_ticket(self) -> None:
+        """Skip the turns of waiters that gave up, and wake the others (condition held)."""
+        while self._ticket_serving in self._tickets_abandoned:
+            self._tickets_abandoned.discard(self._ticket_serving)
+            self._ticket_serving += 1
+        self._inflight_cv.notify_all()
 
     def _release_inflight(self, n: int) -> None:
         with self._inflight_cv:

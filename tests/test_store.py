@@ -1962,3 +1962,58 @@ def test_store_flags_must_be_bools(tmp_path, name):
     assert not (tmp_path / "new").exists()  # refused before a folder is made
     with KVStore(tmp_path, **{name: False}) as store:
         assert getattr(store, name) is False
+
+
+# ------------------------------------------------ regressions found by review (2026-11-24, 22nd session)
+def test_puts_take_their_in_flight_bytes_in_arrival_order(tmp_path):
+    """A put that did not fit the in-flight bound waited while smaller puts arriving after it kept
+    fitting (8-16 s beside two busy writers): the bytes are taken first come, first served."""
+    with KVStore(tmp_path, max_inflight_bytes=3) as store:
+        store._acquire_inflight(2)  # a put in flight
+        got: list[str] = []
+
+        def take(name, n):
+            store._acquire_inflight(n)
+            got.append(name)
+
+        big = threading.Thread(target=take, args=("big", 3))
+        big.start()
+        deadline = time.monotonic() + 10
+        while store._ticket_next < 2 and time.monotonic() < deadline:  # big holds ticket 1
+            time.sleep(0.01)
+        small = threading.Thread(target=take, args=("small", 1))
+        small.start()
+        time.sleep(0.3)
+        assert got == []  # small fits (2 + 1 <= 3) but arrived after big: it waits its turn
+        store._release_inflight(2)
+        big.join(10)
+        assert got == ["big"]  # alone now (a put larger than the room runs with nothing else)
+        store._release_inflight(3)
+        small.join(10)
+        assert got == ["big", "small"] and store._inflight == 1
+        store._release_inflight(1)
+
+
+def test_a_put_interrupted_while_waiting_its_turn_passes_the_turn_on(tmp_path, monkeypatch):
+    with KVStore(tmp_path, max_inflight_bytes=3) as store:
+        store._acquire_inflight(3)
+        real_wait = store._inflight_cv.wait
+        calls = []
+
+        def interrupted(*a, **kw):
+            if not calls:
+                calls.append(1)
+                raise KeyboardInterrupt
+            return real_wait(*a, **kw)
+
+        monkeypatch.setattr(store._inflight_cv, "wait", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            store._acquire_inflight(1)  # ticket 1 gives up
+        store._release_inflight(3)
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (store._acquire_inflight(2), done.set()))
+        t.start()
+        assert done.wait(10), "a later put waited forever for the abandoned turn"
+        t.join()
+        store._release_inflight(2)
+        assert store._inflight == 0 and not store._tickets_abandoned
