@@ -378,9 +378,10 @@ class KVStore:
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU: oldest first
         self._used = 0
         self._reserved = 0  # bytes of puts between their room check and their commit (capacity holds under concurrency)
-        # digest -> [indexed entry, count of puts in flight that will replace it]: its bytes leave
-        # when one commits, so no room check counts them (two overwrites in flight evicted an
-        # unrelated entry); dropped with the entry, counted once however many puts replace it
+        # digest -> [indexed entry, reservations of the puts in flight replacing it, credit]: its
+        # bytes leave when one commits, so no room check counts them (two overwrites in flight
+        # evicted an unrelated entry); dropped with the entry, counted once however many puts
+        # replace it, and at most the smallest of their reservations (see _recredit)
         self._credits: dict[bytes, list] = {}
         self._credit = 0  # bytes of the entries in _credits
         self._room = threading.Condition(self._lock)  # notified when a reservation is released
@@ -776,13 +777,19 @@ class KVStore:
                 return self._used + self._reserved - self._credit - mine - freed + need <= self.capacity_bytes
 
             while not fits():
-                # an entry a put in flight replaces frees nothing more when evicted: its bytes are
-                # already counted as leaving
-                victims = [d for d in self._index if d != exclude and d not in self._pins and d not in self._credits]
-                if fits(sum(self._index[d].nbytes for d in victims)):
-                    for digest in victims:  # oldest first
-                        if fits():
-                            break
+                # the oldest evictable entries until they would make room (an entry a put in
+                # flight replaces frees nothing more when evicted: its credit counts it already);
+                # a walk of the index only as far as needed, at capacity on every put
+                victims, freed = [], 0
+                for digest, ent in self._index.items():
+                    if digest == exclude or digest in self._pins or digest in self._credits:
+                        continue
+                    victims.append(digest)
+                    freed += ent.nbytes
+                    if fits(freed):
+                        break
+                if fits(freed):
+                    for digest in victims:
                         self._drop(digest)
                         self._stats["evictions"] += 1
                 elif self._reserved:
@@ -796,11 +803,21 @@ class KVStore:
             self._reserved += need
             cur = self._index.get(exclude)
             if cur is not None:
-                if exclude not in self._credits:
-                    self._credits[exclude] = [cur, 0]
-                    self._credit += cur.nbytes
-                self._credits[exclude][1] += 1
+                c = self._credits.get(exclude)
+                if c is None:
+                    c = self._credits[exclude] = [cur, [], 0]
+                c[1].append(need)
+                self._recredit(c)
             return _Room(need, exclude, cur)
+
+    def _recredit(self, c: list) -> None:
+        """A credit's value (lock held): the replaced entry's size, but never more than the
+        smallest put in flight replacing it reserved — a put replacing a large entry with a small
+        one must not lend others room that exists only if it commits (it may fail, and the old
+        entry's bytes stay)."""
+        value = min(c[0].nbytes, min(c[1]))
+        self._credit += value - c[2]
+        c[2] = value
 
     def _release_room(self, room: _Room | None) -> None:
         """Give back a put's reservation and its share of the credit (lock held)."""
@@ -809,10 +826,12 @@ class KVStore:
         self._reserved -= room.nbytes
         c = self._credits.get(room.digest)
         if c is not None and c[0] is room.replaces:  # (not when that version left the index meanwhile)
-            c[1] -= 1
-            if c[1] == 0:
+            c[1].remove(room.nbytes)
+            if c[1]:
+                self._recredit(c)
+            else:
                 del self._credits[room.digest]
-                self._credit -= room.replaces.nbytes
+                self._credit -= c[2]
         self._room.notify_all()
 
     def _uncredit(self, digest: bytes) -> None:
@@ -820,7 +839,7 @@ class KVStore:
         as leaving with a put in flight (they left)."""
         c = self._credits.pop(digest, None)
         if c is not None:
-            self._credit -= c[0].nbytes
+            self._credit -= c[2]
 
     def _drop(self, digest: bytes, rename_to: str | None = None, expect: _Entry | None = None) -> bool:
         """Remove an entry from the index and its file from disk (deferred while it is read).

@@ -1887,6 +1887,38 @@ def test_concurrent_overwrites_evict_no_unrelated_entry(tmp_path, monkeypatch):
         assert store.contains("k2") and store.stats()["bytes_used"] == sum(os.path.getsize(p) for p in files(tmp_path))
 
 
+def test_a_failed_smaller_overwrite_lends_no_room_to_other_puts(tmp_path, monkeypatch):
+    # (second review) the credit was the replaced entry's full size: a put replacing a large
+    # entry with a small one let another put in without eviction, on room that exists only if
+    # the overwrite commits; it failed, and the store stayed over capacity_bytes
+    _, small, meta = staged()
+    _, big, big_meta = staged(ids=(3, 9, 1, 4, 5, 6, 7, 8, 10))
+    s, b = 4096 + small.numel(), 4096 + big.numel()
+    with KVStore(tmp_path, capacity_bytes=b + 2 * s, io_threads=2, engine="posix") as store:
+        store.put("k0", big, big_meta).result()
+        store.put("x", small, meta).result()
+        store.put("z", small, meta).result()
+        gate = threading.Event()
+        real = store.engine.write_header
+        k0 = key_digest("k0").hex()
+
+        def fail_k0(path, *a, **kw):
+            if k0 in os.path.basename(path):
+                gate.wait(10)
+                raise OSError(errno.EIO, "injected: k0's overwrite fails")
+            return real(path, *a, **kw)
+
+        monkeypatch.setattr(store.engine, "write_header", fail_k0)
+        f0 = store.put("k0", small, meta)  # smaller than the version it replaces
+        _wait_reserved(store, s)
+        store.put("y", small, meta).result(timeout=10)
+        gate.set()
+        with pytest.raises(OSError, match="injected"):
+            f0.result(timeout=10)
+        st = store.stats()
+        assert st["bytes_used"] <= b + 2 * s and st["evictions"] == 1 and store.contains("k0")
+        assert (store._reserved, store._credit, store._credits) == (0, 0, {})
+
 def test_a_put_that_cannot_fit_for_pinned_entries_evicts_nothing(tmp_path):
     # the put evicted every unpinned entry, then failed with ENOSPC all the same
     _, buf, meta = staged()
