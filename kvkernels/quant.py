@@ -391,10 +391,15 @@ def _slices(n: int, row_elems: int):
 
 
 # ------------------------------------------------------------------------------------ references
-def _byte_view(v: torch.Tensor) -> torch.Tensor:
-    from .reference import _byte_view as bv
+_INT_OF_WIDTH = {2: torch.int16, 4: torch.int32}
 
-    return bv(v)
+
+def _int_view(v: torch.Tensor) -> torch.Tensor:
+    """``v`` (a bf16 / fp16 / fp32 cache view or block) as the integer dtype of its width: torch
+    refuses in-place writes in the float dtype to caches made under ``torch.inference_mode()``,
+    not through such a view; and unlike a byte view it keeps CPU ``index_copy_``'s element count
+    (byte views made the CPU FP8 scatter 1.4x slower)."""
+    return v.view(_INT_OF_WIDTH[v.element_size()])
 
 
 def _check_ref_args(layout, block_ids, fmt, buf, name: str, fmt_type) -> None:
@@ -446,9 +451,9 @@ def scatter_fp8(staging: torch.Tensor, layout: PagedLayout, block_ids: torch.Ten
     """Reference FP8 scatter: dequantize ``staging`` into ``block_ids`` of the cache (in place);
     padding / invalid ids are skipped. Arguments checked as in :func:`gather_fp8`.
 
-    The cache is written through byte views, as the raw reference does: torch refuses in-place
-    writes in the cache's dtype to tensors made under ``torch.inference_mode()`` (how serving
-    code allocates its caches), and every other backend and scheme restores those."""
+    The cache is written through integer views of its width (:func:`_int_view`): torch refuses
+    in-place writes in the cache's dtype to tensors made under ``torch.inference_mode()`` (how
+    serving code allocates its caches), and every other backend and scheme restores those."""
     _check_ref_args(layout, block_ids, fmt, staging, "staging", QuantStagingFormat)
     ids, valid = _ids(layout, block_ids)
     sel = valid.nonzero().flatten()
@@ -465,7 +470,7 @@ def scatter_fp8(staging: torch.Tensor, layout: PagedLayout, block_ids: torch.Ten
             q = buf[qo : qo + fmt.q_nbytes].view(n, bs, hh, d).index_select(0, sel)
             s = buf[so : so + fmt.scale_nbytes].view(torch.float32).view(sshape).index_select(0, sel)
             y = dequantize_rows(q, s, layout.dtype, fmt.granularity).contiguous()
-            _byte_view(layout.views[layer][c]).index_copy_(0, dst, _byte_view(y))
+            _int_view(layout.views[layer][c]).index_copy_(0, dst, _int_view(y))
 
 
 def _gather_fp8_cpu(layout: PagedLayout, ids, valid, fmt: QuantStagingFormat, out: torch.Tensor) -> torch.Tensor:
@@ -512,9 +517,9 @@ def _scatter_fp8_cpu(staging: torch.Tensor, layout: PagedLayout, sel, dst, fmt: 
             if stk is not None:  # k layers, every slot restored: one set of ops
                 y = _dequantize_rows_cpu(*_region_sections(staging, fmt, r, k, c), layout.dtype, fmt.granularity)
                 if n == 1:
-                    _byte_view(stk[:, int(dst[0])]).copy_(_byte_view(y[:, 0]))
+                    _int_view(stk[:, int(dst[0])]).copy_(_int_view(y[:, 0]))
                 else:
-                    _byte_view(stk).index_copy_(1, dst, _byte_view(y))
+                    _int_view(stk).index_copy_(1, dst, _int_view(y))
                 continue
             q_all, s_all = (t[0] for t in _region_sections(staging, fmt, r, 1, c))
             view = layout.views[fmt.layers[r]][c]
@@ -525,9 +530,9 @@ def _scatter_fp8_cpu(staging: torch.Tensor, layout: PagedLayout, sel, dst, fmt: 
                     q, s = q_all.index_select(0, sel[i:j]), s_all.index_select(0, sel[i:j])
                 y = _dequantize_rows_cpu(q, s, layout.dtype, fmt.granularity)
                 if j - i == 1:  # index_copy_ is elementwise on CPU; one block is one strided copy
-                    _byte_view(view[int(dst[i])]).copy_(_byte_view(y[0]))
+                    _int_view(view[int(dst[i])]).copy_(_int_view(y[0]))
                 else:
-                    _byte_view(view).index_copy_(0, dst[i:j], _byte_view(y))
+                    _int_view(view).index_copy_(0, dst[i:j], _int_view(y))
 
 
 def _entries(fmt: StagingFormat):
