@@ -925,9 +925,8 @@ class KVStore:
         self._check_process()
         digest = key_digest(key)
         _check_expect(expect)
-        with self._submit_lock:  # a miss too: a closed store's index is stale
-            if self._closed:
-                raise RuntimeError("KVStore is closed")
+        if self._closed:  # a miss too: a closed store's index is stale (a hit is refused at submit)
+            raise RuntimeError("KVStore is closed")
         with self._lock:
             ent = self._index.get(digest)
             if ent is None or (expect is not None and not _same_content(ent.header, expect)):

@@ -423,12 +423,9 @@ class KVKernelsBackend(StoragePluginInterface):
         under way (LMCache's StorageManager.batched_put does not expect a backend to raise: an
         exception would also skip its loop dropping LMCache's own references to the objects).
         """
-        if self._closed:
-            self._skip_closed(len(keys))
-            return []
         futures: List[Future] = []
         for key, obj in zip(keys, objs):
-            if self._closed:  # close() ran on another thread since the check above: skip the rest
+            if self._closed:  # (checked per key: close() may run on another thread during the call)
                 self._skip_closed()
                 continue
             ks = key_string(key)
@@ -489,10 +486,10 @@ class KVKernelsBackend(StoragePluginInterface):
             futures.append(fut)
         return futures
 
-    def _skip_closed(self, n: int = 1) -> None:
+    def _skip_closed(self) -> None:
         self._warn_once("closed-put", "kvkernels LMCache plugin: closed (with LMCache's CPU backend); "
                         "puts are skipped")
-        self._count("put_skipped", n)
+        self._count("put_skipped")
 
     def _put_one(self, key, ks: str, obj: MemoryObj, t: torch.Tensor, shape: ChunkShape, callback, fut: Future,
                  nbytes: int) -> None:
