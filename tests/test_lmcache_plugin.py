@@ -970,7 +970,7 @@ def test_zstd_compression_round_trip(tmp_path):
         m.close()
 
 
-def test_entry_that_does_not_decode_is_removed_not_a_miss_forever(tmp_path):
+def test_entry_that_does_not_decode_is_removed_not_a_miss_forever(tmp_path, caplog):
     """Regions that pass the store's checksum but do not decode (here zstd regions replaced by
     other bytes under the same header; in practice an entry in a region format this kvkernels
     refuses) are counted corrupt and removed, so LMCache stores the chunk again."""
@@ -987,15 +987,51 @@ def test_entry_that_does_not_decode_is_removed_not_a_miss_forever(tmp_path):
         m.plugin.store.remove(ks)
         m.plugin.store.put(ks, junk, h.meta).result()
         before = _active(m)
-        assert m.plugin.get_blocking(_key(71)) is None
+        with caplog.at_level("WARNING"):
+            assert m.plugin.get_blocking(_key(71)) is None
         assert _active(m) == before
         assert m.plugin.stats()["corrupt"] == 1 and not m.plugin.contains(_key(71))
+        # the warning says what became of the entry (removed: this read's version was still there)
+        assert any("does not decode" in r.getMessage() and r.getMessage().endswith("; removed")
+                   for r in caplog.records)
         o2, ref2 = m.chunk(72)
         m.put([_key(71)], [o2])  # stored again under the key, and read back whole
         got = m.plugin.get_blocking(_key(71))
         assert bytes_equal(got.tensor, ref2)
         got.ref_count_down()
     finally:
+        m.close()
+
+
+@pytest.mark.parametrize("remove_does", ["returns False", "raises RuntimeError"])
+def test_entry_that_does_not_decode_says_when_it_was_not_removed(tmp_path, caplog, monkeypatch, remove_does):
+    """The corrupt warning names the entry's fate: a remove that found another version (False),
+    or a store closed meanwhile (RuntimeError), leaves it; the message must not say 'removed'."""
+    pytest.importorskip("zstandard")
+    m = Manager(tmp_path / "kv", compression="zstd")
+    try:
+        o, ref = m.chunk(73)
+        m.put([_key(73)], [o])
+        ks = key_string(_key(73))
+        h = m.plugin.store.header(ks)
+        g = torch.Generator().manual_seed(1)
+        junk = [torch.randint(0, 256, (r.stored,), generator=g, dtype=torch.uint8) for r in h.regions]
+        m.plugin.store.remove(ks)
+        m.plugin.store.put(ks, junk, h.meta).result()
+
+        def remove(key, *, expect=None):
+            if remove_does == "returns False":
+                return False
+            raise RuntimeError("KVStore is closed")
+
+        monkeypatch.setattr(m.plugin.store, "remove", remove)
+        with caplog.at_level("WARNING"):
+            assert m.plugin.get_blocking(_key(73)) is None
+        want = "already removed or replaced" if remove_does == "returns False" else "the store closed meanwhile"
+        msgs = [r.getMessage() for r in caplog.records if "does not decode" in r.getMessage()]
+        assert msgs and all(want in s and not s.endswith("; removed") for s in msgs)
+    finally:
+        monkeypatch.undo()
         m.close()
 
 

@@ -299,14 +299,16 @@ class ChunkIO:
                     # the bytes passed the store's checksum but do not decode (e.g. an nvCOMP region
                     # without the kvkernels header of 2026-11-23, written by an older kvkernels):
                     # drop the entry so that it is stored again, instead of a miss on every read
+                    fate = "kept (no key to remove it under)"
                     if pending.key is not None:  # that version only: a newer one put meanwhile stays
                         try:
-                            self.store.remove(pending.key, expect=header)
+                            fate = "removed" if self.store.remove(pending.key, expect=header) else \
+                                "already removed or replaced"
                         except RuntimeError:  # the store closed meanwhile: its folder is not ours to edit
-                            pass
+                            fate = "kept (the store closed meanwhile)"
                     from kvkernels.io import CorruptEntryError
 
-                    raise CorruptEntryError(f"entry {pending.key!r} does not decode ({exc}); removed") from exc
+                    raise CorruptEntryError(f"entry {pending.key!r} does not decode ({exc}); {fate}") from exc
             gran = fp8_granularity(m.scheme)
             if gran is not None:  # dequantize in one pass into the chunk's dtype
                 import kvkernels
