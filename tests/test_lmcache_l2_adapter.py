@@ -786,6 +786,98 @@ def test_a_key_stored_again_after_the_store_evicted_it_is_counted_once(l1, tmp_p
         a.close()
 
 
+@pytest.mark.parametrize("known_before", [False, True])
+def test_a_delete_landing_after_the_write_leaves_no_stored_notice_behind(l1, tmp_path, known_before):
+    """LMCache's eviction may delete a key while a store task of it is between its write and its
+    stored notice. The notice came after the delete's: LMCache's listeners kept a key L2 did not
+    hold, and its usage counted it. Now the task announces only entries still held, and a key's
+    notices reach the listeners in the order its accounting changed."""
+    from lmcache.v1.distributed.internal_api import L2AdapterListener
+
+    events = []
+
+    class Rec(L2AdapterListener):
+        def on_l2_keys_stored(self, keys, sizes):
+            events.append(("stored", [object_key_string(k) for k in keys]))
+
+        def on_l2_keys_accessed(self, keys):
+            pass
+
+        def on_l2_keys_deleted(self, keys):
+            events.append(("deleted", [object_key_string(k) for k in keys]))
+
+    a = _make(l1, tmp_path / "kv")
+    a.register_listener(Rec())
+    try:
+        (obj,) = l1.alloc(1, seed=5)
+        key = _key(400)
+        ks = object_key_string(key)
+        if known_before:  # LMCache was told of it; the store then lost it (its own eviction)
+            assert _store(a, [key], [obj]).is_successful()
+            assert a.store.remove(ks)
+        real_put = a.io.put
+
+        def put(*args, **kw):  # a delete() lands right after this write completes
+            fut, holds = real_put(*args, **kw)
+
+            class After:
+                def result(self, timeout=None):
+                    r = fut.result(timeout)
+                    a.delete([key])
+                    return r
+
+            return After(), holds
+
+        a.io.put = put
+        assert _store(a, [key], [obj]).is_successful()
+        assert not a.store.contains(ks)
+        state = {}
+        for kind, keys in events:
+            for k in keys:
+                state[k] = kind
+        assert state.get(ks) == "deleted"  # what the listeners last heard: not held
+        assert a.get_usage().total_bytes_used == 0
+        assert _lookup(a, [key]) == []
+    finally:
+        a.close()
+
+
+def test_a_delete_racing_the_stored_notice_is_heard_after_it(l1, tmp_path):
+    """A delete() on another thread while a store task is announcing the key: its deleted notice
+    must reach the listeners after the stored one (they would otherwise keep the key)."""
+    from lmcache.v1.distributed.internal_api import L2AdapterListener
+
+    events, racers = [], []
+    a = _make(l1, tmp_path / "kv")
+    key = _key(401)
+    ks = object_key_string(key)
+
+    class Rec(L2AdapterListener):
+        def on_l2_keys_stored(self, keys, sizes):
+            if not racers:  # LMCache's eviction deletes the key while this notice is delivered
+                t = threading.Thread(target=a.delete, args=([key],))
+                racers.append(t)
+                t.start()
+                t.join(0.3)  # it waits for this notice to end
+            events.append(("stored", [object_key_string(k) for k in keys]))
+
+        def on_l2_keys_accessed(self, keys):
+            pass
+
+        def on_l2_keys_deleted(self, keys):
+            events.append(("deleted", [object_key_string(k) for k in keys]))
+
+    a.register_listener(Rec())
+    try:
+        (obj,) = l1.alloc(1, seed=6)
+        assert _store(a, [key], [obj]).is_successful()
+        racers[0].join(TIMEOUT)
+        assert [kind for kind, keys in events if ks in keys] == ["stored", "deleted"]
+        assert not a.store.contains(ks) and a.get_usage().total_bytes_used == 0
+    finally:
+        a.close()
+
+
 def test_byteshuffle_setting_stores_fp32_objects_unshuffled(l1, tmp_path):
     from lmcache.v1.distributed.api import MemoryLayoutDesc
 

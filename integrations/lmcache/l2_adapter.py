@@ -265,6 +265,10 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         # same key meanwhile waits for it and reports its outcome (not a success of its own)
         self._storing: dict[str, Future] = {}
         self._told: dict[str, int] = {}  # key -> bytes reported stored to LMCache (until deleted)
+        # held from reading/writing _told to the listeners' notice (taken before _lock): a key's
+        # stored and deleted notices reach LMCache in the order _told changed, never a stored
+        # notice after the delete of the entry it announces (reentrant: a listener may delete)
+        self._notify_lock = threading.RLock()
         # KVStore.pin/unpin (when the store has them) keep locked entries out of its LRU eviction
         self._store_pins = callable(getattr(self.store, "pin", None)) and callable(getattr(self.store, "unpin", None))
         n_io = self.store.io_threads
@@ -441,13 +445,29 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                 log.warning("kvkernels L2 adapter: %s was being stored by another task, whose write failed: %s: %s",
                             ks, type(exc).__name__, exc)
         self._count("stored", len(stored))
+        written = sum(sizes)
+        with self._notify_lock:
+            self._tell_stored(stored, sizes)
+        with self._lock:
+            self.counters["store_tasks"] += 1
+            self._done_store[task_id] = L2StoreResult(ok, written)
+        self._store_efd.notify()
+
+    def _tell_stored(self, stored: list, sizes: list[int]) -> None:
+        """Record and announce the keys a store task wrote (under ``_notify_lock``)."""
         if stored:
             with self._lock:  # what LMCache counts for each key, to take back on delete
+                # only entries still held: a delete() (or the store's own eviction) between the
+                # write and here took it away, and a stored notice after that would leave LMCache
+                # counting a key L2 does not hold (delete() holds _notify_lock too)
+                held = [(key, n) for key, n in zip(stored, sizes) if self.store.contains(object_key_string(key))]
+                stored, sizes = [k for k, _ in held], [n for _, n in held]
                 # a key LMCache was told of before (the store evicted it on its own, LMCache stored
                 # it again): its old size is taken back first, or LMCache would count it twice
                 again = [(key, self._told[ks]) for key in stored if (ks := object_key_string(key)) in self._told]
                 for key, nbytes in zip(stored, sizes):
                     self._told[object_key_string(key)] = nbytes
+        if stored:
             if again:
                 try:
                     self._notify_keys_deleted([k for k, _ in again], [n for _, n in again])
@@ -457,10 +477,6 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                 self._notify_keys_stored(stored, sizes)
             except Exception as exc:  # a listener's failure must not lose the completion
                 log.warning("kvkernels L2 adapter: store listeners failed: %s", exc)
-        with self._lock:
-            self.counters["store_tasks"] += 1
-            self._done_store[task_id] = L2StoreResult(ok, sum(sizes))
-        self._store_efd.notify()
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
         """All store tasks completed since the last call (``L2StoreResult``: success, bytes written)."""
@@ -631,6 +647,10 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         keeps choosing keys that free nothing. An entry this process never stored (recovered
         from an earlier run: LMCache's usage never counted it) is removed and reported with size
         0, so its listeners drop the key and the usage stays true."""
+        with self._notify_lock:
+            self._delete(keys)
+
+    def _delete(self, keys: list["ObjectKey"]) -> None:
         deleted, sizes = [], []
         for key in keys:
             ks = object_key_string(key)
