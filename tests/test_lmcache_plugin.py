@@ -970,6 +970,20 @@ def test_zstd_compression_round_trip(tmp_path):
         m.close()
 
 
+def _store_undecodable(m, n: int, seed: int) -> None:
+    """Store chunk ``n`` (zstd), then replace its regions by random bytes under the same header:
+    the entry passes the store's checksums but does not decode."""
+    o, _ = m.chunk(n)
+    m.put([_key(n)], [o])
+    ks = key_string(_key(n))
+    h = m.plugin.store.header(ks)
+    assert h.meta.codec == "zstd" and all(r.stored < r.raw for r in h.regions)
+    g = torch.Generator().manual_seed(seed)
+    junk = [torch.randint(0, 256, (r.stored,), generator=g, dtype=torch.uint8) for r in h.regions]
+    m.plugin.store.remove(ks)
+    m.plugin.store.put(ks, junk, h.meta).result()
+
+
 def test_entry_that_does_not_decode_is_removed_not_a_miss_forever(tmp_path, caplog):
     """Regions that pass the store's checksum but do not decode (here zstd regions replaced by
     other bytes under the same header; in practice an entry in a region format this kvkernels
@@ -977,15 +991,7 @@ def test_entry_that_does_not_decode_is_removed_not_a_miss_forever(tmp_path, capl
     pytest.importorskip("zstandard")
     m = Manager(tmp_path / "kv", compression="zstd")
     try:
-        o, ref = m.chunk(71)
-        m.put([_key(71)], [o])
-        ks = key_string(_key(71))
-        h = m.plugin.store.header(ks)
-        assert h.meta.codec == "zstd" and all(r.stored < r.raw for r in h.regions)
-        g = torch.Generator().manual_seed(0)
-        junk = [torch.randint(0, 256, (r.stored,), generator=g, dtype=torch.uint8) for r in h.regions]
-        m.plugin.store.remove(ks)
-        m.plugin.store.put(ks, junk, h.meta).result()
+        _store_undecodable(m, 71, seed=0)
         before = _active(m)
         with caplog.at_level("WARNING"):
             assert m.plugin.get_blocking(_key(71)) is None
@@ -1010,14 +1016,7 @@ def test_entry_that_does_not_decode_says_when_it_was_not_removed(tmp_path, caplo
     pytest.importorskip("zstandard")
     m = Manager(tmp_path / "kv", compression="zstd")
     try:
-        o, ref = m.chunk(73)
-        m.put([_key(73)], [o])
-        ks = key_string(_key(73))
-        h = m.plugin.store.header(ks)
-        g = torch.Generator().manual_seed(1)
-        junk = [torch.randint(0, 256, (r.stored,), generator=g, dtype=torch.uint8) for r in h.regions]
-        m.plugin.store.remove(ks)
-        m.plugin.store.put(ks, junk, h.meta).result()
+        _store_undecodable(m, 73, seed=1)
 
         def remove(key, *, expect=None):
             if remove_does == "returns False":
