@@ -502,7 +502,7 @@ def _parse_nv_header(head: bytes, stored: int, raw_expected: int, codec: str, el
     where = f"compressed region {j}"
     if stored < _NV_HEAD.size or len(head) < _NV_HEAD.size:
         raise ValueError(f"{where}: truncated ({stored} bytes, shorter than its {_NV_HEAD.size}-byte header)")
-    tag, version, cid, esize, flags, _, sn, raw = _NV_HEAD.unpack_from(head)
+    tag, version, cid, esize, flags, reserved, sn, raw = _NV_HEAD.unpack_from(head)
     if tag != _NV_TAG:
         raise ValueError(f"{where}: not a kvkernels {codec} region (bad header tag); corrupted, or written by "
                          f"another codec or an older kvkernels")
@@ -521,6 +521,9 @@ def _parse_nv_header(head: bytes, stored: int, raw_expected: int, codec: str, el
                          f"{opts(element_size, planes)} (nvCOMP's decoder needs the encoder's options)")
     if flags & ~(_NV_PLANES | _NV_CHECKSUM):
         raise ValueError(f"{where}: unknown header flags {flags:#x}; corrupted or a newer kvkernels")
+    if reserved:
+        raise ValueError(f"{where}: reserved header bytes 12-15 hold {reserved:#x}, not 0; corrupted or a newer "
+                         f"kvkernels")
     if _NV_HEAD.size + sn != stored:
         raise ValueError(f"{where}: its header records a {sn}-byte stream, {stored - _NV_HEAD.size} present "
                          f"(truncated?)")

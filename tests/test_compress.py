@@ -492,6 +492,7 @@ NV_BAD = [
     ("raw-size", "decodes to 77 bytes"),
     ("version", "header version 9"),
     ("flags", "unknown header flags 0x10"),
+    ("reserved", "reserved header bytes 12-15 hold 0xdeadbeef, not 0"),
     ("mixed-checksums", "some were encoded with nvCOMP checksums and some without"),
     ("zstd-region-as-ans", "bad header tag"),
 ]
@@ -530,6 +531,9 @@ def test_bad_nvcomp_region_is_an_error_before_decoding(case, msg):
     elif case == "flags":
         regs[1] = r.clone()
         regs[1][10] = 0x10  # bytes 10-11: flags
+    elif case == "reserved":
+        regs[1] = r.clone()
+        regs[1][12:16] = torch.tensor(list((0xDEADBEEF).to_bytes(4, "little")), dtype=torch.uint8)
     elif case == "mixed-checksums":
         regs[1] = _nv_regions(fmt, "ans", [3000], checksum=False)[0]
     elif case == "zstd-region-as-ans":
