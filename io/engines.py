@@ -321,8 +321,9 @@ class KvikioEngine:
 
         self._kvikio = kvikio
         self._posix = PosixEngine()
-        try:  # the piece size of _run: kvikio's task size (KVIKIO_TASK_SIZE, default 4 MiB)
-            self._task = max(ALIGN, int(kvikio.defaults.get("task_size")))
+        try:  # the piece size of _run: kvikio's task size (KVIKIO_TASK_SIZE, default 4 MiB), rounded
+            # down to whole 4 KiB pages so that every piece after the first starts on one (GDS)
+            self._task = max(ALIGN, int(kvikio.defaults.get("task_size")) // ALIGN * ALIGN)
         except Exception:  # pragma: no cover - a kvikio without defaults.get("task_size")
             self._task = 4 << 20
 

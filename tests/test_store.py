@@ -1349,6 +1349,27 @@ def test_kvikio_engine_issues_one_task_per_future_and_nothing_for_empty_segments
         assert f.read() == g.read()
 
 
+@pytest.mark.parametrize("task_size,piece", [(4096, 4096), (5000, 4096), (3 * 4096 + 100, 3 * 4096), (100, 4096)])
+def test_kvikio_pieces_are_whole_pages_whatever_the_task_size(monkeypatch, tmp_path, task_size, piece):
+    """A KVIKIO_TASK_SIZE that is not a multiple of 4 KiB: every piece after a region's first
+    started off a page (GDS moves such pieces through its bounce buffers). Pieces are the task
+    size rounded down to whole pages (at least one page)."""
+    from kvkernels.io.engines import KvikioEngine
+
+    state = fake_kvikio.install(monkeypatch, task_size=task_size)
+    try:
+        eng = KvikioEngine()
+        data = torch.arange(5 * 4096 + 300, dtype=torch.int64).to(torch.uint8)
+        eng.write_file(str(tmp_path / "f"), [(0, data)])
+        back = torch.zeros_like(data)
+        eng.read_into(str(tmp_path / "f"), [(0, back)])
+        assert torch.equal(back, data)
+        offs = sorted({off for op, off, n, ts in state.calls if op == "pread"})
+        assert offs == list(range(0, data.numel(), piece)), (offs, piece)
+    finally:
+        state.pool.shutdown(wait=True, cancel_futures=True)
+
+
 def test_a_failed_kvikio_read_returns_only_after_every_task_it_issued(kvikio_model, tmp_path):
     """kvikio's futures raise at their first failed task while the call's other tasks still run on
     the CuFile's handle and the caller's buffer, and CuFile.close() does not wait for them: a failed
