@@ -1165,6 +1165,12 @@ class KVStore:
                 != sel[j].checksum]
 
     # ------------------------------------------------------------------ misc
+    @staticmethod
+    def check_key(key) -> None:
+        """``TypeError`` (naming ``key``) unless ``key`` is one the store takes: a ``str`` or
+        bytes-like (``bytes``, ``bytearray``, ``memoryview``). Only hashed, never a path."""
+        key_digest(key)
+
     def contains(self, key) -> bool:
         """True when ``key`` has a complete entry (no I/O)."""
         self._check_process()

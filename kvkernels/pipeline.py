@@ -55,6 +55,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping
@@ -297,6 +298,18 @@ def _drain(streams) -> None:
         s.synchronize()
 
 
+@contextlib.contextmanager
+def _naming(name: str):
+    """A validation error raised inside is prefixed with the caller's argument, ``name``
+    (e.g. ``saves['a']``): the checkers name their own (``block_ids``), not one of the call."""
+    try:
+        yield
+    except (TypeError, ValueError) as exc:
+        if type(exc) not in (TypeError, ValueError):
+            raise
+        raise type(exc)(f"`{name}`: {exc}") from None
+
+
 # ---------------------------------------------------------------------------- pinned host pool
 _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 
@@ -476,7 +489,9 @@ class LayerPipeline:
     prefetch_depth : int
         Layers restored ahead of ``wait_for_layer_load`` (>= 1). Default 2.
     store : kvkernels.io.KVStore, optional
-        SSD tier: saved entries are written there; :meth:`prefetch` reads from it.
+        SSD tier: saved entries are written there; :meth:`prefetch` reads from it. Its keys are
+        the pipeline's: with a store that has ``check_key`` (``KVStore``: str or bytes), a key it
+        refuses is a ``TypeError`` at ``save_layer`` / ``prefetch``, before anything is issued.
     backend : str
         Kernel backend for gather/scatter (``"auto"``).
     read_priority : bool
@@ -550,6 +565,7 @@ class LayerPipeline:
                         "syncs the host (padding ids found with nonzero); triton or cuda keep the step sync-free",
                         layout.device)
         self.store = store
+        self._check_store_key = getattr(store, "check_key", None) if store is not None else None
         self.pool = PinnedPool(host_bytes, pin=self.cuda, device=layout.device if self.cuda else None)
         dev = layout.device
         self._slots = {d: [torch.empty(self.slot_bytes, dtype=torch.uint8, device=dev) for _ in range(num_slots)]
@@ -857,14 +873,15 @@ class LayerPipeline:
         them (``kvkernels.check_errors``)."""
         if isinstance(block_ids, torch.Tensor) and block_ids.device.type != "cpu" and (
                 block_ids.is_contiguous() or not self.cuda):
-            ids = ops.as_block_ids(block_ids, self.layout)  # no copy (a tensor on another GPU is refused)
+            with _naming(name):  # no copy (a tensor on another GPU is refused)
+                ids = ops.as_block_ids(block_ids, self.layout)
         elif isinstance(block_ids, torch.Tensor) and block_ids.device.type != "cpu":
             # a strided device tensor: made contiguous on the pack stream, after the caller's
             # stream has produced it (rare: one fresh event)
             made = torch.cuda.Event()
             made.record(self._compute_stream())
             self.pack_stream.wait_event(made)
-            with self._stream(self.pack_stream):
+            with self._stream(self.pack_stream), _naming(name):
                 ids = ops.as_block_ids(block_ids, self.layout)
             # the caller's tensor is read on the pack stream, maybe after the caller dropped it:
             # its memory must not go back to the compute stream's allocations before that
@@ -883,11 +900,9 @@ class LayerPipeline:
     def _host_ids(self, block_ids, name: str, *, unique: bool = False) -> torch.Tensor:
         """Host ids (a list, a tuple or a CPU tensor) as a CPU int64 tensor, range-checked (and
         with ``unique``, checked for duplicates); never empty."""
-        host = ops._ids_tensor(block_ids)
-        try:
+        with _naming(name):
+            host = ops._ids_tensor(block_ids)
             ops._validate_ids(host, self.layout, unique=unique)
-        except ValueError as exc:
-            raise ValueError(f"`{name}`: {exc}") from None
         check(host.numel() > 0, name, "at least one block id", "an empty list")
         return host.to(torch.int64)
 
@@ -896,10 +911,10 @@ class LayerPipeline:
         """What identifies host ids across layers: their values (a list, a tuple or a CPU tensor:
         a version counter would miss writes through ``.numpy()`` and does not exist for inference
         tensors, which is what vLLM's forward holds); None for device tensors (used as they are)."""
-        if isinstance(block_ids, torch.Tensor):
-            return tuple(block_ids.tolist()) if block_ids.device.type == "cpu" else None
-        if isinstance(block_ids, (list, tuple)):
-            return tuple(block_ids)
+        if isinstance(block_ids, torch.Tensor):  # (not 1-D: refused, named, by _host_ids)
+            return tuple(block_ids.tolist()) if block_ids.device.type == "cpu" and block_ids.dim() == 1 else None
+        if isinstance(block_ids, Sequence) and not isinstance(block_ids, (str, bytes)):
+            return tuple(block_ids)  # any sequence _ids_tensor takes (a range, an array.array)
         return None
 
     def _save_ids(self, key, block_ids) -> tuple[object, object]:
@@ -987,6 +1002,9 @@ class LayerPipeline:
         checked: list[tuple[Hashable, object, object]] = []
         try:
             for key, block_ids in saves.items():
+                if self._check_store_key is not None:  # (its put would fail after a whole step of copies)
+                    with _naming(f"saves[{key!r}]"):
+                        self._check_store_key(key)
                 ids, host_key = self._save_ids(key, block_ids)
                 cur = self._saving.get(key)
                 if cur is not None and layer not in cur.layers_done:
@@ -1252,6 +1270,8 @@ class LayerPipeline:
         if self.store is None:
             fail("store", "a KVStore to prefetch from", None)
         check_int(num_blocks, "num_blocks", lo=1)  # as saves and loads: at least one block
+        if self._check_store_key is not None:
+            self._check_store_key(key)
         fmt = StagingFormat.for_layout(self.layout, num_blocks)
         num_layers = self.layout.num_layers
         with self._lock:
@@ -1292,14 +1312,17 @@ class LayerPipeline:
             try:
                 reads = []
                 header = getattr(self.store, "header", None)
-                h = header(key) if header is not None else None
-                refused = None
-                if header is not None and h is None:
-                    # not stored: a miss, also when a put lands before the reads (unchecked, unpinned)
-                    refused = KeyError(key)
-                elif h is not None:
-                    why = self._stored_mismatch(h, num_blocks)
-                    refused = None if why is None else ValueError(why)
+                refused, h = None, None
+                try:  # (a header that cannot be read fails the entry, as a failed read does)
+                    h = header(key) if header is not None else None
+                    if header is not None and h is None:
+                        # not stored: a miss, also when a put lands before the reads (unchecked, unpinned)
+                        refused = KeyError(key)
+                    elif h is not None:
+                        why = self._stored_mismatch(h, num_blocks)
+                        refused = None if why is None else ValueError(why)
+                except Exception as exc:  # noqa: BLE001 - e.g. a store closed meanwhile
+                    refused, h = exc, None
                 # every group reads the version whose header was checked: a put of the key
                 # meanwhile fails the later groups (a miss) instead of mixing two versions' layers
                 pin = {} if h is None else {"expect": h}

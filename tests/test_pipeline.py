@@ -1674,6 +1674,90 @@ def test_host_ids_are_checked_before_anything_is_issued():
         assert pipe.get_block_ids_with_load_errors() == set()
 
 
+@pytest.mark.parametrize("seq", ["range", "array"])
+def test_destinations_given_as_other_sequences_are_checked_across_requests(seq):
+    """Host ids as any sequence of ints (a range, an array.array), not only lists and tuples:
+    two requests restoring into one block were accepted, both reported loaded, one holding the
+    other's KV."""
+    import array
+
+    def make(a, b):
+        return range(a, b) if seq == "range" else array.array("q", range(a, b))
+
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        run_step_saves(pipe, {"a": [1, 2], "b": [3, 4]})
+        drain(pipe)
+        with pytest.raises(ValueError, match=r"block 6 in loads\['a'\] and loads\['b'\]"):
+            pipe.start_load({"a": make(5, 7), "b": make(6, 8)})
+        run_step_loads(pipe, {"a": make(5, 7), "b": make(7, 9)})  # distinct: restored
+        drain(pipe)
+        assert pipe.get_block_ids_with_load_errors() == set()
+        for c in range(lay.num_kv):
+            assert bytes_equal(lay.views[1][c][[5, 6, 7, 8]].cpu(), lay.views[1][c][[1, 2, 3, 4]].cpu())
+
+
+_BAD_HOST_IDS = {"floats": [1.5, 2], "int16": torch.tensor([1, 2], dtype=torch.int16),
+                 "2-D": torch.tensor([[1, 2]]), "0-d": torch.tensor(3)}
+
+
+@pytest.mark.parametrize("what", list(_BAD_HOST_IDS))
+@pytest.mark.parametrize("call", ["save_layer", "start_load"])
+def test_bad_host_ids_name_the_request(what, call):
+    """Ids of the wrong type, dtype or shape name the call's argument (``saves['a']`` /
+    ``loads['a']``) as range errors do, not ``block_ids`` (no argument of these calls), and a
+    0-d tensor is refused by the check, not by a bare ``'int' object is not iterable``."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        name = r"`saves\['a'\]`: `block_ids`" if call == "save_layer" else r"`loads\['a'\]`: `block_ids`"
+        with pytest.raises((TypeError, ValueError), match=name):
+            if call == "save_layer":
+                pipe.save_layer(0, {"a": _BAD_HOST_IDS[what]})
+            else:
+                pipe.start_load({"a": _BAD_HOST_IDS[what]})
+        run_step_saves(pipe, {"a": [1, 2]})  # still usable
+        assert "a" in drain(pipe)[0]
+
+
+def test_a_key_the_store_refuses_is_refused_before_anything_is_issued(tmp_path):
+    """With a KVStore (str/bytes keys), a save under a tuple key was gathered and copied to host
+    for a whole step, then failed at its put (reported saved *and* failed); a prefetch of one
+    raised through its future instead of resolving to the entry. Both are refused at the call."""
+    from kvkernels.io import KVStore
+
+    lay = cache()
+    with KVStore(tmp_path) as store, LayerPipeline(lay, host_bytes=1 << 20, store=store) as pipe:
+        with pytest.raises(TypeError, match=r"`saves\[\('req', 0\)\]`: `key`: expected a str or bytes"):
+            pipe.save_layer(0, {("req", 0): [1, 2]})
+        # nothing issued; as for any refused save_layer, the call's saves fail for the step
+        assert ("req", 0) not in pipe.entries and pipe.take_failed_saves() == {("req", 0)}
+        with pytest.raises(TypeError, match=r"`key`: expected a str or bytes, got tuple"):
+            pipe.prefetch(("req", 0), num_blocks=2)
+        assert ("req", 0) not in pipe.entries and pipe.pool.free_bytes == pipe.pool.nbytes
+        run_step_saves(pipe, {b"req-0": [1, 2]})  # bytes keys are the store's too
+        saved = set()
+        t0 = time.time()
+        while b"req-0" not in saved and time.time() - t0 < 20:
+            saved |= pipe.get_finished()[0]
+            time.sleep(0.01)
+        assert b"req-0" in saved and store.contains(b"req-0") and not pipe.failed_saves
+
+
+def test_a_prefetch_whose_header_read_raises_resolves_to_a_failed_entry(tmp_path, monkeypatch):
+    """The store's ``header()`` raising (a store closed meanwhile, another process's store) fails
+    the entry like a failed read: the future resolves to it (``failed``), as documented."""
+    from kvkernels.io import KVStore
+
+    lay = cache()
+    with KVStore(tmp_path) as store, LayerPipeline(lay, host_bytes=1 << 20, store=store) as pipe:
+        def header(key):
+            raise RuntimeError("KVStore is closed")
+
+        monkeypatch.setattr(store, "header", header)
+        ent = pipe.prefetch("k", num_blocks=2).result(timeout=20)
+        assert ent.state == "failed" and "KVStore is closed" in ent.error
+
+
 def _raise_on_call(real, n):
     calls = {"n": 0}
 

@@ -225,6 +225,22 @@ def test_recovery_deletes_only_its_own_temporaries(tmp_path):
     assert not os.path.exists(ours) and os.path.exists(foreign)
 
 
+def test_check_key_takes_what_the_store_takes(tmp_path):
+    """``check_key`` (used by the pipeline before a step's copies) refuses exactly the keys every
+    call refuses: str and bytes-like pass; anything else is the calls' own TypeError."""
+    with KVStore(tmp_path) as store:
+        for key in ("k", b"k", bytearray(b"k"), memoryview(b"k"), "", "../x\0"):
+            KVStore.check_key(key)
+            store.check_key(key)
+            assert not store.contains(key)
+        for key in (("req", 0), 7, None, 1.5):
+            with pytest.raises(TypeError, match="`key`: expected a str or bytes") as ei:
+                store.check_key(key)
+            with pytest.raises(TypeError) as ei2:
+                store.contains(key)
+            assert str(ei.value) == str(ei2.value)
+
+
 def test_the_first_put_into_a_new_shard_syncs_the_store_root(tmp_path, monkeypatch):
     import kvkernels.io.store as store_mod
 
