@@ -1168,8 +1168,10 @@ class KVStore:
     @staticmethod
     def check_key(key) -> None:
         """``TypeError`` (naming ``key``) unless ``key`` is one the store takes: a ``str`` or
-        bytes-like (``bytes``, ``bytearray``, ``memoryview``). Only hashed, never a path."""
-        key_digest(key)
+        bytes-like (``bytes``, ``bytearray``, ``memoryview``). Only hashed, never a path.
+        A type check only (no hashing): cheap enough for every layer of a step."""
+        if not isinstance(key, (str, bytes, bytearray, memoryview)):
+            key_digest(key)  # raises the calls' own TypeError
 
     def contains(self, key) -> bool:
         """True when ``key`` has a complete entry (no I/O)."""
