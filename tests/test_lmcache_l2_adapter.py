@@ -878,6 +878,65 @@ def test_a_delete_racing_the_stored_notice_is_heard_after_it(l1, tmp_path):
         a.close()
 
 
+def test_a_store_task_does_not_wait_for_a_whole_eviction_batch(l1, tmp_path, monkeypatch):
+    """delete() holds the notice lock a slice of keys at a time: a store task ending its write
+    during a long eviction batch is announced (and completed) before the batch ends."""
+    from kvkernels.integrations.lmcache import l2_adapter as L2
+
+    a = _make(l1, tmp_path / "kv")
+    try:
+        n = 6 * L2.DELETE_SLICE
+        batch = [_key(1000 + i) for i in range(n)]  # never stored: each costs only its remove
+        real_remove = a.store.remove
+        started = threading.Event()
+
+        def slow_remove(ks, **kw):
+            started.set()
+            time.sleep(0.004)
+            return real_remove(ks, **kw)
+
+        monkeypatch.setattr(a.store, "remove", slow_remove)
+        t0 = time.monotonic()
+        t = threading.Thread(target=a.delete, args=(batch,))
+        t.start()
+        assert started.wait(TIMEOUT)
+        (obj,) = l1.alloc(1, seed=9)
+        assert _store(a, [_key(999)], [obj]).is_successful()
+        stored_at = time.monotonic() - t0
+        t.join(TIMEOUT)
+        deleted_at = time.monotonic() - t0
+        assert stored_at < deleted_at - 0.3, (stored_at, deleted_at)  # not at the batch's end
+        assert a.store.contains(object_key_string(_key(999)))
+    finally:
+        a.close()
+
+
+def test_a_delete_whose_remove_raises_still_announces_what_it_removed(l1, tmp_path, monkeypatch):
+    """A store.remove raising part-way through a batch: the keys removed before it are still
+    announced (their deleted notice was lost: LMCache kept counting them)."""
+    a = _make(l1, tmp_path / "kv")
+    try:
+        objs = l1.alloc(3, seed=11)
+        keys = [_key(500 + i) for i in range(3)]
+        assert _store(a, keys, objs).is_successful()
+        used = a.get_usage().total_bytes_used
+        real_remove = a.store.remove
+
+        def remove(ks, **kw):
+            if ks == object_key_string(keys[1]):
+                raise RuntimeError("injected")
+            return real_remove(ks, **kw)
+
+        monkeypatch.setattr(a.store, "remove", remove)
+        with pytest.raises(RuntimeError, match="injected"):
+            a.delete(keys)
+        assert not a.store.contains(object_key_string(keys[0]))
+        assert a.get_usage().total_bytes_used == used - objs[0].get_size()
+    finally:
+        monkeypatch.undo()
+        a.close()
+
+
 def test_byteshuffle_setting_stores_fp32_objects_unshuffled(l1, tmp_path):
     from lmcache.v1.distributed.api import MemoryLayoutDesc
 

@@ -1719,7 +1719,7 @@ def test_bad_host_ids_name_the_request(what, call):
         assert "a" in drain(pipe)[0]
 
 
-def test_a_key_the_store_refuses_is_refused_before_anything_is_issued(tmp_path):
+def test_a_key_the_store_refuses_is_refused_before_anything_is_issued(tmp_path, caplog):
     """With a KVStore (str/bytes keys), a save under a tuple key was gathered and copied to host
     for a whole step, then failed at its put (reported saved *and* failed); a prefetch of one
     raised through its future instead of resolving to the entry. Both are refused at the call."""
@@ -1741,6 +1741,8 @@ def test_a_key_the_store_refuses_is_refused_before_anything_is_issued(tmp_path):
             saved |= pipe.get_finished()[0]
             time.sleep(0.01)
         assert b"req-0" in saved and store.contains(b"req-0") and not pipe.failed_saves
+    # the refused save queued no removal of an SSD copy the store cannot have (it only failed)
+    assert not [r for r in caplog.records if "could not remove" in r.getMessage()]
 
 
 def test_a_prefetch_whose_header_read_raises_resolves_to_a_failed_entry(tmp_path, monkeypatch):

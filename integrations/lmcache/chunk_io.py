@@ -256,7 +256,8 @@ class ChunkIO:
     def try_finish(self, pending: PendingRead, out: torch.Tensor) -> tuple[str, Optional[BaseException]]:
         """:meth:`finish_read` with the outcome classified for the callers' counters and logs:
         ``("ok", None)``, ``("missing", exc)`` (removed meanwhile), ``("corrupt", exc)`` (checksum
-        or truncation: the store dropped the entry; or regions that do not decode: removed here)
+        or truncation: the store dropped the entry; or regions that do not decode: removed here
+        unless a newer version replaced it or the store closed, as the message says)
         or ``("error", exc)`` (I/O, sizes).
         On anything but ``"ok"`` the bytes in ``out`` must not be used."""
         from kvkernels.io import CorruptEntryError

@@ -46,6 +46,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import SimpleNamespace
 from dataclasses import dataclass
@@ -85,6 +86,8 @@ KEY_PREFIX = "lmcache-mp:"
 _IMPLEMENTED = ("paths", "capacity_bytes", "engine", "io_threads", "max_inflight_bytes", "read_priority", "verify",
                 "fsync", "compression", "byteshuffle", "put_threads", "quant", "quant_granularity", "num_kv_heads")
 ADAPTER_KEYS = {k: KEYS[k] for k in _IMPLEMENTED if k in KEYS}
+#: keys deleted (and announced) per hold of the notice lock; a store completion waits for at most one slice
+DELETE_SLICE = 64
 _READ_WINDOW_PER_THREAD = 2
 
 
@@ -593,7 +596,7 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         if outcome != "ok":
             self._count({"missing": "load_misses", "corrupt": "corrupt"}.get(outcome, "load_errors"))
         if outcome == "corrupt":
-            log.warning("kvkernels L2 adapter: %s is corrupted, load failed (entry dropped): %s", started.ks, exc)
+            log.warning("kvkernels L2 adapter: %s is corrupted, load failed: %s", started.ks, exc)
         elif outcome == "error":
             log.warning("kvkernels L2 adapter: read of %s failed: %s: %s", started.ks, type(exc).__name__, exc)
         return outcome == "ok"
@@ -647,39 +650,50 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         keeps choosing keys that free nothing. An entry this process never stored (recovered
         from an earlier run: LMCache's usage never counted it) is removed and reported with size
         0, so its listeners drop the key and the usage stays true."""
-        with self._notify_lock:
-            self._delete(keys)
+        keys = list(keys)
+        # a slice of keys at a time under _notify_lock (held from each remove to its notice):
+        # a store task finishing meanwhile waits for one slice, not for a whole eviction batch
+        for i in range(0, len(keys), DELETE_SLICE):
+            if i:
+                time.sleep(0)  # yield the GIL between slices: a store task waiting for the lock may take it
+            with self._notify_lock:
+                if not self._delete(keys[i : i + DELETE_SLICE]):
+                    return
 
-    def _delete(self, keys: list["ObjectKey"]) -> None:
+    def _delete(self, keys: list["ObjectKey"]) -> bool:
+        """Delete ``keys`` and announce what was; False once the adapter is closed."""
         deleted, sizes = [], []
-        for key in keys:
-            ks = object_key_string(key)
-            with self._lock:
-                if self._closed:  # (LMCache's eviction may still run): the folder is not ours now
-                    break
-                if self._locks.get(ks, 0) > 0:
-                    self.counters["delete_refused_locked"] += 1
-                    continue
-                try:
-                    removed = self.store.remove(ks)
-                except RuntimeError:
-                    if not self._closed:
-                        raise
-                    break  # closed on another thread meanwhile: nothing more is deleted
-                told = self._told.pop(ks, None)
-                if removed:
-                    self.counters["deleted"] += 1
-                    if told is None:  # recovered, never counted in LMCache's usage
-                        self.counters["deleted_recovered"] += 1
-                        told = 0
-                elif told is not None:
-                    self.counters["deleted_already_evicted"] += 1
-                else:
-                    continue  # unknown to LMCache and to the store: nothing to report
-            deleted.append(key)
-            sizes.append(told)
-        if deleted:
-            self._notify_keys_deleted(deleted, sizes)
+        try:
+            for key in keys:
+                ks = object_key_string(key)
+                with self._lock:
+                    if self._closed:  # (LMCache's eviction may still run): the folder is not ours now
+                        return False
+                    if self._locks.get(ks, 0) > 0:
+                        self.counters["delete_refused_locked"] += 1
+                        continue
+                    try:
+                        removed = self.store.remove(ks)
+                    except RuntimeError:
+                        if not self._closed:
+                            raise
+                        return False  # closed on another thread meanwhile: nothing more is deleted
+                    told = self._told.pop(ks, None)
+                    if removed:
+                        self.counters["deleted"] += 1
+                        if told is None:  # recovered, never counted in LMCache's usage
+                            self.counters["deleted_recovered"] += 1
+                            told = 0
+                    elif told is not None:
+                        self.counters["deleted_already_evicted"] += 1
+                    else:
+                        continue  # unknown to LMCache and to the store: nothing to report
+                deleted.append(key)
+                sizes.append(told)
+            return True
+        finally:  # also when a remove raised: the keys already removed are announced
+            if deleted:
+                self._notify_keys_deleted(deleted, sizes)
 
     def report_status(self) -> dict:
         """Health, adapter counters, lock count and the store's ``stats()``."""
