@@ -450,21 +450,22 @@ def test_emulated_fp8_register_rows_cover_every_group_shape(emulated_cuda, layou
     _emu_round_trip(lay, dst_a, dst_b, max_ctas=0, quant="fp8", granularity="token")
 
 
+# (MLA has one head: its other head counts are no layout)
+_FIXED_ROW_CASES = [(layout, bs, h) for layout in ("vllm-nhd", "vllm-hnd", "mla")
+                    for bs, h in ((1, 1), (1, 3), (3, 1), (4, 2)) if layout != "mla" or h == 1]
+
+
 @needs_gxx
 @pytest.mark.parametrize("max_ctas", [1, 3, 0])
-@pytest.mark.parametrize("block_size, heads", [(1, 1), (1, 3), (3, 1), (4, 2)])
 @pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 128), (torch.float32, 128), (torch.bfloat16, 576)],
                          ids=["bfloat16-16vec", "float32-32vec", "bfloat16-72vec"])
-@pytest.mark.parametrize("layout", ["vllm-nhd", "vllm-hnd", "mla"])
+@pytest.mark.parametrize("layout, block_size, heads", _FIXED_ROW_CASES)
 def test_emulated_fp8_fixed_row_instances_on_capped_grids(emulated_cuda, layout, dtype, head_dim, block_size, heads,
                                                           max_ctas):
     """The token instances with the row length fixed at compile time take several work items per
     CTA (a group of warps each) when an item has few rows: every item exactly once on grids capped
     below the item count (the grid-stride wrap), one-token blocks (token stride reported as 0),
     one head (rows evenly spaced through the token stride) and HND (rows through (t, h))."""
-    if layout == "mla" and heads != 1:
-        pytest.skip("MLA has one head")
-
     def mk(seed):
         return make_cache(layout, num_layers=2, num_blocks=8, block_size=block_size, num_heads=heads,
                           head_dim=head_dim, dtype=dtype, seed=seed)

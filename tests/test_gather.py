@@ -129,9 +129,19 @@ def test_gather_kv0_view_of_vllm_tensor():
         assert torch.equal(out.cpu(), expected_staging(k_only, IDS)), backend
 
 
-def test_reference_matches_definition_on_empty_ids():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_ids_gather_nothing_and_scatter_nothing(backend):
+    """No ids: an empty uint8 staging buffer on the cache's device (the definition's), a caller's
+    ``out`` returned untouched, and a scatter of it writes no block."""
     lay = cache("vllm-nhd")
-    assert kvkernels.gather(lay, []).numel() == 0
+    out = kvkernels.gather(lay, [], backend=backend)
+    assert out.dtype == torch.uint8 and out.device == lay.device
+    assert torch.equal(out.cpu(), expected_staging(lay, []))
+    buf = torch.full((8,), 7, dtype=torch.uint8, device=DEVICE)
+    assert kvkernels.gather(lay, [], out=buf, backend=backend) is buf and bool((buf == 7).all())
+    before = [[v.clone() for v in vs] for vs in lay.views]
+    kvkernels.scatter(out, lay, [], backend=backend)
+    assert all(bytes_equal(a, b) for va, vb in zip(before, lay.views) for a, b in zip(va, vb))
 
 
 # --------------------------------------------------------------------------------------- scatter

@@ -537,7 +537,7 @@ def test_empty_ids(backend):
     lay = cache("vllm-nhd")
     for mode in (dict(quant="fp8"), dict(shuffle=True)):
         buf = gather_quant(lay, [], backend=backend, **mode)
-        assert buf.numel() == 0
+        assert buf.numel() == 0 and buf.dtype == torch.uint8 and buf.device == lay.device
         scatter_quant(buf, lay, [], backend=backend, **mode)  # a no-op, no error
 
 
