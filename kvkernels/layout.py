@@ -40,6 +40,19 @@ _LETTERS = "LKBNHD"  # canonical order: layer, K|V, block, token, head, dim
 # H = head, C = 2*head_dim (K then V).
 VLLM_PACKED_ORDERS = ("LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 
+# vLLM's cross-layer caches (``prefer_cross_layer_blocks``; the connector receives the tensor in
+# its physical shape): the order of that shape per attention backend and VLLM_KV_CACHE_LAYOUT,
+# from the backends' ``get_kv_cache_stride_order(include_num_layers_dimension=True)`` (vLLM 0.18:
+# FlashAttention (2, 0, 1, 3, 4, 5) NHD / (2, 4, 0, 1, 3, 5) HND over (L, 2, B, N, H, D);
+# FlashInfer (1, 0, 2, 3, 4, 5) / (1, 2, 4, 0, 3, 5) over (L, B, 2, N, H, D)).
+# ``BLKHND`` is TensorRT-LLM's (LMCache's ``nb_nl_two_nh_bs_hs``), not a vLLM HND cache.
+VLLM_CROSS_LAYER_ORDERS = {
+    ("flash_attn", "NHD"): "BLKNHD",
+    ("flash_attn", "HND"): "BHLKND",
+    ("flashinfer", "NHD"): "BLKNHD",
+    ("flashinfer", "HND"): "BKHLND",
+}
+
 
 def _views_from_order(t: torch.Tensor, order: str, name: str) -> list[list[torch.Tensor]]:
     """Split one tensor whose dims are named by ``order`` into ``[L][C]`` canonical views."""
@@ -399,14 +412,25 @@ class PagedLayout:
     @classmethod
     def from_mla(cls, kv_caches) -> "PagedLayout":
         """MLA (DeepSeek): per layer ``[num_blocks, block_size, head_dim]`` (e.g. 576 = 512 + 64),
-        one latent entry per token (no K/V split). fp8 caches (656-byte entries) are ``uint8``."""
-        return cls.from_layers(kv_caches, "BND", kind="mla")
+        one latent entry per token (no K/V split). fp8 caches (656-byte entries) are ``uint8``.
+        vLLM's 4-D per-layer views ``[num_blocks, 1, block_size, head_dim]`` (one head; its MLA
+        backends squeeze that dim themselves) are taken too: the head dim is squeezed here (a
+        view). Not through ``from_vllm_packed``, which would split the latent into K and V."""
+        layers = _layer_list(kv_caches, "kv_caches")
+        layers = [t.squeeze(1) if t.dim() == 4 and t.shape[1] == 1 else t for t in layers]
+        for i, t in enumerate(layers):
+            check(t.dim() == 3, f"kv_caches[{i}]",
+                  "3 dims [num_blocks, block_size, head_dim] (or vLLM's [num_blocks, 1, block_size, head_dim])",
+                  describe(t))
+        return cls.from_layers(layers, "BND", kind="mla")
 
     @classmethod
     def from_cross_layer(cls, kv_cache: torch.Tensor, order: str = "BLKNHD") -> "PagedLayout":
-        """One block-major tensor holding all layers per block: default ``[num_blocks, num_layers,
-        2, block_size, H, D]`` (vLLM ``prefer_cross_layer_blocks``); pass ``order`` for others
-        (``"BLKHND"``, ``"BLND"`` for MLA)."""
+        """One block-major tensor holding all layers per block, in its physical shape: default
+        ``[num_blocks, num_layers, 2, block_size, H, D]`` (vLLM ``prefer_cross_layer_blocks`` with
+        NHD, FlashAttention or FlashInfer); pass ``order`` for others — vLLM with HND:
+        ``"BHLKND"`` (FlashAttention), ``"BKHLND"`` (FlashInfer) (:data:`VLLM_CROSS_LAYER_ORDERS`);
+        TensorRT-LLM's ``"BLKHND"``; a one-entry cache ``"BLND"``."""
         check_tensor(kv_cache, "kv_cache")
         check("L" in str(order).upper(), "order", "an order containing 'L'", repr(order))
         return cls.from_tensor(kv_cache, order, kind="cross-layer")
@@ -435,7 +459,9 @@ class PagedLayout:
     def from_sglang(cls, k_buffers, v_buffers, page_size: int) -> "PagedLayout":
         """SGLang token pools: per layer ``k_buffers[l]`` and ``v_buffers[l]`` of ``[size, H, D]``;
         block ``b`` is tokens ``[b * page_size, (b + 1) * page_size)`` (``num_blocks = size //
-        page_size``)."""
+        page_size``; SGLang's page 0 is its padding page, its allocator's pages start at 1, so a
+        page number is a block id). Its HND pools (``SGLANG_USE_HND_KVCACHE=1``) are page-major
+        ``[num_pages, H, page_size, D]``: taken as they are (block ``b`` = page ``b``)."""
         ks = _layer_list(k_buffers, "k_buffers")
         vs = _layer_list(v_buffers, "v_buffers")
         check(len(ks) == len(vs), "v_buffers", f"{len(ks)} layers like k_buffers", len(vs))
@@ -444,7 +470,13 @@ class PagedLayout:
         for i, (k, v) in enumerate(zip(ks, vs)):
             row = []
             for nm, t in ((f"k_buffers[{i}]", k), (f"v_buffers[{i}]", v)):
-                check(t.dim() == 3, nm, "3 dims [size, num_heads, head_dim]", describe(t))
+                if t.dim() == 4:  # HND pages [num_pages, H, page_size, D] -> [pages, page_size, H, D]
+                    check(t.shape[2] == page_size, nm, f"[num_pages, num_heads, page_size={page_size}, head_dim]",
+                          describe(t))
+                    row.append(t.permute(0, 2, 1, 3))
+                    continue
+                check(t.dim() == 3, nm, "3 dims [size, num_heads, head_dim] (or 4 of an HND pool "
+                      "[num_pages, num_heads, page_size, head_dim])", describe(t))
                 check(t.shape[0] >= page_size, nm, f"at least page_size={page_size} tokens", describe(t))
                 nb = t.shape[0] // page_size
                 s0, s1, s2 = t.stride()

@@ -76,7 +76,7 @@ LAYOUTS = {
     "flashinfer-nhd": "FlashInfer, per layer [B, 2, N, H, D]",
     "flashinfer-hnd": "FlashInfer HND, per layer [B, 2, H, N, D]",
     "cross-layer": "block-major, one tensor [B, L, 2, N, H, D]",
-    "cross-layer-hnd": "block-major, one tensor [B, L, 2, H, N, D]",
+    "cross-layer-hnd": "block-major, one tensor [B, L, 2, H, N, D] (TensorRT-LLM's order; vLLM's HND: VLLM_CROSS_LAYER_ORDERS)",
     "vllm-packed": "K|V packed, per layer [B, H, N, 2D] (physical LBHNC)",
     "vllm-packed-lbnhc": "K|V packed, one tensor physical [L, B, N, H, 2D]",
     "vllm-packed-blhnc": "K|V packed, one tensor physical [B, L, H, N, 2D]",

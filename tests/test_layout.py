@@ -106,6 +106,65 @@ def test_cross_layer_matches_per_layer():
     assert lay.byte_strides[0] == L * 2 * N * H * D * 4
 
 
+# vLLM 0.18's stride orders (get_kv_cache_stride_order(include_num_layers_dimension=True)) over the
+# logical cross-layer shape: FlashAttention (L, 2, B, N, H, D), FlashInfer (L, B, 2, N, H, D)
+_VLLM_STRIDE_ORDERS = {("flash_attn", "NHD"): (2, 0, 1, 3, 4, 5), ("flash_attn", "HND"): (2, 4, 0, 1, 3, 5),
+                       ("flashinfer", "NHD"): (1, 0, 2, 3, 4, 5), ("flashinfer", "HND"): (1, 2, 4, 0, 3, 5)}
+
+
+@pytest.mark.parametrize("backend, kv_layout", sorted(_VLLM_STRIDE_ORDERS))
+def test_vllm_cross_layer_orders_name_vllms_physical_tensor(backend, kv_layout):
+    """The documented cross-layer order of each vLLM backend/layout describes the tensor vLLM hands
+    the connector (the allocation in physical order): block b, layer l, K/V c, token t, head h is
+    the logical element. (The docs once gave TensorRT-LLM's BLKHND for vLLM's HND: wrong bytes,
+    or a refusal, depending on the sizes.)"""
+    Lx, Bx, Nx, Hx, Dx = 3, 5, 4, 2, 8
+    flash = backend == "flash_attn"
+    logical = torch.randn((Lx, 2, Bx, Nx, Hx, Dx) if flash else (Lx, Bx, 2, Nx, Hx, Dx))
+    phys = logical.permute(_VLLM_STRIDE_ORDERS[backend, kv_layout]).contiguous()
+    order = kvkernels.layout.VLLM_CROSS_LAYER_ORDERS[backend, kv_layout]
+    lay = PagedLayout.from_cross_layer(phys, order=order)
+    assert (lay.num_layers, lay.num_blocks, lay.block_size, lay.num_heads, lay.head_dim) == (Lx, Bx, Nx, Hx, Dx)
+    for l in range(Lx):
+        for c in range(2):
+            want = logical[l, c] if flash else logical[l, :, c]
+            assert torch.equal(lay.views[l][c], want), (l, c)
+    if kv_layout == "HND":  # TensorRT-LLM's order on vLLM's HND tensor: never vLLM's elements
+        try:
+            wrong = PagedLayout.from_cross_layer(phys, order="BLKHND")
+        except ValueError:
+            return
+        assert not torch.equal(wrong.views[1][0], logical[1, 0] if flash else logical[1, :, 0])
+
+
+def test_mla_takes_vllms_four_dim_views():
+    """vLLM 0.33 hands MLA caches as 4-D [B, 1, N, C] views (one head): from_mla squeezes the head
+    (from_vllm_packed would take them as K|V halves and split the latent)."""
+    four = [torch.randn(B, 1, N, 576) for _ in range(L)]
+    lay = PagedLayout.from_mla(four)
+    ref = PagedLayout.from_mla([t[:, 0] for t in four])
+    assert lay.num_kv == 1 and (lay.block_size, lay.head_dim) == (N, 576)
+    for l in range(L):
+        assert torch.equal(lay.views[l][0], ref.views[l][0])
+        assert lay.views[l][0].data_ptr() == four[l].data_ptr()  # a view, no copy
+    with pytest.raises(ValueError, match=r"kv_caches\[0\].*\[num_blocks, 1, block_size, head_dim\]"):
+        PagedLayout.from_mla([torch.randn(B, 2, N, 576)])
+
+
+def test_sglang_hnd_pools_are_page_major():
+    """SGLang's HND pools (SGLANG_USE_HND_KVCACHE=1) are [num_pages, H, page_size, D]: slot loc
+    lives at [loc // page_size, :, loc % page_size, :]; block b is page b."""
+    pages, ps = 6, 4
+    k, v = torch.randn(pages, H, ps, D), torch.randn(pages, H, ps, D)
+    lay = PagedLayout.from_sglang([k], [v], ps)
+    assert (lay.num_blocks, lay.block_size, lay.num_heads, lay.head_dim) == (pages, ps, H, D)
+    for loc in (0, 5, 13, pages * ps - 1):
+        assert torch.equal(lay.views[0][0][loc // ps, loc % ps], k[loc // ps, :, loc % ps])
+        assert torch.equal(lay.views[0][1][loc // ps, loc % ps], v[loc // ps, :, loc % ps])
+    with pytest.raises(ValueError, match=r"k_buffers\[0\].*page_size=4"):
+        PagedLayout.from_sglang([torch.randn(pages, H, 8, D)], [v], ps)
+
+
 def test_strided_slice_of_larger_allocation():
     big = torch.randn(2, B + 4, N, H, D + 32)
     cache = big[:, 2 : B + 2, :, :, 16 : 16 + D]
