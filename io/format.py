@@ -78,11 +78,15 @@ def checksum_segments(bufs) -> int:
     return h.intdigest()
 
 
+#: the types a store key may have (str, or bytes-like)
+KEY_TYPES = (str, bytes, bytearray, memoryview)
+
+
 def key_digest(key) -> bytes:
     """16-byte digest naming a key: a key never names a path (it is only ever hashed)."""
     if isinstance(key, str):
         raw = b"s" + key.encode("utf-8", "surrogatepass")
-    elif isinstance(key, (bytes, bytearray, memoryview)):
+    elif isinstance(key, KEY_TYPES[1:]):
         raw = b"b" + bytes(key)
     else:
         fail("key", "a str or bytes", type(key).__name__, TypeError)

@@ -41,7 +41,7 @@ from kvkernels import config
 from kvkernels._validate import check, check_int, check_memory, check_tensor, describe, fail
 
 from .engines import aligned_empty, make_engine
-from .format import CorruptEntryError, EntryMeta, Header, checksum_segments, key_digest
+from .format import KEY_TYPES, CorruptEntryError, EntryMeta, Header, checksum_segments, key_digest
 
 _log = logging.getLogger(__name__)
 
@@ -1169,8 +1169,8 @@ class KVStore:
     def check_key(key) -> None:
         """``TypeError`` (naming ``key``) unless ``key`` is one the store takes: a ``str`` or
         bytes-like (``bytes``, ``bytearray``, ``memoryview``). Only hashed, never a path.
-        A type check only (no hashing): cheap enough for every layer of a step."""
-        if not isinstance(key, (str, bytes, bytearray, memoryview)):
+        A type check only (no hashing)."""
+        if not isinstance(key, KEY_TYPES):
             key_digest(key)  # raises the calls' own TypeError
 
     def contains(self, key) -> bool:

@@ -900,7 +900,7 @@ class LayerPipeline:
         return ids
 
     def _host_ids(self, block_ids, name: str, *, unique: bool = False) -> torch.Tensor:
-        """Host ids (a list, a tuple or a CPU tensor) as a CPU int64 tensor, range-checked (and
+        """Host ids (a sequence of ints or a CPU tensor) as a CPU int64 tensor, range-checked (and
         with ``unique``, checked for duplicates); never empty."""
         try:
             host = ops._ids_tensor(block_ids)
@@ -1011,11 +1011,8 @@ class LayerPipeline:
                 cur = self._saving.get(key)
                 # a key the store refuses (its put would fail after a whole step of copies):
                 # checked when its save starts (a save under way passed the check)
-                if self._check_store_key is not None and cur is None:
-                    try:
-                        self._check_store_key(key)
-                    except (TypeError, ValueError) as exc:
-                        raise _named(exc, f"saves[{key!r}]") from None
+                if cur is None:
+                    self._check_key(key, f"saves[{key!r}]")
                 ids, host_key = self._save_ids(key, block_ids)
                 if cur is not None and layer not in cur.layers_done:
                     check(cur.fmt.num_blocks == ids.numel(), "saves",
@@ -1112,12 +1109,20 @@ class LayerPipeline:
                 self._ssd_removals[key] = fut
             fut.add_done_callback(lambda f: self._removal_done(key, f))
 
-    def _store_takes(self, key) -> bool:
-        """Whether the store takes ``key`` (``check_key``; a store without it takes any)."""
+    def _check_key(self, key, name: str | None = None) -> None:
+        """Raise the store's error for a key it refuses (``check_key``; a store without it takes
+        any), prefixed with ``name`` when given."""
         if self._check_store_key is None:
-            return True
+            return
         try:
             self._check_store_key(key)
+        except (TypeError, ValueError) as exc:
+            raise (_named(exc, name) if name else exc) from None
+
+    def _store_takes(self, key) -> bool:
+        """Whether the store takes ``key``."""
+        try:
+            self._check_key(key)
             return True
         except (TypeError, ValueError):
             return False
@@ -1290,8 +1295,7 @@ class LayerPipeline:
         if self.store is None:
             fail("store", "a KVStore to prefetch from", None)
         check_int(num_blocks, "num_blocks", lo=1)  # as saves and loads: at least one block
-        if self._check_store_key is not None:
-            self._check_store_key(key)
+        self._check_key(key)
         fmt = StagingFormat.for_layout(self.layout, num_blocks)
         num_layers = self.layout.num_layers
         with self._lock:

@@ -458,28 +458,29 @@ class KVKernelsL2Adapter(L2AdapterInterface):
 
     def _tell_stored(self, stored: list, sizes: list[int]) -> None:
         """Record and announce the keys a store task wrote (under ``_notify_lock``)."""
-        if stored:
-            with self._lock:  # what LMCache counts for each key, to take back on delete
-                # only entries still held: a delete() (or the store's own eviction) between the
-                # write and here took it away, and a stored notice after that would leave LMCache
-                # counting a key L2 does not hold (delete() holds _notify_lock too)
-                held = [(key, n) for key, n in zip(stored, sizes) if self.store.contains(object_key_string(key))]
-                stored, sizes = [k for k, _ in held], [n for _, n in held]
-                # a key LMCache was told of before (the store evicted it on its own, LMCache stored
-                # it again): its old size is taken back first, or LMCache would count it twice
-                again = [(key, self._told[ks]) for key in stored if (ks := object_key_string(key)) in self._told]
-                for key, nbytes in zip(stored, sizes):
-                    self._told[object_key_string(key)] = nbytes
-        if stored:
-            if again:
-                try:
-                    self._notify_keys_deleted([k for k, _ in again], [n for _, n in again])
-                except Exception as exc:  # noqa: BLE001 - as for the stored notice below
-                    log.warning("kvkernels L2 adapter: delete listeners failed: %s", exc)
+        if not stored:
+            return
+        with self._lock:  # what LMCache counts for each key, to take back on delete
+            # only entries still held: a delete() (or the store's own eviction) between the
+            # write and here took it away, and a stored notice after that would leave LMCache
+            # counting a key L2 does not hold (delete() holds _notify_lock too)
+            held = [(key, n) for key, n in zip(stored, sizes) if self.store.contains(object_key_string(key))]
+            # a key LMCache was told of before (the store evicted it on its own, LMCache stored
+            # it again): its old size is taken back first, or LMCache would count it twice
+            again = [(key, self._told[ks]) for key, _ in held if (ks := object_key_string(key)) in self._told]
+            for key, nbytes in held:
+                self._told[object_key_string(key)] = nbytes
+        if not held:
+            return
+        if again:
             try:
-                self._notify_keys_stored(stored, sizes)
-            except Exception as exc:  # a listener's failure must not lose the completion
-                log.warning("kvkernels L2 adapter: store listeners failed: %s", exc)
+                self._notify_keys_deleted([k for k, _ in again], [n for _, n in again])
+            except Exception as exc:  # noqa: BLE001 - as for the stored notice below
+                log.warning("kvkernels L2 adapter: delete listeners failed: %s", exc)
+        try:
+            self._notify_keys_stored([k for k, _ in held], [n for _, n in held])
+        except Exception as exc:  # a listener's failure must not lose the completion
+            log.warning("kvkernels L2 adapter: store listeners failed: %s", exc)
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
         """All store tasks completed since the last call (``L2StoreResult``: success, bytes written)."""
