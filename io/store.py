@@ -111,6 +111,16 @@ class _Room:
     replaces: _Entry | None  # the indexed version it was credited for (its bytes leave at the commit)
 
 
+@dataclass
+class _Credit:
+    """An indexed entry that puts in flight replace (:meth:`KVStore._make_room`): its bytes
+    leave when one of them commits, so room checks count them as leaving already."""
+
+    entry: _Entry  # the indexed version being replaced
+    reservations: list[int]  # the reservations of the puts in flight replacing it
+    value: int = 0  # bytes it counts in KVStore._credit (see KVStore._recredit)
+
+
 _LOCK_NAME = ".kvkernels.lock"
 
 
@@ -378,11 +388,11 @@ class KVStore:
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU: oldest first
         self._used = 0
         self._reserved = 0  # bytes of puts between their room check and their commit (capacity holds under concurrency)
-        # digest -> [indexed entry, reservations of the puts in flight replacing it, credit]: its
-        # bytes leave when one commits, so no room check counts them (two overwrites in flight
-        # evicted an unrelated entry); dropped with the entry, counted once however many puts
-        # replace it, and at most the smallest of their reservations (see _recredit)
-        self._credits: dict[bytes, list] = {}
+        # digest -> _Credit: an entry's bytes leave when a put replacing it commits, so no room
+        # check counts them (two overwrites in flight evicted an unrelated entry); dropped with
+        # the entry, counted once however many puts replace it, and at most the smallest of
+        # their reservations (see _recredit)
+        self._credits: dict[bytes, _Credit] = {}
         self._credit = 0  # bytes of the entries in _credits
         self._room = threading.Condition(self._lock)  # notified when a reservation is released
         # digests renamed into place but not yet visible (directory fsync pending): a drop of their
@@ -805,19 +815,19 @@ class KVStore:
             if cur is not None:
                 c = self._credits.get(exclude)
                 if c is None:
-                    c = self._credits[exclude] = [cur, [], 0]
-                c[1].append(need)
+                    c = self._credits[exclude] = _Credit(cur, [])
+                c.reservations.append(need)
                 self._recredit(c)
             return _Room(need, exclude, cur)
 
-    def _recredit(self, c: list) -> None:
+    def _recredit(self, c: _Credit) -> None:
         """A credit's value (lock held): the replaced entry's size, but never more than the
         smallest put in flight replacing it reserved — a put replacing a large entry with a small
         one must not lend others room that exists only if it commits (it may fail, and the old
         entry's bytes stay)."""
-        value = min(c[0].nbytes, min(c[1]))
-        self._credit += value - c[2]
-        c[2] = value
+        value = min(c.entry.nbytes, min(c.reservations))
+        self._credit += value - c.value
+        c.value = value
 
     def _release_room(self, room: _Room | None) -> None:
         """Give back a put's reservation and its share of the credit (lock held)."""
@@ -825,13 +835,13 @@ class KVStore:
             return
         self._reserved -= room.nbytes
         c = self._credits.get(room.digest)
-        if c is not None and c[0] is room.replaces:  # (not when that version left the index meanwhile)
-            c[1].remove(room.nbytes)
-            if c[1]:
+        if c is not None and c.entry is room.replaces:  # (not when that version left the index meanwhile)
+            c.reservations.remove(room.nbytes)
+            if c.reservations:
                 self._recredit(c)
             else:
                 del self._credits[room.digest]
-                self._credit -= c[2]
+                self._credit -= c.value
         self._room.notify_all()
 
     def _uncredit(self, digest: bytes) -> None:
@@ -839,7 +849,7 @@ class KVStore:
         as leaving with a put in flight (they left)."""
         c = self._credits.pop(digest, None)
         if c is not None:
-            self._credit -= c[2]
+            self._credit -= c.value
 
     def _drop(self, digest: bytes, rename_to: str | None = None, expect: _Entry | None = None) -> bool:
         """Remove an entry from the index and its file from disk (deferred while it is read).
