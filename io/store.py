@@ -356,7 +356,7 @@ class KVStore:
         if max_inflight_bytes is not None:
             check_int(max_inflight_bytes, "max_inflight_bytes", lo=1)
         self.max_inflight_bytes = (max_inflight_bytes if max_inflight_bytes is not None
-                                   else config.env_int("KVKERNELS_IO_INFLIGHT_BYTES", 1 << 30, lo=1))
+                                   else config.io_inflight_bytes())
         seen: dict[tuple[int, int], str] = {}
         created: list[str] = []  # folders this call made, top down: their names need a parent fsync
         for p in self.paths:

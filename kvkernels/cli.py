@@ -152,10 +152,22 @@ def _user_error(exc: BaseException) -> bool:
     return not isinstance(exc, AssertionError) or "compiled with CUDA" in str(exc)
 
 
+def _env_ok(prog: str) -> bool:
+    """Every malformed ``KVKERNELS_*`` value, printed before a command starts (False if any)."""
+    from . import config
+
+    bad = config.env_problems()
+    for msg in bad:
+        print(f"{prog}: error: {msg}", file=sys.stderr)
+    return not bad
+
+
 def _cmd_demo(args, parser) -> int:
     import shutil
     import tempfile
 
+    if not _env_ok("kvkernels demo"):
+        return 2
     try:
         dev = demo_device(args.device)
     except _DEMO_ERRORS as exc:
@@ -223,6 +235,8 @@ def _cmd_bench(args, rest, parser) -> int:
         mod = importlib.import_module(f"kvkernels.bench.bench_{args.name}")
     except ModuleNotFoundError as exc:
         print(f"kvkernels bench: no benchmark {args.name!r} in this build ({exc})", file=sys.stderr)
+        return 2
+    if not any(a in ("-h", "--help") for a in rest) and not _env_ok(f"{parser.prog} {args.name}"):
         return 2
     res = mod.main(rest, prog=f"{parser.prog} {args.name}")
     # an exit code; anything else (None, or a result object from an older bench) is success

@@ -635,7 +635,7 @@ class _TorchBuffer:
         self.ptr = self.t.data_ptr()
 
 
-NVCOMP_ALLOCATORS = ("nvcomp", "torch")
+NVCOMP_ALLOCATORS = config.NVCOMP_ALLOCATORS
 _ALLOCATOR = "nvcomp"  # what nvCOMP is set to now
 
 
@@ -648,8 +648,7 @@ def _nvcomp_ready():
     and ``torch`` stays opt-in until ``.ci/gpu`` (which runs the nvCOMP tests under both) passes
     with it."""
     global _ALLOCATOR
-    want = config.env_str("KVKERNELS_NVCOMP_ALLOCATOR", "nvcomp").strip().lower()
-    check(want in NVCOMP_ALLOCATORS, "KVKERNELS_NVCOMP_ALLOCATOR", f"one of {NVCOMP_ALLOCATORS}", repr(want))
+    want = config.nvcomp_allocator()
     nvcomp = _nvcomp()
     if want != _ALLOCATOR:
         nvcomp.set_device_allocator((lambda nbytes, stream: _TorchBuffer(nbytes, stream)) if want == "torch" else None)

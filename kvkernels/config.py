@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["env_int", "env_str", "env_bool", "backend", "max_ctas", "validate_default", "cache_dir", "cuda_bulk", "io_threads",
-           "pipeline_stream_api", "pipeline_copy_mode"]
+           "pipeline_stream_api", "pipeline_copy_mode", "env_problems"]
 
 
 def env_str(name: str, default: str) -> str:
@@ -122,3 +122,39 @@ def fp8_fma_div() -> bool:
 def io_threads() -> int:
     """``KVKERNELS_IO_THREADS``: SSD store worker threads = its queue depth (default 4)."""
     return env_int("KVKERNELS_IO_THREADS", 4, lo=1)
+
+
+def io_inflight_bytes() -> int:
+    """``KVKERNELS_IO_INFLIGHT_BYTES``: bound on bytes of queued store puts (default 1 GiB)."""
+    return env_int("KVKERNELS_IO_INFLIGHT_BYTES", 1 << 30, lo=1)
+
+
+NVCOMP_ALLOCATORS = ("nvcomp", "torch")
+
+
+def nvcomp_allocator() -> str:
+    """``KVKERNELS_NVCOMP_ALLOCATOR``: nvCOMP's scratch allocator, ``nvcomp`` (default) or ``torch``
+    (read by ``kvkernels/compress.py`` when nvCOMP runs)."""
+    val = env_str("KVKERNELS_NVCOMP_ALLOCATOR", "nvcomp").strip().lower()
+    if val not in NVCOMP_ALLOCATORS:
+        raise ValueError(f"`KVKERNELS_NVCOMP_ALLOCATOR`: expected one of {NVCOMP_ALLOCATORS}, got {val!r}")
+    return val
+
+
+# every variable with a value rule (the path variables have none: a wrong path shows where it is used)
+_CHECKED = (backend, max_ctas, validate_default, pipeline_stream_api, pipeline_copy_mode, cuda_bulk, fp8_fma_div,
+            io_threads, io_inflight_bytes, nvcomp_allocator)
+
+
+def env_problems() -> list[str]:
+    """The message of every ``KVKERNELS_*`` variable whose value is malformed (empty: all fine).
+    The library reads each one only where it is used (a CPU run never reads the GPU-only ones);
+    the CLI checks them all before it starts, so a typo stops a benchmark at once instead of after
+    its first measurements, or never if that bench does not read the variable."""
+    out = []
+    for get in _CHECKED:
+        try:
+            get()
+        except ValueError as exc:
+            out.append(str(exc))
+    return out

@@ -417,6 +417,32 @@ def test_demo_environment_errors_are_one_line(tmp_path, capsys):
     assert afile.read_text() == "x"
 
 
+@pytest.mark.parametrize("var,value", [("KVKERNELS_MAX_CTAS", "abc"), ("KVKERNELS_IO_THREADS", "0"),
+                                       ("KVKERNELS_PIPELINE_STREAM_API", "foo"), ("KVKERNELS_PIPELINE_COPY_MODE", "foo"),
+                                       ("KVKERNELS_BACKEND", "foo"), ("KVKERNELS_NVCOMP_ALLOCATOR", "x"),
+                                       ("KVKERNELS_IO_INFLIGHT_BYTES", "-1"), ("KVKERNELS_FP8_FMA_DIV", "2")])
+@pytest.mark.parametrize("cmd", [["bench", "gather", "--tiny"], ["bench", "store", "--tiny"],
+                                 ["bench", "pipeline", "--tiny"], ["demo", "--blocks", "2", "--no-store"]])
+def test_malformed_variables_stop_a_command_before_it_starts(tmp_path, capsys, monkeypatch, var, value, cmd):
+    # a bench read them mid-run (a traceback after its first measurements) or not at all (a typo
+    # in KVKERNELS_BACKEND ran the whole gather bench on the default backend)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(var, value)
+    assert cli.main(cmd + (["--out", str(tmp_path / "out")] if cmd[0] == "bench" else [])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"error: `{var}`" in err[0], err
+    assert sorted(os.listdir(tmp_path)) == []  # nothing made, nothing measured
+
+
+def test_env_problems_lists_every_malformed_variable(monkeypatch):
+    from kvkernels import config
+
+    assert config.env_problems() == [] or pytest.skip("this environment sets a malformed KVKERNELS_* value")
+    monkeypatch.setenv("KVKERNELS_VALIDATE", "maybe")
+    monkeypatch.setenv("KVKERNELS_CUDA_BULK", "2")
+    assert [m.split("`")[1] for m in config.env_problems()] == ["KVKERNELS_VALIDATE", "KVKERNELS_CUDA_BULK"]
+
+
 def test_bench_lmcache_chunks_follow_the_mode(monkeypatch):
     from kvkernels.bench import bench_lmcache
 
