@@ -9,7 +9,7 @@ integrations/vllm/     -> kvkernels.integrations.vllm
 bench/                 -> kvkernels.bench         (so `kvkernels bench` works from any install)
 
 The CUDA extension in csrc/ is built only when KVKERNELS_BUILD_CUDA=1 and nvcc is present (see
-docs/ and csrc/README.md); otherwise this is a pure-Python install that works with the Triton and
+docs/ and docs/csrc.md); otherwise this is a pure-Python install that works with the Triton and
 torch backends.
 """
 
@@ -61,6 +61,6 @@ class BuildPyWithCuda(build_py):
 setup(
     packages=list(PACKAGE_DIR),
     package_dir=PACKAGE_DIR,
-    package_data={"kvkernels.bench": ["*.cpp"], "kvkernels.csrc": ["kernels/*.cuh", "bindings/*.cu", "*.md"]},
+    package_data={"kvkernels.bench": ["*.cpp"], "kvkernels.csrc": ["kernels/*.cuh", "bindings/*.cu"]},
     cmdclass={"build_py": BuildPyWithCuda},
 )

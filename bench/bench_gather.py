@@ -267,7 +267,7 @@ def main(argv=None, prog: str | None = None) -> int:
     p.add_argument("--layouts", nargs="+", default=["nhd", "hnd"], choices=["nhd", "hnd"])
     p.add_argument("--pool", type=common.positive_int, default=4096, help="blocks in the cache pool")
     p.add_argument("--blocks", type=common.positive_int, default=2048, help="random distinct blocks gathered")
-    p.add_argument("--out", default="bench_results", help="directory for CSV/JSON/PNG")
+    p.add_argument("--out", default="bench_results", help=common.OUT_HELP)
     p.add_argument("--quick", action="store_true", help="two models, 512 blocks (CI smoke)")
     p.add_argument("--tiny", action="store_true", help="tiny CPU-sized run")
     p.add_argument("--no-plot", action="store_true")

@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib.metadata as md
+import importlib.util
 import logging
 import os
 import shutil
@@ -323,6 +324,8 @@ def run(*, directory=None, chunks=32, reps=3, out_dir="bench_results", tiny=Fals
         head_dim=128, dd: bool = True, plot: bool = True, backends=BACKENDS) -> list[dict]:
     if tiny:
         chunks, reps, layers, tokens, heads, head_dim, dd = 4, 1, 4, 32, 2, 64, False
+        print(f"[bench] tiny sizes: {chunks} chunks of {tokens} tokens, 1 rep, no dd ceiling (--chunks / --reps "
+              "do not apply)", flush=True)
     shape = (layers, tokens, heads, head_dim, torch.bfloat16)
     ceiling = None
     with _session(directory, reps, shape) as (directory, loop, meta, benches):
@@ -432,6 +435,7 @@ def _run_mode(mode: str, stem: str, columns, make, step, *, directory, chunks, r
     shape = (*((4, 32, 2, 64) if tiny else (32, 256, 8, 128)), torch.bfloat16)
     if tiny:
         chunks, reps = tiny_chunks, 1
+        print(f"[bench] tiny sizes: {chunks} chunks, 1 rep (--chunks / --reps do not apply)", flush=True)
     with _session(directory, reps, shape) as (directory, loop, meta, benches):
         meta["mode"] = mode
         for kind in backends:
@@ -484,7 +488,7 @@ def main(argv=None, prog: str | None = None) -> int:
     p.add_argument("--chunks", type=common.positive_int, default=None,
                    help="256-token chunks per batch (default 32 = 8192 tokens, 1 GiB; 8 with --layerwise)")
     p.add_argument("--reps", type=common.positive_int, default=3)
-    p.add_argument("--out", default="bench_results")
+    p.add_argument("--out", default="bench_results", help=common.OUT_HELP)
     p.add_argument("--tiny", action="store_true", help="a few small chunks (CI)")
     p.add_argument("--no-dd", action="store_true", help="skip the dd ceiling")
     p.add_argument("--no-plot", action="store_true")
@@ -494,6 +498,8 @@ def main(argv=None, prog: str | None = None) -> int:
     mode.add_argument("--layerwise", action="store_true",
                       help="layer-wise mode: one KV_T2D object per (chunk, layer), --chunks 8 by default")
     a = p.parse_args(argv)
+    if importlib.util.find_spec("lmcache") is None:  # before any folder is made or disk measured
+        p.error("needs lmcache: pip install 'kvkernels[lmcache]'")
     common.bench_paths(p, out=a.out, directory=a.dir, scratch=True)
     if a.layerwise:
         run_layerwise(directory=a.dir, chunks=8 if a.chunks is None else a.chunks, reps=a.reps,

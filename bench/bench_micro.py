@@ -288,6 +288,27 @@ def _key(r: dict) -> tuple:
     return (r.get("model"), r.get("layout"), r.get("blocks"), r.get("layers"), r.get("op"), r.get("backend"))
 
 
+def load_baseline(old_path: str) -> tuple[dict, list[dict]]:
+    """An earlier run's (meta, rows), or ``ValueError`` saying why it is no baseline (unreadable,
+    not a micro.json, its pytest run failed, a row failed its check). ``main`` calls it before
+    measuring: a bad ``--compare`` file is refused at once, not after the whole run."""
+    try:
+        with open(old_path) as f:
+            old = json.load(f)
+        old_meta, old_rows = old["meta"], old["rows"]
+        if not isinstance(old_meta, dict) or not isinstance(old_rows, list) or \
+                not all(isinstance(r, dict) for r in old_rows):
+            raise TypeError("meta must be an object and rows a list of objects")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--compare {old_path}: not a micro.json of this bench ({type(exc).__name__}: {exc})") from None
+    if old_meta.get("pytest_rc") not in (0, None):
+        raise ValueError(f"--compare {old_path}: not a baseline, its pytest run exited {old_meta.get('pytest_rc')}")
+    bad = [f"{r.get('model')}/{r.get('layout')} {r.get('method')}" for r in old_rows if r.get("verified") is False]
+    if bad:
+        raise ValueError(f"--compare {old_path}: not a baseline, its checks failed for " + "; ".join(bad))
+    return old_meta, old_rows
+
+
 def compare(rows: list[dict], meta: dict, old_path: str, fail_slower: float | None,
             subset: bool = False) -> tuple[int, str]:
     """Put an earlier run's medians beside these (``was_us``, ``change_pct``: + is slower). Returns
@@ -298,20 +319,13 @@ def compare(rows: list[dict], meta: dict, old_path: str, fail_slower: float | No
     benchmarks with -k, missing rows are only listed), else 0. A baseline whose pytest run failed
     (its failed benchmarks may have left no row to compare) is refused."""
     try:
-        with open(old_path) as f:
-            old = json.load(f)
-        old_meta, old_rows = old["meta"], old["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return 2, f"--compare {old_path}: not a micro.json of this bench ({type(exc).__name__}: {exc})"
+        old_meta, old_rows = load_baseline(old_path)
+    except ValueError as exc:
+        return 2, str(exc)
     for k in ("device", "tiny"):
         if old_meta.get(k) != meta.get(k):
             return 2, (f"--compare {old_path}: measured with {k}={old_meta.get(k)!r}, this run {k}={meta.get(k)!r}; "
                        "timings compare only on the same device and sizes")
-    if old_meta.get("pytest_rc") not in (0, None):
-        return 2, f"--compare {old_path}: not a baseline, its pytest run exited {old_meta.get('pytest_rc')}"
-    bad = [f"{r.get('model')}/{r.get('layout')} {r.get('method')}" for r in old_rows if r.get("verified") is False]
-    if bad:
-        return 2, f"--compare {old_path}: not a baseline, its checks failed for " + "; ".join(bad)
     before = {_key(r): r for r in old_rows}
     mine = {_key(r) for r in rows}
     missing = [f"{k[0]}/{k[1]} {k[4]}[{k[5]}]" for k in before if k not in mine]
@@ -362,7 +376,8 @@ def run(*, out_dir: str = "bench_results", tiny: bool = False, blocks: int = 204
         print("[bench] " + " ".join(cmd), flush=True)
         rc = subprocess.call(cmd, env=child_env)
         if not os.path.exists(raw):
-            print(f"[bench] pytest exited {rc} without a report", file=sys.stderr)
+            why = f" (-k {select!r} chose no benchmark?)" if rc == 5 and select else (" (no benchmark collected)" if rc == 5 else "")
+            print(f"[bench] pytest exited {rc} without a report{why}", file=sys.stderr)
             return {"rows": [], "meta": meta, "paths": {}, "rc": rc or 1}
         with open(raw) as f:
             report = json.load(f)
@@ -397,7 +412,7 @@ def main(argv=None, prog: str | None = None) -> int:
                                        "  -- --benchmark-autosave\n"
                                        "  -- --benchmark-compare --benchmark-compare-fail=median:10%\n"
                                        "(--benchmark-only is always on)")
-    p.add_argument("--out", default="bench_results", help="directory for CSV/JSON/PNG")
+    p.add_argument("--out", default="bench_results", help=common.OUT_HELP)
     p.add_argument("--tiny", action="store_true", help="tiny CPU-sized shapes, also on a GPU")
     p.add_argument("--blocks", type=common.positive_int, default=2048, help="blocks per benchmark (full shapes; "
                    "the pool holds twice as many)")
@@ -424,6 +439,13 @@ def main(argv=None, prog: str | None = None) -> int:
         p.error("needs pytest-benchmark: pip install 'kvkernels[bench]'")
     if a.compare is not None and not os.path.isfile(a.compare):
         p.error(f"argument --compare: no file {a.compare!r}")
+    if a.compare is not None:
+        try:
+            load_baseline(a.compare)
+        except ValueError as exc:
+            p.error(f"argument {exc}")
+    if a.tiny and a.blocks != p.get_default("blocks"):
+        print("[bench] tiny shapes: 8 blocks (--blocks does not apply)", flush=True)
     common.bench_paths(p, out=a.out)
     res = run(out_dir=a.out, tiny=a.tiny, blocks=a.blocks, max_time=a.max_time, min_rounds=a.min_rounds,
               select=a.select, plot=not a.no_plot, compare_to=a.compare, fail_slower=a.fail_slower,

@@ -681,6 +681,7 @@ def plot_timeline(tl: list[dict], title: str, path: str) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:  # pragma: no cover
+        common.no_matplotlib()
         return None
     lanes = ["compute", "gather", "d2h"]
     fig, ax = plt.subplots(figsize=(11, 2.6))
@@ -854,7 +855,7 @@ def main(argv=None, prog: str | None = None) -> int:
     p.add_argument("--models", nargs="+", default=["llama3-8b"], choices=sorted(PROXY))
     p.add_argument("--seqs", nargs="+", type=common.positive_int, default=[4096, 8192])
     p.add_argument("--block-sizes", nargs="+", type=common.positive_int, default=[16, 2])
-    p.add_argument("--out", default="bench_results")
+    p.add_argument("--out", default="bench_results", help=common.OUT_HELP)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)

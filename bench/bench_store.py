@@ -158,6 +158,8 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
             raise ValueError(f"`{name}`: expected a positive integer, got {v}")
     if tiny:
         blocks, entries, dd_bytes = 8, 4, 32 << 20
+        print(f"[bench] tiny sizes: {blocks} blocks per entry, {entries} entries, dd {dd_bytes >> 20} MiB "
+              "(--blocks / --entries / --dd-bytes do not apply)", flush=True)
     work = common.fresh_bench_dir(directory, "kvk-bench-store-", "bench store")  # ours alone: removed at the end
     meta = common.env_record(tiny=tiny)
     meta["directory"] = work
@@ -279,7 +281,7 @@ def main(argv=None, prog: str | None = None) -> int:
                    help="blocks per llama3-8b entry (512 = 8192 tokens, 1 GiB)")
     p.add_argument("--entries", type=common.positive_int, default=8)
     p.add_argument("--dd-bytes", type=common.positive_int, default=2 << 30)
-    p.add_argument("--out", default="bench_results")
+    p.add_argument("--out", default="bench_results", help=common.OUT_HELP)
     p.add_argument("--reps", type=common.positive_int, default=3)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--no-plot", action="store_true")

