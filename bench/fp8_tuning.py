@@ -26,6 +26,7 @@ device-copy peak, and how many code/scale bytes differ from the default kernel's
 backend's kernel beside it. GPU only:
 
     python bench/fp8_tuning.py [--models llama3-8b llama3-70b-tp8 deepseek-v3-mla] [--out DIR]
+    python bench/fp8_tuning.py --ncu-target     # one launch per kernel, model, granularity (.ci/gpu-bench ncu)
 """
 
 from __future__ import annotations
@@ -141,15 +142,53 @@ def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_r
     return rows
 
 
+def ncu_target(models, *, pool: int = 4096, blocks: int = 2048) -> int:
+    """One launch of each FP8 quantizing gather — Triton's default kernel, then the CUDA one — per
+    model and granularity, and no other kernel named ``quant_gather``: what ``.ci/gpu-bench ncu``
+    profiles (``ncu --kernel-name regex:quant_gather``). Returns the number of launches."""
+    from kvkernels._cuda import quant_gather_cuda
+    from kvkernels.triton_ops.quant_gather import quant_gather_triton
+
+    device = torch.device("cuda")
+    launches = 0
+    for m in models:
+        shape = get_model(m)
+        lay = make_cache("mla" if shape.mla else "vllm-nhd", num_layers=shape.num_layers, num_blocks=pool,
+                         block_size=16, num_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                         dtype=torch.bfloat16, device=device)
+        ids = torch.randperm(pool, generator=torch.Generator().manual_seed(1))[:blocks].to(device)
+        for gran in ("token", "block"):
+            fmt = QuantStagingFormat.for_layout(lay, blocks, granularity=gran)
+            out = torch.empty(fmt.nbytes, dtype=torch.uint8, device=device)
+            err = torch.zeros(1, dtype=torch.int32, device=device)
+            for name, fn in (("triton", quant_gather_triton), ("cuda", quant_gather_cuda)):
+                try:  # (the CUDA backend may not build: the Triton kernels are profiled all the same)
+                    fn(lay, ids, fmt, out, err)
+                    torch.cuda.synchronize()
+                except Exception as exc:  # noqa: BLE001 - reported, the next launch still runs
+                    print(f"[ncu-target] {m} {gran} {name}: {type(exc).__name__}: {exc}", flush=True)
+                    continue
+                launches += 1
+                print(f"[ncu-target] {m} chunk {lay.chunk_nbytes / 1024:g} KB {gran} {name}", flush=True)
+        lay = ids = out = None  # noqa: F841 - frees the cache before the next model
+        torch.cuda.empty_cache()
+    return launches
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["llama3-8b", "llama3-70b-tp8", "deepseek-v3-mla"])
     p.add_argument("--blocks", type=common.positive_int, default=2048)
     p.add_argument("--out", default="bench_results", help=common.OUT_HELP)
+    p.add_argument("--ncu-target", action="store_true",
+                   help="only launch each FP8 gather once per model and granularity (for ncu; .ci/gpu-bench ncu)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("fp8_tuning: needs a GPU", file=sys.stderr)
         return 2
+    if a.ncu_target:
+        print(f"[ncu-target] {ncu_target(a.models, blocks=a.blocks)} launches")
+        return 0
     rows = run(a.models, blocks=a.blocks, out_dir=a.out)
     # a variant that raised (one illegal access poisons the context: every later row errors) or
     # wrote other bytes than the default kernel (itself checked against torch's cast by the tests) fails the run, so a wrapper's rc says so
