@@ -142,14 +142,14 @@ def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_r
     return rows
 
 
-def ncu_target(models, *, pool: int = 4096, blocks: int = 2048) -> int:
+def ncu_target(models, *, pool: int = 4096, blocks: int = 2048, device: str = "cuda") -> int:
     """One launch of each FP8 quantizing gather — Triton's default kernel, then the CUDA one — per
     model and granularity, and no other kernel named ``quant_gather``: what ``.ci/gpu-bench ncu``
     profiles (``ncu --kernel-name regex:quant_gather``). Returns the number of launches."""
     from kvkernels._cuda import quant_gather_cuda
     from kvkernels.triton_ops.quant_gather import quant_gather_triton
 
-    device = torch.device("cuda")
+    device = torch.device(device)
     launches = 0
     for m in models:
         shape = get_model(m)
@@ -164,14 +164,16 @@ def ncu_target(models, *, pool: int = 4096, blocks: int = 2048) -> int:
             for name, fn in (("triton", quant_gather_triton), ("cuda", quant_gather_cuda)):
                 try:  # (the CUDA backend may not build: the Triton kernels are profiled all the same)
                     fn(lay, ids, fmt, out, err)
-                    torch.cuda.synchronize()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
                 except Exception as exc:  # noqa: BLE001 - reported, the next launch still runs
                     print(f"[ncu-target] {m} {gran} {name}: {type(exc).__name__}: {exc}", flush=True)
                     continue
                 launches += 1
                 print(f"[ncu-target] {m} chunk {lay.chunk_nbytes / 1024:g} KB {gran} {name}", flush=True)
         lay = ids = out = None  # noqa: F841 - frees the cache before the next model
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return launches
 
 

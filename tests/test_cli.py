@@ -709,3 +709,19 @@ def test_bench_micro_bad_arguments(tmp_path, capsys):
         assert e.value.code == 2
         assert msg in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_fp8_tuning_ncu_target_launches_each_fp8_gather_once(capsys):
+    # what `.ci/gpu-bench ncu` profiles; on the CPU through the interpreter (the CUDA kernel, where
+    # it cannot run, is reported and the Triton launches still happen)
+    if os.environ.get("TRITON_INTERPRET") != "1" and not HAS_CUDA:
+        pytest.skip("the Triton kernel needs a GPU or TRITON_INTERPRET=1")
+    from kvkernels import backends
+    from kvkernels.bench import fp8_tuning
+
+    dev = "cuda" if HAS_CUDA else "cpu"
+    n = fp8_tuning.ncu_target(["smollm2-135m"], pool=8, blocks=4, device=dev)
+    out = capsys.readouterr().out
+    cuda = HAS_CUDA and backends.cuda_ext_available()
+    assert n == (4 if cuda else 2), out
+    assert out.count("smollm2-135m chunk") == n and "token triton" in out and "block triton" in out
