@@ -142,15 +142,15 @@ def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_r
     return rows
 
 
-def ncu_target(models, *, pool: int = 4096, blocks: int = 2048, device: str = "cuda") -> int:
+def ncu_target(models, *, pool: int = 4096, blocks: int = 2048, device: str = "cuda") -> tuple[int, int]:
     """One launch of each FP8 quantizing gather — Triton's default kernel, then the CUDA one — per
     model and granularity, and no other kernel named ``quant_gather``: what ``.ci/gpu-bench ncu``
-    profiles (``ncu --kernel-name regex:quant_gather``). Returns the number of launches."""
+    profiles (``ncu --kernel-name regex:quant_gather``). Returns (launches, failed launches)."""
     from kvkernels._cuda import quant_gather_cuda
     from kvkernels.triton_ops.quant_gather import quant_gather_triton
 
     device = torch.device(device)
-    launches = 0
+    launches = failed = 0
     for m in models:
         shape = get_model(m)
         lay = make_cache("mla" if shape.mla else "vllm-nhd", num_layers=shape.num_layers, num_blocks=pool,
@@ -168,13 +168,14 @@ def ncu_target(models, *, pool: int = 4096, blocks: int = 2048, device: str = "c
                         torch.cuda.synchronize()
                 except Exception as exc:  # noqa: BLE001 - reported, the next launch still runs
                     print(f"[ncu-target] {m} {gran} {name}: {type(exc).__name__}: {exc}", flush=True)
+                    failed += 1
                     continue
                 launches += 1
                 print(f"[ncu-target] {m} chunk {lay.chunk_nbytes / 1024:g} KB {gran} {name}", flush=True)
         lay = ids = out = None  # noqa: F841 - frees the cache before the next model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return launches
+    return launches, failed
 
 
 def main(argv=None) -> int:
@@ -189,8 +190,9 @@ def main(argv=None) -> int:
         print("fp8_tuning: needs a GPU", file=sys.stderr)
         return 2
     if a.ncu_target:
-        print(f"[ncu-target] {ncu_target(a.models, blocks=a.blocks)} launches")
-        return 0
+        n, failed = ncu_target(a.models, blocks=a.blocks)
+        print(f"[ncu-target] {n} launches, {failed} failed")
+        return 3 if failed else 0
     rows = run(a.models, blocks=a.blocks, out_dir=a.out)
     # a variant that raised (one illegal access poisons the context: every later row errors) or
     # wrote other bytes than the default kernel (itself checked against torch's cast by the tests) fails the run, so a wrapper's rc says so

@@ -244,12 +244,30 @@ def _cmd_bench(args, rest, parser) -> int:
     return res if isinstance(res, int) else 0
 
 
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has left (the write end then polls POLLERR)."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no real stdout (captured, closed)
+        return False
+
+
 def main(argv=None) -> int:
     try:
-        return _main(argv)
-    except BrokenPipeError:  # `kvkernels demo | head`: the reader left; no error line, no traceback
+        rc = _main(argv)
+        sys.stdout.flush()  # here, not at the interpreter's exit: block-buffered output into a pipe
+        return rc
+    except BrokenPipeError:
+        if not _stdout_gone():  # another stream (stderr redirected into a closed pipe): not ours to hide
+            raise
+        # `kvkernels demo | head`: the reader left; no error line, no traceback, and nothing left
+        # for Python's own flush at exit to fail on
         try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's own exit flush)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         except (OSError, ValueError):
             pass
         return 1
