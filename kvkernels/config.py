@@ -1,9 +1,8 @@
 """Every tunable is a ``KVKERNELS_*`` environment variable; docs/config.md lists all of them with
-their defaults. Most are read here; a few are read where they are used: ``KVKERNELS_CUDA_LIB``
-(``kvkernels/_cuda.py``), ``KVKERNELS_NVCOMP_ALLOCATOR`` (``kvkernels/compress.py``),
-``KVKERNELS_IO_INFLIGHT_BYTES`` (``io/store.py``, through :func:`env_int`),
-``KVKERNELS_CUTLASS_INCLUDE`` (``csrc/build.py``), ``KVKERNELS_BUILD_CUDA`` (``setup.py``, at
-install) and ``KVKERNELS_BENCH_DIR`` (the benchmarks).
+their defaults. Every variable with a value rule has its getter here (:func:`env_problems` checks
+them all, for the CLI); a few are read where they are used: ``KVKERNELS_CUDA_LIB``
+(``kvkernels/_cuda.py``), ``KVKERNELS_CUTLASS_INCLUDE`` (``csrc/build.py``), ``KVKERNELS_BUILD_CUDA``
+(``setup.py``, at install) and ``KVKERNELS_BENCH_DIR`` (the benchmarks).
 
 Values are read when asked for (not cached at import), so tests and servers may set them at any
 time before the call that uses them. A malformed value raises ``ValueError`` naming the variable.
@@ -14,7 +13,8 @@ from __future__ import annotations
 import os
 
 __all__ = ["env_int", "env_str", "env_bool", "backend", "max_ctas", "validate_default", "cache_dir", "cuda_bulk", "io_threads",
-           "pipeline_stream_api", "pipeline_copy_mode", "env_problems"]
+           "pipeline_stream_api", "pipeline_copy_mode", "fp8_fma_div", "io_inflight_bytes", "nvcomp_allocator",
+           "env_problems"]
 
 
 def env_str(name: str, default: str) -> str:
