@@ -512,6 +512,11 @@ class KVStore:
             self._drop(next(iter(self._index)))  # the oldest (nothing is pinned yet)
             self._stats["evictions"] += 1
         report["entries"] = len(self._index)
+        if report["bad_files"]:  # left for inspection, outside capacity_bytes: said, not only counted
+            first = report["bad_files"][0]
+            _log.warning("kvkernels store: %d file(s) in %s could not be recovered and are left on disk for inspection "
+                         "(not counted in capacity_bytes; stats()['recovery']['bad_files']), e.g. %s: %s",
+                         len(report["bad_files"]), ", ".join(self.paths), first[0], first[1])
         return report
 
     def _check_process(self) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import logging
 import os
 import select
 import subprocess
@@ -56,6 +57,7 @@ from kvkernels.integrations.lmcache.l2_adapter import (  # noqa: E402
     KVKernelsL2AdapterConfig,
     L2AdapterConfigError,
     object_key_string,
+    parse_adapter_params,
 )
 from kvkernels.io import KVStore  # noqa: E402
 from kvtest import bytes_equal  # noqa: E402
@@ -225,6 +227,9 @@ def test_created_by_lmcache_plugin_factory(l1, tmp_path):
     ({"quant": "int4"}, "adapter_params.quant"),
     ({"num_kv_heads": 0}, "adapter_params.num_kv_heads"),
     ({"inplace_io": False}, "inplace_io"),                # an in-process plugin setting the adapter does not do
+    # the other key a message names is the adapter's too (it said "unless kvkernels.compression ...")
+    ({"byteshuffle": True}, "unless `adapter_params.compression` is a codec"),
+    ({"byteshuffle": True, "compression": "zstd", "quant": "fp8"}, "with `adapter_params.quant`: fp8"),
 ])
 def test_bad_config_raises_naming_the_key(l1, tmp_path, params, key):
     spec = _spec(tmp_path / "kv")
@@ -236,6 +241,31 @@ def test_bad_config_raises_naming_the_key(l1, tmp_path, params, key):
         create_l2_adapter(cfg, l1.mm.get_l1_memory_desc())
     assert isinstance(info.value, L2AdapterConfigError)
     assert not os.path.exists(tmp_path / "kv")  # nothing created for a rejected config
+
+
+def test_the_documented_server_command_parses_with_lmcache(tmp_path):
+    # docs/lmcache-mp.md's `lmcache server` command lacked --eviction-policy, which LMCache 0.5.6
+    # requires with --l1-size-gb: the command a user copies failed with a traceback
+    import shlex
+
+    from lmcache.v1.distributed.config import parse_args as parse_server_args
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "lmcache-mp.md")).read()
+    block = doc.split("\nlmcache server", 1)[1].split("```", 1)[0]  # the command, to its fence
+    argv = shlex.split("lmcache server" + block.replace("\\\n", " "))[2:]
+    cfg = parse_server_args(argv)  # what `lmcache server` does with its storage arguments
+    (adapter,) = cfg.l2_adapter_config.adapters
+    assert "KVKernelsL2Adapter" in repr(vars(adapter))
+    params = json.loads(argv[argv.index("--l2-adapter") + 1])["adapter_params"]
+    parse_adapter_params(params)  # and the adapter takes its adapter_params
+
+
+def test_a_bad_environment_variable_is_named_without_blaming_the_paths(l1, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVKERNELS_IO_THREADS", "abc")
+    with pytest.raises(L2AdapterConfigError) as info:
+        _make(l1, tmp_path / "kv")
+    assert str(info.value).startswith("kvkernels L2 adapter: `KVKERNELS_IO_THREADS`")
+    assert "adapter_params.paths" not in str(info.value)
 
 
 def test_bad_config_types(tmp_path):
@@ -382,13 +412,22 @@ def test_fp8_round_trip(l1, tmp_path, heads, granularity):
         b.close()
 
 
-def test_num_kv_heads_must_divide_the_hidden_size(l1, tmp_path):
+def test_num_kv_heads_must_divide_the_hidden_size(l1, tmp_path, caplog):
+    # every store failed (a warning each) while report_status said healthy
     a = _make(l1, tmp_path / "kv", quant="fp8", num_kv_heads=3)  # hidden = 2 * 64 = 128
     try:
-        src = l1.alloc(1, seed=3)
-        assert not _store(a, [_key(3)], src).is_successful()
-        assert a.report_status()["counters"]["store_errors"] == 1
+        assert a.report_status()["is_healthy"]
+        with caplog.at_level(logging.ERROR, logger="kvkernels.integrations.lmcache"):
+            for i in (3, 4):
+                src = l1.alloc(1, seed=i)
+                assert not _store(a, [_key(i)], src).is_successful()
+        st = a.report_status()
+        assert st["counters"]["store_errors"] == 2
         assert not a.store.contains(object_key_string(_key(3)))
+        assert st["is_healthy"] is False and len(st["config_errors"]) == 1
+        assert "`adapter_params.num_kv_heads`: 3 does not divide" in st["config_errors"][0]
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR and "num_kv_heads" in r.getMessage()]
+        assert len(errors) == 1  # said once, not per object
     finally:
         a.close()
 

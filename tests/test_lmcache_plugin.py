@@ -194,6 +194,17 @@ def test_broken_config_is_loud(tmp_path, caplog):
         loop.close()
 
 
+def test_a_bad_environment_variable_is_named_without_blaming_the_paths(tmp_path, monkeypatch):
+    # it said "cannot open the store at `kvkernels.paths`=[...]: ValueError: `KVKERNELS_IO_THREADS`..."
+    monkeypatch.setenv("KVKERNELS_IO_THREADS", "abc")
+    cfg = _config(tmp_path / "kv")
+    cfg.extra_config.pop("kvkernels.io_threads", None)
+    with pytest.raises(PluginConfigError) as info:
+        KVKernelsBackend(dst_device="cpu", config=cfg, metadata=_metadata())
+    assert str(info.value).startswith("kvkernels LMCache plugin: `KVKERNELS_IO_THREADS`")
+    assert "kvkernels.paths" not in str(info.value)
+
+
 def test_unwritable_path_is_a_config_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_bytes(b"x")
@@ -504,6 +515,33 @@ def test_pin_unpin_remove(mgr):
     assert mgr.plugin.unpin(_key(7)) and mgr.plugin.pin_count(_key(7)) == 0
     assert mgr.plugin.remove(_key(7)) and not mgr.plugin.contains(_key(7))
     assert not mgr.plugin.remove(_key(7))
+
+
+def test_num_kv_heads_that_cannot_divide_the_metadatas_hidden_size_is_a_config_error(tmp_path):
+    # it was ignored: ChunkShape.of took one head for every chunk (one fp8 scale across all heads)
+    cfg = _config(tmp_path / "kv", quant="fp8", num_kv_heads=3)  # hidden H * D = 16
+    with pytest.raises(PluginConfigError, match=r"kvkernels\.num_kv_heads.*3 does not divide the hidden size 16"):
+        KVKernelsBackend(dst_device="cpu", config=cfg, metadata=_metadata())
+    m = Manager(tmp_path / "kv", quant="fp8", num_kv_heads=4)  # the folder was let go (its lock released)
+    m.close()
+
+
+def test_heads_that_do_not_divide_a_chunk_are_said(tmp_path, caplog):
+    # without a kv_shape to check against at start (set here after it), such chunks are stored as
+    # one head: said once, not silently
+    m = Manager(tmp_path / "kv", quant="fp8")
+    try:
+        m.plugin._num_heads = 3
+        with caplog.at_level(logging.WARNING, logger="kvkernels.integrations.lmcache"):
+            for i in (11, 12):
+                obj, _ = m.chunk(i)
+                m.put([_key(i)], [obj])
+        h = m.plugin.store.header(key_string(_key(11)))
+        assert (h.meta.num_heads, h.meta.head_dim) == (1, H * D)
+        said = [r for r in caplog.records if "do not divide the hidden size" in r.getMessage()]
+        assert len(said) == 1 and "kvkernels.num_kv_heads" in said[0].getMessage()
+    finally:
+        m.close()
 
 
 def test_num_kv_heads_overrides_the_metadata_for_fp8_scales(tmp_path):
@@ -1249,6 +1287,18 @@ def test_byteshuffle_setting_stores_non_16bit_chunks_unshuffled(tmp_path, dtype)
         back.ref_count_down()
     finally:
         m.close()
+
+
+def test_a_key_stored_or_in_flight_counts_as_present_not_skipped(mgr):
+    # re-stores of a key already there counted in put_skipped, the counter of chunks that could
+    # not be stored: a dashboard read normal re-stores as failures
+    obj, _ = mgr.chunk(21)
+    obj2, _ = mgr.chunk(21)
+    mgr.put([_key(21)], [obj])
+    assert mgr.plugin.batched_submit_put_task([_key(21)], [obj2]) == []
+    obj2.ref_count_down()
+    st = mgr.plugin.stats()
+    assert (st["puts"], st["put_present"], st["put_skipped"]) == (1, 1, 0)
 
 
 # ------------------------------------------------ regressions found by review (2026-11-23, 13th session)

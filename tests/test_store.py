@@ -8,6 +8,7 @@ Tests taking the ``engine`` fixture run with each engine: ``posix``, ``fake-kvik
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 import subprocess
@@ -154,7 +155,7 @@ def test_flip_a_region_byte_gives_corrupt_error_then_miss(tmp_path, engine):
     assert files(tmp_path) == [path + ".corrupt"]
 
 
-def test_flip_a_header_byte_is_skipped_and_reported_on_open(tmp_path):
+def test_flip_a_header_byte_is_skipped_and_reported_on_open(tmp_path, caplog):
     _, buf, meta = staged()
     with KVStore(tmp_path) as store:
         store.put("a", buf, meta).result()
@@ -163,10 +164,13 @@ def test_flip_a_header_byte_is_skipped_and_reported_on_open(tmp_path):
     with open(victim, "r+b") as f:
         f.seek(50)
         f.write(b"\xff")
-    with KVStore(tmp_path) as store:
+    with caplog.at_level(logging.WARNING, logger="kvkernels.io.store"), KVStore(tmp_path) as store:
         assert len(store) == 1
         bad = store.stats()["recovery"]["bad_files"]
         assert [p for p, _ in bad] == [victim] and "checksum" in bad[0][1]
+    # said at open (it was only counted: a user learned of it from stats(), or never)
+    said = [r.getMessage() for r in caplog.records if "could not be recovered" in r.getMessage()]
+    assert len(said) == 1 and "1 file(s)" in said[0] and victim in said[0]
 
 
 def test_a_header_whose_region_claims_more_stored_than_raw_bytes_is_corrupt(tmp_path):

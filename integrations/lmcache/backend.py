@@ -154,10 +154,21 @@ class KVKernelsBackend(StoragePluginInterface):
             raise
         except Exception as exc:
             log.error("kvkernels LMCache plugin NOT created: %s: %s", type(exc).__name__, exc)
+            if isinstance(exc, ValueError) and str(exc).startswith("`KVKERNELS_"):  # an environment variable
+                raise PluginConfigError(f"kvkernels LMCache plugin: {exc}") from exc  # (not the paths' fault)
             raise PluginConfigError(f"kvkernels LMCache plugin: cannot open the store at "
                                     f"`kvkernels.paths`={list(self.settings.paths) if hasattr(self, 'settings') else '?'}: "
                                     f"{type(exc).__name__}: {exc}") from exc
         self._num_heads = self.settings.num_kv_heads or self._heads_from_metadata(metadata)
+        hidden = self._hidden_from_metadata(metadata)
+        if self.settings.num_kv_heads and hidden and hidden % self.settings.num_kv_heads:
+            # (ChunkShape.of would take one head for every chunk: one fp8 scale across all heads)
+            msg = (f"`kvkernels.num_kv_heads`: {self.settings.num_kv_heads} does not divide the hidden size "
+                   f"{hidden} of LMCache's kv_shape {tuple(metadata.kv_shape)} (heads "
+                   f"{self._heads_from_metadata(metadata)}); leave it out, LMCache's metadata gives the heads")
+            log.error("kvkernels LMCache plugin NOT created: %s", msg)
+            self.store.close()
+            raise PluginConfigError(msg)
         self._layer_order = self._layerwise_order(config, metadata)
         self._layer_keys_per_chunk = self._layerwise_keys_per_chunk(config, metadata)
         self._metas: dict = {}
@@ -188,7 +199,7 @@ class KVKernelsBackend(StoragePluginInterface):
             local_cpu_backend.close = close_after_kvkernels
         # closed at interpreter exit before the store (puts still queued in _put_pool are written)
         close_before_stores_at_exit(self)
-        self.counters = {k: 0 for k in ("puts", "put_skipped", "put_errors", "gets", "hits", "misses", "corrupt",
+        self.counters = {k: 0 for k in ("puts", "put_present", "put_skipped", "put_errors", "gets", "hits", "misses", "corrupt",
                                         "alloc_failures", "get_errors", "put_dropped_busy")}
         log.info("kvkernels LMCache plugin: store %s, engine %s, capacity %s, %d entries recovered",
                  self.store.paths, self.store.engine.name, self.settings.capacity_bytes, len(self.store))
@@ -202,6 +213,15 @@ class KVKernelsBackend(StoragePluginInterface):
         shape = getattr(metadata, "kv_shape", None)
         try:
             return int(shape[3]) if shape is not None and len(shape) == 5 else None
+        except (TypeError, ValueError, IndexError):
+            return None
+
+    @staticmethod
+    def _hidden_from_metadata(metadata) -> int | None:
+        """H*D from LMCache's ``kv_shape`` (num_layers, 2, chunk, H, D), or None."""
+        shape = getattr(metadata, "kv_shape", None)
+        try:
+            return int(shape[3]) * int(shape[4]) if shape is not None and len(shape) == 5 else None
         except (TypeError, ValueError, IndexError):
             return None
 
@@ -284,6 +304,13 @@ class KVKernelsBackend(StoragePluginInterface):
             self._warn_once(f"shape-{fmt}", "kvkernels LMCache plugin: unexpected %s tensor %s; not stored", fmt,
                             tuple(t.shape))
             return None
+        if self._num_heads and shape.num_kv == 2 and shape.num_heads != self._num_heads:
+            # the heads do not divide this chunk's hidden size (no kv_shape to check them against at
+            # start): stored with one head, so fp8 takes one scale per token across all heads
+            self._warn_once(f"heads-{shape.num_heads * shape.head_dim}", "kvkernels LMCache plugin: %s heads do "
+                            "not divide the hidden size %d: these chunks are stored as one head (one fp8 scale per "
+                            "token across all heads); check `kvkernels.num_kv_heads`", self._num_heads,
+                            shape.num_heads * shape.head_dim)
         return shape
 
     # ------------------------------------------------------------------ lookups
@@ -429,8 +456,8 @@ class KVKernelsBackend(StoragePluginInterface):
                 self._skip_closed()
                 continue
             ks = key_string(key)
-            if self.store.contains(ks):
-                self._count("put_skipped")
+            if self.store.contains(ks):  # stored already: nothing to do (not a chunk that could not be stored)
+                self._count("put_present")
                 continue
             shapes = getattr(obj.metadata, "shapes", None)
             if shapes is not None and len(shapes) > 1:  # .tensor raises for a multi-group object
@@ -450,8 +477,8 @@ class KVKernelsBackend(StoragePluginInterface):
                 continue
             nbytes = t.numel() * t.element_size()
             with self._lock:
-                if ks in self._put_tasks:
-                    self.counters["put_skipped"] += 1
+                if ks in self._put_tasks:  # in flight already
+                    self.counters["put_present"] += 1
                     continue
                 bound = self.settings.max_pending_bytes
                 if bound is not None and self._held and self._held + nbytes > bound:

@@ -182,7 +182,7 @@ def parse_extra_config(extra: dict | None) -> PluginSettings:
                 raise _err(k, f"one of {allowed}", v)
             kw[k] = v.lower()
     if kw.get("byteshuffle") and kw.get("quant", "none") != "none":
-        raise _err("byteshuffle", "false with kvkernels.quant: fp8 (one-byte codes have no byte planes)", True)
+        raise _err("byteshuffle", f"false with `{PREFIX}quant`: fp8 (one-byte codes have no byte planes)", True)
     if kw.get("byteshuffle") and kw.get("compression", "none") == "none":
-        raise _err("byteshuffle", "false unless kvkernels.compression is a codec", True)
+        raise _err("byteshuffle", f"false unless `{PREFIX}compression` is a codec", True)
     return PluginSettings(**kw)

@@ -151,6 +151,7 @@ def parse_adapter_params(params: Any) -> PluginSettings:
         settings = parse_extra_config({PREFIX + k: v for k, v in params.items()})
     except PluginConfigError as exc:
         msg = str(exc).replace(f"LMCache extra_config `{PREFIX}", "kvkernels L2 adapter `adapter_params.")
+        msg = msg.replace(f"`{PREFIX}", "`adapter_params.")  # other keys the message names
         msg = msg.replace("docs/lmcache.md", "docs/lmcache-mp.md")
         raise L2AdapterConfigError(msg) from exc
     return settings
@@ -252,6 +253,8 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                                  io_threads=settings.io_threads, max_inflight_bytes=settings.max_inflight_bytes,
                                  read_priority=settings.read_priority, verify=settings.verify, fsync=settings.fsync)
         except Exception as exc:
+            if isinstance(exc, ValueError) and str(exc).startswith("`KVKERNELS_"):  # an environment variable
+                raise L2AdapterConfigError(f"kvkernels L2 adapter: {exc}") from exc  # (not the paths' fault)
             raise L2AdapterConfigError(f"kvkernels L2 adapter: cannot open the store at `adapter_params.paths`="
                                        f"{list(settings.paths)}: {type(exc).__name__}: {exc}") from exc
         self._store_efd = create_event_notifier()
@@ -293,6 +296,7 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                                         "lookup_hits", "load_tasks", "loaded", "load_misses", "load_mismatch",
                                         "corrupt", "load_errors", "deleted", "deleted_already_evicted", "deleted_recovered",
                                         "delete_refused_locked")}
+        self._config_errors: set[str] = set()  # settings that objects met at run time proved unusable
         log.info("kvkernels L2 adapter: store %s, engine %s, capacity %s, %d entries recovered", self.store.paths,
                  self.store.engine.name, settings.capacity_bytes, len(self.store))
 
@@ -340,7 +344,18 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                 kv, L, T, HD = dims
                 heads = s.num_kv_heads if s.num_kv_heads and kv == 2 else 1
                 if HD % heads:
-                    raise ValueError(f"hidden size {HD} is not a multiple of adapter_params.num_kv_heads={heads}")
+                    # a setting no object of this size can be stored with (MP objects carry H*D, so
+                    # it cannot be checked at start): every such store fails; said once at ERROR
+                    # and in report_status (it said healthy while every store failed)
+                    msg = (f"`adapter_params.num_kv_heads`: {heads} does not divide the objects' hidden size "
+                           f"{HD} (H*D): no object of this size can be stored; set the model's KV heads per "
+                           "worker, or leave it out")
+                    with self._lock:
+                        first = msg not in self._config_errors
+                        self._config_errors.add(msg)
+                    if first:
+                        log.error("kvkernels L2 adapter: %s", msg)
+                    raise ValueError(msg)
                 cs = ChunkShape(kv, L, T, heads, HD // heads, dtypes[0])
                 # shuffle for 16-bit elements, FP8 for bf16/fp16/fp32; others stored as they are (+ codec)
                 scheme = store_scheme(quant=s.quant, shuffle=s.byteshuffle, granularity=s.quant_granularity,
@@ -700,7 +715,9 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         """Health, adapter counters, lock count and the store's ``stats()``."""
         st = self.store.stats() if not self._closed else {}
         with self._lock:
-            return {"is_healthy": not self._closed, "type": "KVKernelsL2Adapter", "paths": list(self.settings.paths),
+            return {"is_healthy": not self._closed and not self._config_errors,
+                    "config_errors": sorted(self._config_errors),
+                    "type": "KVKernelsL2Adapter", "paths": list(self.settings.paths),
                     "locked_keys": len(self._locks), "stores_in_flight": len(self._storing),
                     "counters": dict(self.counters), "store": st}
 
