@@ -161,7 +161,8 @@ class KVKernelsBackend(StoragePluginInterface):
                                     f"{type(exc).__name__}: {exc}") from exc
         self._num_heads = self.settings.num_kv_heads or self._heads_from_metadata(metadata)
         hidden = self._hidden_from_metadata(metadata)
-        if self.settings.num_kv_heads and hidden and hidden % self.settings.num_kv_heads:
+        if (self.settings.num_kv_heads and hidden and hidden % self.settings.num_kv_heads
+                and not getattr(metadata, "use_mla", False)):  # (MLA's latent has no heads: the setting is unused)
             # (ChunkShape.of would take one head for every chunk: one fp8 scale across all heads)
             msg = (f"`kvkernels.num_kv_heads`: {self.settings.num_kv_heads} does not divide the hidden size "
                    f"{hidden} of LMCache's kv_shape {tuple(metadata.kv_shape)} (heads "
