@@ -517,13 +517,35 @@ def test_pin_unpin_remove(mgr):
     assert not mgr.plugin.remove(_key(7))
 
 
-def test_num_kv_heads_that_cannot_divide_the_metadatas_hidden_size_is_a_config_error(tmp_path):
+def test_num_kv_heads_that_cannot_divide_the_metadatas_hidden_size_is_a_config_error_with_fp8(tmp_path, caplog):
     # it was ignored: ChunkShape.of took one head for every chunk (one fp8 scale across all heads)
     cfg = _config(tmp_path / "kv", quant="fp8", num_kv_heads=3)  # hidden H * D = 16
     with pytest.raises(PluginConfigError, match=r"kvkernels\.num_kv_heads.*3 does not divide the hidden size 16"):
         KVKernelsBackend(dst_device="cpu", config=cfg, metadata=_metadata())
-    m = Manager(tmp_path / "kv", quant="fp8", num_kv_heads=4)  # the folder was let go (its lock released)
-    m.close()
+    assert not (tmp_path / "kv").exists()  # refused before the store opened: nothing made, nothing recovered
+    # without fp8 the setting does nothing: the plugin is made (LMCache would serve without its
+    # tier otherwise), and says so once
+    with caplog.at_level(logging.WARNING, logger="kvkernels.integrations.lmcache"):
+        m = Manager(tmp_path / "kv", num_kv_heads=3)
+    try:
+        obj, want = m.chunk(5)
+        m.put([_key(5)], [obj])
+        got = m.plugin.get_blocking(_key(5))
+        assert bytes_equal(got.tensor, want)
+        got.ref_count_down()
+    finally:
+        m.close()
+    said = [r.getMessage() for r in caplog.records if "does not divide" in r.getMessage()]
+    assert len(said) == 2 and "NOT created" in said[0] and "unused here (quant none)" in said[1], said
+
+
+def test_num_kv_heads_is_not_checked_where_k_and_v_are_not_split(tmp_path):
+    # MLA by its kv_shape (K/V factor 1, the latent has no heads), also without use_mla (LMCache's
+    # TensorRT-LLM integration builds such metadata without setting it)
+    md = LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+                         kv_dtype=torch.bfloat16, kv_shape=(L, 1, T, 1, 576), use_mla=False, chunk_size=T)
+    b = KVKernelsBackend(dst_device="cpu", config=_config(tmp_path / "kv", quant="fp8", num_kv_heads=5), metadata=md)
+    b.close()
 
 
 def test_heads_that_do_not_divide_a_chunk_are_said(tmp_path, caplog):
@@ -1295,10 +1317,31 @@ def test_a_key_stored_or_in_flight_counts_as_present_not_skipped(mgr):
     obj, _ = mgr.chunk(21)
     obj2, _ = mgr.chunk(21)
     mgr.put([_key(21)], [obj])
-    assert mgr.plugin.batched_submit_put_task([_key(21)], [obj2]) == []
+    assert mgr.plugin.batched_submit_put_task([_key(21)], [obj2]) == []  # stored already
     obj2.ref_count_down()
     st = mgr.plugin.stats()
     assert (st["puts"], st["put_present"], st["put_skipped"]) == (1, 1, 0)
+    eng = mgr.plugin.store.engine  # and in flight: its write held until the second batch is in
+    orig, release = eng.write_file, threading.Event()
+
+    def slow(*a, **k):
+        release.wait(10)
+        return orig(*a, **k)
+
+    eng.write_file = slow
+    try:
+        a, _ = mgr.chunk(22)
+        b, _ = mgr.chunk(22)
+        assert len(mgr.plugin.batched_submit_put_task([_key(22)], [a])) == 1
+        assert mgr.plugin.batched_submit_put_task([_key(22)], [b]) == []
+        for o in (a, b):
+            o.ref_count_down()
+    finally:
+        release.set()
+        mgr.plugin.flush(timeout=30)
+        eng.write_file = orig
+    st = mgr.plugin.stats()
+    assert (st["puts"], st["put_present"], st["put_skipped"]) == (2, 2, 0)
 
 
 # ------------------------------------------------ regressions found by review (2026-11-23, 13th session)

@@ -141,6 +141,7 @@ class KVKernelsBackend(StoragePluginInterface):
         try:
             extra = getattr(config, "extra_config", None) if config is not None else None
             self.settings: PluginSettings = parse_extra_config(extra)
+            self._check_heads(self.settings, metadata)  # before the store opens: a refusal makes nothing
             from kvkernels.io import KVStore  # the store issue's front door
 
             s = self.settings
@@ -160,16 +161,6 @@ class KVKernelsBackend(StoragePluginInterface):
                                     f"`kvkernels.paths`={list(self.settings.paths) if hasattr(self, 'settings') else '?'}: "
                                     f"{type(exc).__name__}: {exc}") from exc
         self._num_heads = self.settings.num_kv_heads or self._heads_from_metadata(metadata)
-        hidden = self._hidden_from_metadata(metadata)
-        if (self.settings.num_kv_heads and hidden and hidden % self.settings.num_kv_heads
-                and not getattr(metadata, "use_mla", False)):  # (MLA's latent has no heads: the setting is unused)
-            # (ChunkShape.of would take one head for every chunk: one fp8 scale across all heads)
-            msg = (f"`kvkernels.num_kv_heads`: {self.settings.num_kv_heads} does not divide the hidden size "
-                   f"{hidden} of LMCache's kv_shape {tuple(metadata.kv_shape)} (heads "
-                   f"{self._heads_from_metadata(metadata)}); leave it out, LMCache's metadata gives the heads")
-            log.error("kvkernels LMCache plugin NOT created: %s", msg)
-            self.store.close()
-            raise PluginConfigError(msg)
         self._layer_order = self._layerwise_order(config, metadata)
         self._layer_keys_per_chunk = self._layerwise_keys_per_chunk(config, metadata)
         self._metas: dict = {}
@@ -218,13 +209,29 @@ class KVKernelsBackend(StoragePluginInterface):
             return None
 
     @staticmethod
-    def _hidden_from_metadata(metadata) -> int | None:
-        """H*D from LMCache's ``kv_shape`` (num_layers, 2, chunk, H, D), or None."""
+    def _check_heads(settings: PluginSettings, metadata) -> None:
+        """``kvkernels.num_kv_heads`` against LMCache's ``kv_shape`` (num_layers, 2, chunk, H, D):
+        a value that does not divide H*D gives every chunk one head (``ChunkShape.of``), so fp8
+        takes one scale per token across all heads. With ``quant: fp8`` that is a
+        ``PluginConfigError`` (LMCache then serves without the plugin, one ERROR line); without,
+        the setting does nothing, said once. Skipped where K and V are not split (MLA: kv_shape[1]
+        is 1, the latent has no heads) or there is no kv_shape."""
+        heads = settings.num_kv_heads
         shape = getattr(metadata, "kv_shape", None)
         try:
-            return int(shape[3]) * int(shape[4]) if shape is not None and len(shape) == 5 else None
+            if not heads or shape is None or len(shape) != 5 or int(shape[1]) != 2:
+                return
+            hidden = int(shape[3]) * int(shape[4])
         except (TypeError, ValueError, IndexError):
-            return None
+            return
+        if hidden % heads == 0:
+            return
+        what = (f"`kvkernels.num_kv_heads`: {heads} does not divide the hidden size {hidden} of LMCache's kv_shape "
+                f"{tuple(shape)} ({shape[3]} heads)")
+        if settings.quant == "fp8":
+            raise PluginConfigError(f"{what}: fp8 would take one scale per token across all heads; leave it out, "
+                                    "LMCache's metadata gives the heads")
+        log.warning("kvkernels LMCache plugin: %s; it only shapes fp8 scales and is unused here (quant none)", what)
 
     def _warn_once(self, what: str, msg: str, *args) -> None:
         if what not in self._warned:
@@ -305,7 +312,7 @@ class KVKernelsBackend(StoragePluginInterface):
             self._warn_once(f"shape-{fmt}", "kvkernels LMCache plugin: unexpected %s tensor %s; not stored", fmt,
                             tuple(t.shape))
             return None
-        if self._num_heads and shape.num_kv == 2 and shape.num_heads != self._num_heads:
+        if self._num_heads and shape.num_kv == 2 and shape.num_heads != self._num_heads and self.settings.quant == "fp8":
             # the heads do not divide this chunk's hidden size (no kv_shape to check them against at
             # start): stored with one head, so fp8 takes one scale per token across all heads
             self._warn_once(f"heads-{shape.num_heads * shape.head_dim}", "kvkernels LMCache plugin: %s heads do "
