@@ -432,6 +432,25 @@ def test_num_kv_heads_must_divide_the_hidden_size(l1, tmp_path, caplog):
         a.close()
 
 
+def test_num_kv_heads_that_cannot_divide_is_unused_without_fp8(l1, tmp_path, caplog):
+    # it only shapes fp8 scales: without fp8 every store of such objects failed all the same
+    a = _make(l1, tmp_path / "kv", num_kv_heads=3)  # hidden = 2 * 64 = 128, quant none
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvkernels.integrations.lmcache"):
+            for i in (5, 6):
+                src = l1.alloc(1, seed=i)
+                assert _store(a, [_key(i)], src).is_successful()
+                dst = l1.alloc(1, fill=0)
+                assert _load(a, [_key(i)], dst) == [0]
+                assert bytes_equal(_bytes(dst[0]), _bytes(src[0]))
+        st = a.report_status()
+        assert st["is_healthy"] and st["config_errors"] == [] and st["counters"]["store_errors"] == 0
+        said = [r for r in caplog.records if "unused here (quant none)" in r.getMessage()]
+        assert len(said) == 1
+    finally:
+        a.close()
+
+
 # ----------------------------------------------------------------------------- lookups, locks, misses
 def test_partial_lookup_locks_and_unlock(adapter, l1):
     keys = [_key(50 + i) for i in range(5)]

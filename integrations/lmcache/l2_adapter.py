@@ -297,6 +297,7 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                                         "corrupt", "load_errors", "deleted", "deleted_already_evicted", "deleted_recovered",
                                         "delete_refused_locked")}
         self._config_errors: set[str] = set()  # settings that objects met at run time proved unusable
+        self._heads_unused: set[int] = set()  # hidden sizes num_kv_heads does not divide (quant none: said once)
         log.info("kvkernels L2 adapter: store %s, engine %s, capacity %s, %d entries recovered", self.store.paths,
                  self.store.engine.name, settings.capacity_bytes, len(self.store))
 
@@ -343,13 +344,24 @@ class KVKernelsL2Adapter(L2AdapterInterface):
             if dims is not None and min(dims) > 0:
                 kv, L, T, HD = dims
                 heads = s.num_kv_heads if s.num_kv_heads and kv == 2 else 1
+                if HD % heads and s.quant != "fp8":
+                    # the setting only shapes fp8 scales: without fp8 these objects are stored as
+                    # one head (every store of them failed), said once
+                    with self._lock:
+                        first = HD not in self._heads_unused
+                        self._heads_unused.add(HD)
+                    if first:
+                        log.warning("kvkernels L2 adapter: `adapter_params.num_kv_heads` %d does not divide the "
+                                    "objects' hidden size %d; it only shapes fp8 scales and is unused here (quant "
+                                    "none)", heads, HD)
+                    heads = 1
                 if HD % heads:
-                    # a setting no object of this size can be stored with (MP objects carry H*D, so
-                    # it cannot be checked at start): every such store fails; said once at ERROR
-                    # and in report_status (it said healthy while every store failed)
+                    # with fp8, a setting no object of this size can be stored with (MP objects carry
+                    # H*D, so it cannot be checked at start): every such store fails; said once at
+                    # ERROR and in report_status (it said healthy while every store failed)
                     msg = (f"`adapter_params.num_kv_heads`: {heads} does not divide the objects' hidden size "
-                           f"{HD} (H*D): no object of this size can be stored; set the model's KV heads per "
-                           "worker, or leave it out")
+                           f"{HD} (H*D): no object of this size can be stored with quant fp8; set the model's KV "
+                           "heads per worker, or leave it out")
                     with self._lock:
                         first = msg not in self._config_errors
                         self._config_errors.add(msg)
