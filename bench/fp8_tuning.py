@@ -65,6 +65,16 @@ VARIANTS = {
 }
 
 
+def _case(model: str, pool: int, blocks: int, device):
+    """A bf16 cache of ``model``'s shape (vLLM NHD, or MLA) and ``blocks`` seeded random ids of its pool."""
+    shape = get_model(model)
+    lay = make_cache("mla" if shape.mla else "vllm-nhd", num_layers=shape.num_layers, num_blocks=pool,
+                     block_size=16, num_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                     dtype=torch.bfloat16, device=device)
+    ids = torch.randperm(pool, generator=torch.Generator().manual_seed(1))[:blocks].to(device)
+    return lay, ids
+
+
 def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_results") -> list[dict]:
     from kvkernels.triton_ops.quant_gather import quant_gather_triton
 
@@ -75,12 +85,7 @@ def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_r
     meta["peaks"] = peaks
     rows: list[dict] = []
     for m in models:
-        shape = get_model(m)
-        lay = make_cache("mla" if shape.mla else "vllm-nhd", num_layers=shape.num_layers, num_blocks=pool,
-                         block_size=16, num_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                         dtype=torch.bfloat16, device=device)
-        g = torch.Generator().manual_seed(1)
-        ids = torch.randperm(pool, generator=g)[:blocks].to(device)
+        lay, ids = _case(m, pool, blocks, device)
         raw = StagingFormat.for_layout(lay, blocks)
         payload = raw.num_regions * raw.payload_nbytes  # as bench_gather
         for gran in ("token", "block"):
@@ -152,11 +157,7 @@ def ncu_target(models, *, pool: int = 4096, blocks: int = 2048, device: str = "c
     device = torch.device(device)
     launches = failed = 0
     for m in models:
-        shape = get_model(m)
-        lay = make_cache("mla" if shape.mla else "vllm-nhd", num_layers=shape.num_layers, num_blocks=pool,
-                         block_size=16, num_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                         dtype=torch.bfloat16, device=device)
-        ids = torch.randperm(pool, generator=torch.Generator().manual_seed(1))[:blocks].to(device)
+        lay, ids = _case(m, pool, blocks, device)
         for gran in ("token", "block"):
             fmt = QuantStagingFormat.for_layout(lay, blocks, granularity=gran)
             out = torch.empty(fmt.nbytes, dtype=torch.uint8, device=device)

@@ -43,7 +43,7 @@ from lmcache.utils import CacheEngineKey, LayerCacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from .config import PluginConfigError, PluginSettings, parse_extra_config
+from .config import PluginConfigError, PluginSettings, environment_error, parse_extra_config
 from kvkernels.io.store import close_before_stores_at_exit
 from kvkernels.quant import store_scheme
 
@@ -155,8 +155,8 @@ class KVKernelsBackend(StoragePluginInterface):
             raise
         except Exception as exc:
             log.error("kvkernels LMCache plugin NOT created: %s: %s", type(exc).__name__, exc)
-            if isinstance(exc, ValueError) and str(exc).startswith("`KVKERNELS_"):  # an environment variable
-                raise PluginConfigError(f"kvkernels LMCache plugin: {exc}") from exc  # (not the paths' fault)
+            if environment_error(exc):  # (not the paths' fault)
+                raise PluginConfigError(f"kvkernels LMCache plugin: {exc}") from exc
             raise PluginConfigError(f"kvkernels LMCache plugin: cannot open the store at "
                                     f"`kvkernels.paths`={list(self.settings.paths) if hasattr(self, 'settings') else '?'}: "
                                     f"{type(exc).__name__}: {exc}") from exc

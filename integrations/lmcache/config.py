@@ -58,6 +58,12 @@ def _have_zstandard() -> bool:
     return "zstd" in available_codecs("cpu")
 
 
+def environment_error(exc: BaseException) -> bool:
+    """Whether opening the store failed on a ``KVKERNELS_*`` variable's value (kvkernels.config's
+    ``ValueError``s name it first): said as such, not blamed on the configured paths."""
+    return isinstance(exc, ValueError) and str(exc).startswith("`KVKERNELS_")
+
+
 def _err(key: str, expected: str, got) -> PluginConfigError:
     return PluginConfigError(f"LMCache extra_config `{PREFIX}{key}`: expected {expected}, got {got!r} "
                              f"(see docs/lmcache.md)")

@@ -64,7 +64,7 @@ from kvkernels.io.store import close_before_stores_at_exit
 from kvkernels.quant import store_scheme
 
 from .chunk_io import ChunkIO, run_windowed
-from .config import KEYS, PREFIX, PluginConfigError, PluginSettings, parse_extra_config
+from .config import KEYS, PREFIX, PluginConfigError, PluginSettings, environment_error, parse_extra_config
 from .convert import ChunkShape
 
 if TYPE_CHECKING:
@@ -253,8 +253,8 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                                  io_threads=settings.io_threads, max_inflight_bytes=settings.max_inflight_bytes,
                                  read_priority=settings.read_priority, verify=settings.verify, fsync=settings.fsync)
         except Exception as exc:
-            if isinstance(exc, ValueError) and str(exc).startswith("`KVKERNELS_"):  # an environment variable
-                raise L2AdapterConfigError(f"kvkernels L2 adapter: {exc}") from exc  # (not the paths' fault)
+            if environment_error(exc):  # (not the paths' fault)
+                raise L2AdapterConfigError(f"kvkernels L2 adapter: {exc}") from exc
             raise L2AdapterConfigError(f"kvkernels L2 adapter: cannot open the store at `adapter_params.paths`="
                                        f"{list(settings.paths)}: {type(exc).__name__}: {exc}") from exc
         self._store_efd = create_event_notifier()
