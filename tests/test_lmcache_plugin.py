@@ -1648,3 +1648,19 @@ def test_a_layerwise_async_lookup_rounded_to_no_chunk_leaves_no_record_to_take_a
         assert [p.pin_count(k) for k in keys] == [0] * L and not p._lookup_pins
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("heads,says", [(1, "several heads"), (4, "part of a head"), (None, None), (2, None)])
+def test_num_kv_heads_that_divides_but_differs_from_the_metadata_is_said_with_fp8(tmp_path, caplog, heads, says):
+    # it was taken silently: one scale across both heads of kv_shape (coarser) or per half head
+    md_heads = _metadata().kv_shape[3]
+    assert md_heads == 2  # what the cases above assume
+    with caplog.at_level(logging.WARNING, logger="kvkernels.integrations.lmcache"):
+        b = KVKernelsBackend(dst_device="cpu", config=_config(tmp_path / "kv", quant="fp8", num_kv_heads=heads),
+                             metadata=_metadata())
+    b.close()
+    said = [r.getMessage() for r in caplog.records if "differs from the" in r.getMessage()]
+    if says is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and says in said[0] and f"num_kv_heads` {heads}" in said[0], said

@@ -215,7 +215,9 @@ class KVKernelsBackend(StoragePluginInterface):
         takes one scale per token across all heads. With ``quant: fp8`` that is a
         ``PluginConfigError`` (LMCache then serves without the plugin, one ERROR line); without,
         the setting does nothing, said once. Skipped where K and V are not split (MLA: kv_shape[1]
-        is 1, the latent has no heads) or there is no kv_shape."""
+        is 1, the latent has no heads) or there is no kv_shape. A value that divides H*D but is not
+        kv_shape's H is taken (the scales then cover hidden / heads elements); with fp8 that is
+        said at start."""
         heads = settings.num_kv_heads
         shape = getattr(metadata, "kv_shape", None)
         try:
@@ -225,6 +227,13 @@ class KVKernelsBackend(StoragePluginInterface):
         except (TypeError, ValueError, IndexError):
             return
         if hidden % heads == 0:
+            if settings.quant == "fp8" and heads != int(shape[3]):
+                # it divides, so it is taken: each fp8 scale then covers hidden / heads elements, a
+                # part of a head or several heads (coarser scales than per head lose accuracy)
+                log.warning("kvkernels LMCache plugin: `kvkernels.num_kv_heads` %d differs from the %d heads of "
+                            "LMCache's kv_shape %s: fp8 takes one scale per token and %d elements (%s); leave it "
+                            "out to follow LMCache's metadata", heads, int(shape[3]), tuple(shape), hidden // heads,
+                            "several heads" if heads < int(shape[3]) else "part of a head")
             return
         what = (f"`kvkernels.num_kv_heads`: {heads} does not divide the hidden size {hidden} of LMCache's kv_shape "
                 f"{tuple(shape)} ({shape[3]} heads)")
