@@ -292,7 +292,7 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         self._close_done = False
         # closed at interpreter exit before the store (store tasks still queued are written)
         close_before_stores_at_exit(self)
-        self.counters = {k: 0 for k in ("store_tasks", "stored", "store_skipped", "store_errors", "lookup_tasks",
+        self.counters = {k: 0 for k in ("store_tasks", "stored", "store_present", "store_errors", "lookup_tasks",
                                         "lookup_hits", "load_tasks", "loaded", "load_misses", "load_mismatch",
                                         "corrupt", "load_errors", "deleted", "deleted_already_evicted", "deleted_recovered",
                                         "delete_refused_locked")}
@@ -431,12 +431,12 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                         if other is None:
                             mine = self._storing[ks] = Future()
                         else:
-                            self.counters["store_skipped"] += 1
+                            self.counters["store_present"] += 1
                     if other is not None:
                         followed.append((ks, other))
                         continue
                     if self.store.contains(ks):
-                        self._count("store_skipped")
+                        self._count("store_present")
                         self._release(ks, mine)
                         continue
                     plan = self._plan(obj)
