@@ -2788,3 +2788,115 @@ def test_asynchronous_restore_reads_device_ids_as_they_were_at_the_call():
         assert _drain_loads(pipe) == {"a"}
         assert_blocks_hold(lay, dst, expect)
         assert_blocks_hold(lay, [5, 6, 7], others)
+
+
+@pytest.mark.parametrize("copy_mode", ["gather", "dma"] if DEVICE.type == "cpu" else ["gather"])
+@pytest.mark.parametrize("seed", range(3))
+def test_prefetch_and_evict_from_another_thread_during_steps_never_restore_wrong_bytes(seed, copy_mode):
+    """A connector may call ``prefetch`` (and ``evict``) from a thread of its own while the model
+    runner's thread runs the step calls (docs/pipeline.md, "Threads"). With both at random: a key
+    reported loaded holds its latest successful save's bytes (never an older save's, never a
+    failed save's), the other thread sees only the documented errors, and the pool ends whole."""
+    import random
+
+    rng = random.Random(seed)
+    lay = cache(seed=seed)
+    as_ids = list if copy_mode == "dma" else ids  # (device ids take the gather path in dma mode)
+    fail_rng = random.Random(seed + 1000)
+    store = _MemStore(fail=lambda key, layers: fail_rng.random() < 0.1)  # some reads fail
+    one = -(-StagingFormat.for_layout(lay, 4).nbytes // 4096) * 4096
+    latest = {}  # key -> (snapshot, num_blocks) of its latest successful save; absent after a failed one
+    mlock = threading.Lock()
+    stop = threading.Event()
+    errors = []
+    seen = {"read": 0, "evicted": 0, "loaded": 0}  # what the two threads did (the test must exercise both)
+
+    def other(pipe, rng2):
+        while not stop.is_set():
+            k = rng2.choice("abcd")
+            with mlock:
+                n = latest[k][1] if k in latest else rng2.randint(1, 4)
+            try:
+                if rng2.random() < 0.7:
+                    seen["read"] += pipe.prefetch(k, num_blocks=n).result(timeout=20).state == "ready"
+                else:
+                    seen["evicted"] += pipe.evict(k)
+            except ValueError as exc:  # no room in the pool, or held with another block count
+                if "host_bytes" not in str(exc) and "num_blocks" not in str(exc):
+                    errors.append(exc)
+            except Exception as exc:  # noqa: BLE001 - any other error is a finding
+                errors.append(exc)
+            time.sleep(rng2.random() * 0.0005)
+
+    with LayerPipeline(lay, host_bytes=4 * one, prefetch_depth=rng.choice([1, 2]), store=store,
+                       copy_mode=copy_mode) as pipe:
+        t = threading.Thread(target=other, args=(pipe, random.Random(seed + 77)))
+        t.start()
+        try:
+            for step in range(60):
+                op = rng.choice(["save", "save", "savefail", "load", "load"])
+                keys = rng.sample("abcd", rng.randint(1, 2))
+                where = (seed, step, op, keys)
+                if op != "load":
+                    saves = {k: rng.sample(range(NB), rng.randint(1, 4)) for k in keys}
+                    snaps = {k: snapshot(lay, v) for k, v in saves.items()}
+                    bad = rng.randrange(1, L) if op == "savefail" else None
+                    for layer in range(L):
+                        call = {k: as_ids(v) for k, v in saves.items()}
+                        if layer == bad:
+                            call["zz"] = [NB + 7]
+                        try:
+                            pipe.save_layer(layer, call)
+                        except ValueError:
+                            assert layer == bad, where
+                        time.sleep(rng.random() * 0.001)  # the other thread's calls land mid-save too
+                    pipe.wait_for_save()
+                    _sync()
+                    pipe.get_finished()
+                    failed = pipe.take_failed_saves()
+                    with mlock:
+                        for k in saves:
+                            if op == "save" and k not in failed:
+                                latest[k] = (snaps[k], len(saves[k]))
+                            else:
+                                assert k in failed, where
+                                latest.pop(k, None)
+                else:
+                    dst_pool = rng.sample(range(NB), 8)
+                    with mlock:
+                        dsts = {k: dst_pool[4 * i: 4 * i + (latest[k][1] if k in latest else 2)]
+                                for i, k in enumerate(keys)}
+                    pipe.start_load({k: as_ids(d) for k, d in dsts.items()})
+                    for layer in range(L):
+                        pipe.wait_for_layer_load(layer)
+                        time.sleep(rng.random() * 0.001)
+                    _sync()
+                    loaded = pipe.get_finished()[1]
+                    _sync()
+                    loaded |= pipe.get_finished()[1]
+                    pipe.get_block_ids_with_load_errors()
+                    pipe.take_failed_loads()
+                    for k, d in dsts.items():
+                        if k in loaded:
+                            with mlock:
+                                assert k in latest, where  # never an older or failed save's bytes
+                                want = latest[k][0]
+                            assert_blocks_hold(lay, d, want)
+                            seen["loaded"] += 1
+        finally:
+            stop.set()
+            t.join(timeout=60)
+        assert not t.is_alive()
+        assert errors == [], errors
+        assert seen["read"] and seen["evicted"] and seen["loaded"], seen  # both threads did their part
+        pipe.wait_for_save()
+        t0 = time.time()
+        while time.time() - t0 < 10:
+            pipe.get_finished()
+            if all(e.ssd_future is None or e.ssd_future.done() for e in list(pipe.entries.values()) + pipe._orphans):
+                break
+            time.sleep(0.01)
+        _sync()
+        pipe.get_finished()
+        ents = list(pipe.entries.values()) + pipe._orphans
+        assert sum(-(-e.fmt.nbytes // 4096) * 4096 for e in ents) + pipe.pool.free_bytes == pipe.pool.nbytes
