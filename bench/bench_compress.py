@@ -27,6 +27,7 @@ except ImportError:  # pragma: no cover
     from bench import common  # type: ignore
 
 import kvkernels
+from kvkernels import _wheels
 from kvkernels.compress import available_codecs, compress_regions, decompress_regions
 
 DEFAULT_SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench_results",
@@ -49,7 +50,9 @@ def unavailable(codecs) -> str:
     """Why each of ``codecs`` cannot run here: zstd needs the zstandard package, the others nvCOMP
     on a GPU."""
     nv = [c for c in codecs if c != "zstd"]
-    parts = [f"{', '.join(nv)} (need{'s' if len(nv) == 1 else ''} nvCOMP, nvidia-nvcomp-cu13, on a GPU)"] if nv else []
+    from kvkernels._wheels import suffix
+
+    parts = [f"{', '.join(nv)} (need{'s' if len(nv) == 1 else ''} nvCOMP, nvidia-nvcomp-{suffix()}, on a GPU)"] if nv else []
     if "zstd" in codecs:
         parts.insert(0, "zstd (needs the zstandard package: pip install 'kvkernels[compress]')")
     return "; ".join(parts)
@@ -167,7 +170,7 @@ def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool
     meta = common.env_record(tiny=tiny)
     meta.update({"sample": name, "regions": fmt.num_regions, "payload_nbytes_per_region": fmt.payload_nbytes,
                  "dtype": str(dtype), "codecs": codecs, "zstandard": _ver("zstandard"),
-                 "nvcomp": _ver("nvidia-nvcomp-cu13"), "fp8_source": "torch reference",
+                 "nvcomp": _wheels.version("nvidia-nvcomp"), "fp8_source": "torch reference",
                  "ssd_entry_raw_mb": round(tvariants[0][2].num_regions * tvariants[0][2].payload_nbytes / 1e6, 1)})
     cols = ["method", "checksum", "ratio", "vs_raw_bf16", "enc_gbps", "dec_gbps", "bytes"]
     print(f"# {name}: {fmt.num_regions} regions x {fmt.payload_nbytes} B, {meta['device']}")

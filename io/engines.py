@@ -434,7 +434,9 @@ def make_engine(engine: str):
             raise RuntimeError("`engine`: 'kvikio' needs a CUDA driver (every kvikio I/O fails without one); use 'posix'")
         st = kvikio_status()
         if not st["importable"]:
-            raise RuntimeError(f"`engine`: 'kvikio' is not importable: {st['reason']} (pip install kvikio-cu13, or '.[gpu]' from a kvkernels checkout)")
+            from kvkernels._wheels import hint
+
+            raise RuntimeError(f"`engine`: 'kvikio' is not importable: {st['reason']} ({hint('kvikio')})")
         return KvikioEngine()
     if torch.cuda.is_available() and kvikio_status()["importable"]:
         return KvikioEngine()

@@ -339,7 +339,9 @@ def _nvcomp():
             _NVCOMP_IMPORT.append(nvcomp)
     got = _NVCOMP_IMPORT[0]
     if isinstance(got, ImportError):
-        raise RuntimeError("nvCOMP is not installed: pip install nvidia-nvcomp-cu13 (or '.[gpu]' from a kvkernels checkout)") from got
+        from ._wheels import hint
+
+        raise RuntimeError(f"nvCOMP is not installed: {hint('nvidia-nvcomp')}") from got
     return got
 
 

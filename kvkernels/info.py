@@ -8,7 +8,7 @@ import platform
 
 import torch
 
-from . import backends, config
+from . import _wheels, backends, config
 
 
 def _version(dist: str) -> str | None:
@@ -68,10 +68,10 @@ def info() -> dict:
         d["cuda_lib"] = _cuda.reason()  # the library's path
         d["cuda_bulk"] = {"built": _cuda.bulk_supported(), "enabled": _field(config.cuda_bulk)}
     kv_ok, kv_msg = _probe("kvikio")
-    d["kvikio"] = (_version("kvikio-cu13") or _version("kvikio")) if kv_ok else None
+    d["kvikio"] = _wheels.version("kvikio") if kv_ok else None
     d["kvikio_status"] = kv_msg
     nv_ok, nv_msg = _probe("nvidia.nvcomp")
-    d["nvcomp"] = _version("nvidia-nvcomp-cu13") if nv_ok else None
+    d["nvcomp"] = _wheels.version("nvidia-nvcomp") if nv_ok else None
     d["nvcomp_status"] = nv_msg
     d["nvcomp_usable"] = bool(nv_ok and cuda)
     try:  # the store reports its engines and whether GPUDirect Storage is active

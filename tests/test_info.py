@@ -1,0 +1,50 @@
+"""kvikio and nvCOMP wheels of either CUDA major: install hints and installed versions."""
+
+import importlib
+import importlib.metadata as md
+
+import pytest
+
+from kvkernels import _wheels
+
+info = importlib.import_module("kvkernels.info")  # (the package exports a function of that name)
+
+
+@pytest.mark.parametrize("cuda,want", [("12.8", "cu12"), ("12", "cu12"), ("13.0", "cu13"), (None, "cu13"),
+                                       ("", "cu13"), ("14.1", "cu13")])
+def test_the_hint_names_the_wheel_of_torchs_cuda_major(cuda, want):
+    assert _wheels.suffix(cuda) == want
+    h = _wheels.hint("kvikio", cuda)
+    assert f"pip install kvikio-{want}" in h
+    assert ("'.[gpu-cu12]'" if want == "cu12" else "'.[gpu]'") in h
+
+
+def test_the_extras_the_hints_name_exist():
+    import pathlib
+    import tomllib
+
+    extras = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for major, extra in (("cu13", "gpu"), ("cu12", "gpu-cu12")):
+        assert f"kvikio-{major}" in extras[extra] and f"nvidia-nvcomp-{major}" in extras[extra]
+
+
+@pytest.mark.parametrize("installed,want", [({"nvidia-nvcomp-cu12": "6.0.0.12"}, "6.0.0.12"),
+                                            ({"nvidia-nvcomp-cu13": "6.0.1"}, "6.0.1"),
+                                            ({"nvidia-nvcomp": "5.1"}, "5.1"), ({}, None)])
+def test_either_majors_installed_wheel_is_found(monkeypatch, installed, want):
+    # info reported no nvCOMP version for a CUDA 12 install (it asked for the cu13 wheel only)
+    def version(name):
+        if name in installed:
+            return installed[name]
+        raise md.PackageNotFoundError(name)
+
+    monkeypatch.setattr(_wheels.md, "version", version)
+    assert _wheels.version("nvidia-nvcomp") == want
+
+
+def test_info_reports_the_versions_through_either_wheel(monkeypatch):
+    monkeypatch.setattr(info, "_probe", lambda module: (True, "ok"))
+    monkeypatch.setattr(_wheels, "version", lambda base: {"kvikio": "26.10.0", "nvidia-nvcomp": "6.0.0.12"}[base])
+    d = info.info()
+    assert d["kvikio"] == "26.10.0" and d["nvcomp"] == "6.0.0.12"
