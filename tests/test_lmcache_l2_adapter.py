@@ -846,6 +846,51 @@ def test_a_key_stored_again_after_the_store_evicted_it_is_counted_once(l1, tmp_p
         a.close()
 
 
+def test_keys_the_store_evicted_on_its_own_are_announced_deleted_and_not_kept(l1, tmp_path, monkeypatch):
+    # without LMCache's eviction (no "eviction" block) nothing called delete(): the adapter kept
+    # every key ever stored (a soak run: 1,200 keys held for a store of 40) and LMCache's usage
+    # climbed past the store's capacity for ever
+    from lmcache.v1.distributed.internal_api import L2AdapterListener
+
+    import kvkernels.integrations.lmcache.l2_adapter as l2mod
+
+    deleted = []
+
+    class Rec(L2AdapterListener):
+        def on_l2_keys_stored(self, keys, sizes):
+            pass
+
+        def on_l2_keys_accessed(self, keys):
+            pass
+
+        def on_l2_keys_deleted(self, keys):
+            deleted.extend(object_key_string(k) for k in keys)
+
+    monkeypatch.setattr(l2mod, "TOLD_SWEEP_MIN", 3, raising=False)
+    one = 69632  # a 64 KiB object's entry (plus its header)
+    a = _make(l1, tmp_path / "kv", capacity_bytes=int(4.5 * one))  # the store holds 4
+    a.register_listener(Rec())
+    try:
+        objs = l1.alloc(1, seed=5)
+        size = objs[0].get_size()
+        keys = [_key(400 + i) for i in range(40)]
+        for i, k in enumerate(keys):
+            assert _store(a, [k], objs).is_successful()
+            assert len(a._told) <= len(a.store) + 3 + 1, i  # bounded by the store, not by the keys seen
+            assert a.get_usage().total_bytes_used == len(a._told) * size
+        held = {object_key_string(k) for k in keys if a.store.contains(object_key_string(k))}
+        assert len(held) == 4 and set(deleted) == {object_key_string(k) for k in keys} - held - set(a._told)
+        assert len(deleted) == len(set(deleted)) and a.counters["evicted_by_store"] == len(deleted) >= 32
+        # LMCache deleting them all now: the swept keys are not announced a second time
+        n, told = len(deleted), set(a._told)  # held keys, and evicted ones not swept yet
+        assert held <= told
+        a.delete(keys)
+        assert len(deleted) == n + len(told) and set(deleted[n:]) == told
+        assert a.get_usage().total_bytes_used == 0 and a._told == {} and len(a.store) == 0
+    finally:
+        a.close()
+
+
 @pytest.mark.parametrize("known_before", [False, True])
 def test_a_delete_landing_after_the_write_leaves_no_stored_notice_behind(l1, tmp_path, known_before):
     """LMCache's eviction may delete a key while a store task of it is between its write and its

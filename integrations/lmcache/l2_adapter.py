@@ -88,6 +88,7 @@ _IMPLEMENTED = ("paths", "capacity_bytes", "engine", "io_threads", "max_inflight
 ADAPTER_KEYS = {k: KEYS[k] for k in _IMPLEMENTED if k in KEYS}
 #: keys deleted (and announced) per hold of the notice lock; a store completion waits for at most one slice
 DELETE_SLICE = 64
+TOLD_SWEEP_MIN = 256  # keys told to LMCache beyond the store's count before a sweep (see _sweep_told)
 _READ_WINDOW_PER_THREAD = 2
 
 
@@ -270,7 +271,9 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         # key -> completion of the write one store task has claimed it for; another task storing the
         # same key meanwhile waits for it and reports its outcome (not a success of its own)
         self._storing: dict[str, Future] = {}
-        self._told: dict[str, int] = {}  # key -> bytes reported stored to LMCache (until deleted)
+        # key string -> (key, bytes) reported stored to LMCache, until deleted or found evicted by
+        # the store's own LRU (_sweep_told: else it grew by every key ever stored)
+        self._told: "dict[str, tuple[ObjectKey, int]]" = {}
         # held from reading/writing _told to the listeners' notice (taken before _lock): a key's
         # stored and deleted notices reach LMCache in the order _told changed, never a stored
         # notice after the delete of the entry it announces (reentrant: a listener may delete)
@@ -294,7 +297,7 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         close_before_stores_at_exit(self)
         self.counters = {k: 0 for k in ("store_tasks", "stored", "store_present", "store_errors", "lookup_tasks",
                                         "lookup_hits", "load_tasks", "loaded", "load_misses", "load_mismatch",
-                                        "corrupt", "load_errors", "deleted", "deleted_already_evicted", "deleted_recovered",
+                                        "corrupt", "load_errors", "deleted", "deleted_already_evicted", "deleted_recovered", "evicted_by_store",
                                         "delete_refused_locked")}
         self._config_errors: set[str] = set()  # settings that objects met at run time proved unusable
         self._heads_unused: set[int] = set()  # hidden sizes num_kv_heads does not divide (quant none: said once)
@@ -494,9 +497,9 @@ class KVKernelsL2Adapter(L2AdapterInterface):
             held = [(key, n) for key, n in zip(stored, sizes) if self.store.contains(object_key_string(key))]
             # a key LMCache was told of before (the store evicted it on its own, LMCache stored
             # it again): its old size is taken back first, or LMCache would count it twice
-            again = [(key, self._told[ks]) for key, _ in held if (ks := object_key_string(key)) in self._told]
+            again = [(key, self._told[ks][1]) for key, _ in held if (ks := object_key_string(key)) in self._told]
             for key, nbytes in held:
-                self._told[object_key_string(key)] = nbytes
+                self._told[object_key_string(key)] = (key, nbytes)
         if not held:
             return
         if again:
@@ -508,6 +511,30 @@ class KVKernelsL2Adapter(L2AdapterInterface):
             self._notify_keys_stored([k for k, _ in held], [n for _, n in held])
         except Exception as exc:  # a listener's failure must not lose the completion
             log.warning("kvkernels L2 adapter: store listeners failed: %s", exc)
+        self._sweep_told()
+
+    def _sweep_told(self) -> None:
+        """Announce as deleted the keys LMCache was told of that the store's own LRU evicted
+        (under ``_notify_lock``). Run when ``_told`` holds more keys than the store by a slack
+        of an eighth of the store (at least ``TOLD_SWEEP_MIN``), so it costs a few ``contains``
+        per store task on average, LMCache's usage overcounts by at most that slack, and
+        ``_told`` stays bounded without LMCache's eviction (which is what else took keys out of
+        it, through ``delete()``)."""
+        n_store = len(self.store)
+        with self._lock:
+            if len(self._told) <= n_store + max(TOLD_SWEEP_MIN, n_store // 8):
+                return
+            items = list(self._told.items())
+        # outside _lock (lookups and loads go on); _told changes only under _notify_lock, held here
+        stale = [(ks, v) for ks, v in items if not self.store.contains(ks)]
+        with self._lock:
+            gone = [v for ks, v in stale if self._told.get(ks) is v and self._told.pop(ks)]
+            self.counters["evicted_by_store"] += len(gone)
+        if gone:
+            try:
+                self._notify_keys_deleted([k for k, _ in gone], [n for _, n in gone])
+            except Exception as exc:  # noqa: BLE001 - as for the stored notice
+                log.warning("kvkernels L2 adapter: delete listeners failed: %s", exc)
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
         """All store tasks completed since the last call (``L2StoreResult``: success, bytes written)."""
@@ -707,6 +734,7 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                             raise
                         return False  # closed on another thread meanwhile: nothing more is deleted
                     told = self._told.pop(ks, None)
+                    told = None if told is None else told[1]
                     if removed:
                         self.counters["deleted"] += 1
                         if told is None:  # recovered, never counted in LMCache's usage
