@@ -1664,3 +1664,54 @@ def test_num_kv_heads_that_divides_but_differs_from_the_metadata_is_said_with_fp
         assert said == []
     else:
         assert len(said) == 1 and says in said[0] and f"num_kv_heads` {heads}" in said[0], said
+
+
+def test_the_staging_buffer_pool_is_bounded_across_sizes():
+    # it kept up to `keep` buffers per size: a server's pool grew by a size for every token count
+    # a prompt's last chunk ever had (a soak run: 516 MiB held for 256 sizes of a small model)
+    from kvkernels.integrations.lmcache.chunk_io import BufferPool
+
+    pool = BufferPool(keep=4)
+    for n in range(1, 40):
+        bufs = [pool.take(4096 * n) for _ in range(2)]
+        for b in bufs:
+            pool.give(b)
+        assert pool.held <= 4
+    kept = pool.take(4096 * 39)  # the most recent size is still there: reused, not new
+    assert kept.data_ptr() in {b.data_ptr() for b in bufs}
+    assert pool.take(4096).numel() == 4096  # an old size's went first: a fresh one
+    pool.give(kept)
+    pool.clear()
+    assert pool.held == 0
+    none = BufferPool(keep=0)
+    none.give(none.take(4096))
+    assert none.held == 0
+
+
+def test_chunks_of_many_token_counts_keep_a_bounded_staging_pool(tmp_path):
+    # a staged path (zstd here) takes a buffer of the chunk's size: the last chunk of each prompt
+    # has its own token count, so its own size (2 KiB per token and layer here: 4 KiB steps)
+    from kvkernels.integrations.lmcache.chunk_io import ChunkIO
+    from kvkernels.io import EntryMeta, KVStore
+
+    keep, hd = 3, 512
+    store = KVStore(str(tmp_path / "s"), engine="posix")
+    try:
+        io = ChunkIO(store, inplace=False, keep=keep)
+        for tokens in range(2, 42, 2):  # 20 sizes
+            t = torch.randn(2, 2, tokens, hd).to(torch.bfloat16)
+            shape = ChunkShape.of(t, 1)
+            meta = EntryMeta(layers=(0, 1), num_blocks=1, block_size=tokens, num_heads=1, head_dim=hd,
+                             element_size=2, num_kv=2, num_layers=2, dtype="bfloat16", scheme="raw",
+                             codec="zstd").validate()
+            fut, _holds = io.put(f"k{tokens}", t, shape, meta)
+            fut.result(timeout=60)
+            out = torch.empty_like(t)
+            io.finish_read(io.start_read(f"k{tokens}", out), out)
+            assert bytes_equal(out, t)
+        sizes = {k[0] for k in io.bufs._free}
+        held = sum(len(lst) for lst in io.bufs._free.values())
+        assert 0 < held <= keep, (held, len(sizes))
+        assert held == io.bufs.held
+    finally:
+        store.close()
