@@ -130,6 +130,10 @@ _RAW_CURRENT = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 # failed_saves keeps the latest this many keys (oldest dropped): request ids are unique in a
 # server, so a key never saved again would otherwise stay for the process's life
 FAILED_SAVES_KEPT = 4096
+# failed restores kept for take_failed_loads (keys, the latest) and for get_block_ids_with_load_errors
+# (device-id tensors; host ids fold into one set, bounded by the cache's blocks) when the caller
+# does not drain them (a soak run grew both by ~2 items a step for ever)
+FAILED_LOADS_KEPT = 4096
 # with read_priority, a saved entry's SSD write waits for a gap in the reads at most this long
 # after it was queued (then it is put; the store still runs reads first): a steady prefetch
 # stream must not hold a finished save (and its host region) forever
@@ -640,9 +644,13 @@ class LayerPipeline:
         # (last layer's event, [(entry, what a failure reports; None: already reported)])
         self._pending_loads: list[tuple[object, list]] = []
         self._load_cat = None  # the restores' destination ids concatenated when they share a slot
-        self._load_errors: list = []  # destination ids (device tensors or host tuples) of loads that failed
-        self._failed_loads: dict[Hashable, None] = {}  # their keys, insertion-ordered (take_failed_loads)
+        # destination ids of loads that failed: device tensors (read back when asked for, the
+        # latest FAILED_LOADS_KEPT) and host ids (folded into a set: at most the cache's blocks)
+        self._load_errors: list = []
+        self._load_error_ids: set[int] = set()
+        self._failed_loads: dict[Hashable, None] = {}  # their keys, insertion-ordered, FAILED_LOADS_KEPT at most
         self._failed_saves: dict[Hashable, None] = {}  # insertion-ordered, FAILED_SAVES_KEPT at most
+        self._warned_load_errors = False
         self._orphans: list[HostEntry] = []  # replaced entries whose regions are still in use
         self._saves_failing: dict[Hashable, set] = {}  # saves without host memory: layers seen so far
         # SSD leg: reads (prefetch) and writes (saved entries) on separate threads; a write
@@ -1857,16 +1865,33 @@ class LayerPipeline:
 
     def _note_load_error(self, key, ids) -> None:
         """A restore of ``key`` into ``ids`` that failed: for both getters."""
+        if isinstance(ids, torch.Tensor) and ids.device.type != "cpu":
+            host = None
+        else:  # host values: folded now (no sync), so they never pile up
+            host = [int(x) for x in (ids.tolist() if isinstance(ids, torch.Tensor) else ids) if x >= 0]
         with self._lock:  # (take_failed_loads may run on a connector's thread)
-            self._load_errors.append(ids)
-            self._failed_loads[key] = None
+            if host is None:
+                self._load_errors.append(ids)
+                if len(self._load_errors) > FAILED_LOADS_KEPT:
+                    del self._load_errors[0]
+                    if not self._warned_load_errors:
+                        self._warned_load_errors = True
+                        log.warning("kvkernels: more than %d failed restores with device ids not taken by "
+                                    "get_block_ids_with_load_errors(): the oldest are dropped", FAILED_LOADS_KEPT)
+            else:
+                self._load_error_ids.update(host)
+            self._failed_loads.pop(key, None)
+            self._failed_loads[key] = None  # the newest last
+            while len(self._failed_loads) > FAILED_LOADS_KEPT:
+                del self._failed_loads[next(iter(self._failed_loads))]
 
     def take_failed_loads(self) -> set:
         """Keys whose restore failed since the last call (the same failures whose destination
         blocks :meth:`get_block_ids_with_load_errors` reports), emptied by this call. A failed
         restore is never reported loaded by :meth:`get_finished`; a connector whose framework wants
         failed loads reported per request (vLLM's ``finished_recving`` with ``failed_recving``)
-        reads them here. Host only, never blocks. Outcomes are per key: a key restored by two
+        reads them here. Host only, never blocks. The latest :data:`FAILED_LOADS_KEPT` keys are
+        kept between calls. Outcomes are per key: a key restored by two
         calls before :meth:`get_finished` reported the first is reported once per outcome (it may
         then be in both, each speaking of one restore)."""
         with self._lock:
@@ -1882,12 +1907,11 @@ class LayerPipeline:
         a connector passes host ids, as vLLM gives them)."""
         with self._lock:
             errors, self._load_errors = self._load_errors, []
-        out: set[int] = set()
+            out, self._load_error_ids = self._load_error_ids, set()
         for ids in errors:
-            # host values, or device ids: the caller's own tensor, or one whose copy preceded a
-            # restore that get_finished saw complete
-            vals = ids.cpu().tolist() if isinstance(ids, torch.Tensor) else ids
-            out.update(int(x) for x in vals if x >= 0)
+            # device ids: the caller's own tensor, or one whose copy preceded a restore that
+            # get_finished saw complete
+            out.update(int(x) for x in ids.cpu().tolist() if x >= 0)
         return out
 
     # ------------------------------------------------------------------ host pool management

@@ -2900,3 +2900,25 @@ def test_prefetch_and_evict_from_another_thread_during_steps_never_restore_wrong
         pipe.get_finished()
         ents = list(pipe.entries.values()) + pipe._orphans
         assert sum(-(-e.fmt.nbytes // 4096) * 4096 for e in ents) + pipe.pool.free_bytes == pipe.pool.nbytes
+
+
+def test_failed_restores_not_taken_stay_bounded(monkeypatch):
+    # a caller that never calls take_failed_loads (not a vLLM hook) or
+    # get_block_ids_with_load_errors: both grew by every failed restore for ever (a soak run:
+    # ~2 items a step); keys now keep the latest FAILED_LOADS_KEPT, host ids fold into one set
+    import kvkernels.pipeline as pl
+
+    monkeypatch.setattr(pl, "FAILED_LOADS_KEPT", 5, raising=False)
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        for step in range(40):
+            dst = [(step + i) % NB for i in range(3)]
+            pipe.start_load({f"missing-{step}": list(dst)})  # never saved: a load error
+            for layer in range(L):
+                pipe.wait_for_layer_load(layer)
+            pipe.get_finished()
+            assert len(pipe._failed_loads) <= 5
+            assert len(pipe._load_errors) == 0 and len(pipe._load_error_ids) <= NB
+        assert pipe.take_failed_loads() == {f"missing-{s}" for s in range(35, 40)}  # the latest
+        assert pipe.get_block_ids_with_load_errors() == {(s + i) % NB for s in range(40) for i in range(3)}
+        assert pipe.take_failed_loads() == set() and pipe.get_block_ids_with_load_errors() == set()
