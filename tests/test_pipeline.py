@@ -2484,6 +2484,18 @@ def test_a_backlog_of_ssd_writes_waits_behind_reads_once_not_once_per_write(monk
 
 
 # ---------------------------------------------------------------- random step sequences (an oracle)
+def _settle(pipe):
+    """Poll until every entry's SSD write is done (10 s at most), then once more after a sync."""
+    t0 = time.time()
+    while time.time() - t0 < 10:
+        pipe.get_finished()
+        if all(e.ssd_future is None or e.ssd_future.done() for e in list(pipe.entries.values()) + pipe._orphans):
+            break
+        time.sleep(0.01)
+    _sync()
+    pipe.get_finished()
+
+
 class _MemStore:
     """In-memory KVStore stand-in with put / get / remove; ``fail(key, layers)`` injects read errors."""
 
@@ -2543,16 +2555,7 @@ def test_random_step_sequences_never_restore_wrong_bytes_and_keep_the_pool_whole
     def region(e):
         return -(-e.fmt.nbytes // 4096) * 4096
 
-    def settle(pipe):
-        t0 = time.time()
-        while time.time() - t0 < 10:
-            pipe.get_finished()
-            if all(e.ssd_future is None or e.ssd_future.done() for e in list(pipe.entries.values()) + pipe._orphans):
-                break
-            time.sleep(0.01)
-        _sync()
-        pipe.get_finished()
-
+    settle = _settle
     with LayerPipeline(lay, host_bytes=3 * one, prefetch_depth=rng.choice([1, 2, 4]), store=store,
                        copy_mode=copy_mode, slot_bytes=per * rng.choice([1, 2, 3, 8, 64])) as pipe:
         for step in range(40):
@@ -2890,14 +2893,7 @@ def test_prefetch_and_evict_from_another_thread_during_steps_never_restore_wrong
         assert errors == [], errors
         assert seen["read"] and seen["evicted"] and seen["loaded"], seen  # both threads did their part
         pipe.wait_for_save()
-        t0 = time.time()
-        while time.time() - t0 < 10:
-            pipe.get_finished()
-            if all(e.ssd_future is None or e.ssd_future.done() for e in list(pipe.entries.values()) + pipe._orphans):
-                break
-            time.sleep(0.01)
-        _sync()
-        pipe.get_finished()
+        _settle(pipe)
         ents = list(pipe.entries.values()) + pipe._orphans
         assert sum(-(-e.fmt.nbytes // 4096) * 4096 for e in ents) + pipe.pool.free_bytes == pipe.pool.nbytes
 
