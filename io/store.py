@@ -395,6 +395,12 @@ class KVStore:
         self._credits: dict[bytes, _Credit] = {}
         self._credit = 0  # bytes of the entries in _credits
         self._room = threading.Condition(self._lock)  # notified when a reservation is released
+        # paths whose unlink a drop deferred until its caller released the lock (evictions,
+        # removes: an eviction batch unlinked ~1,400 files under it, 2 s of `contains` waiting):
+        # path -> count; a commit renaming into such a path waits for the unlink first (it must
+        # not delete the newer file), notified through _unlinked
+        self._unlinking: dict[str, int] = {}
+        self._unlinked = threading.Condition(self._lock)
         # digests renamed into place but not yet visible (directory fsync pending): a drop of their
         # older version must not unlink or rename the path, which already holds the new file
         self._publishing: dict[bytes, int] = {}
@@ -707,7 +713,9 @@ class KVStore:
         try:
             header = Header(digest, meta, Header.layout_regions(meta, sizes, sums_f.result()), time.time_ns())
             self.engine.write_header(tmp, header.pack(), fsync=self.fsync)
-            with self._lock:  # renames happen under the lock, as drops' unlinks do
+            with self._lock:  # renames happen under the lock, after any deferred unlink of the path
+                while final in self._unlinking:
+                    self._unlinked.wait()
                 os.replace(tmp, final)
                 self._publishing[digest] = self._publishing.get(digest, 0) + 1
                 gen = self._renames[digest] = self._renames.get(digest, 0) + 1  # this rename's order
@@ -785,6 +793,13 @@ class KVStore:
             return None
         if need > self.capacity_bytes:
             raise ValueError(f"`staging`: entry of {need} bytes exceeds capacity_bytes={self.capacity_bytes}")
+        doomed: list[str] = []  # the victims' files, unlinked once the lock is released
+        try:
+            return self._make_room_locked(need, exclude, doomed)
+        finally:
+            self._unlink_deferred(doomed)
+
+    def _make_room_locked(self, need: int, exclude: bytes, doomed: list[str]) -> _Room | None:
         with self._lock:
             def fits(freed: int = 0) -> bool:
                 cur = self._index.get(exclude)
@@ -805,11 +820,15 @@ class KVStore:
                         break
                 if fits(freed):
                     for digest in victims:
-                        self._drop(digest)
+                        self._drop(digest, defer=doomed)
                         self._stats["evictions"] += 1
                 elif self._reserved:
                     # only puts in flight could make room (one fails, or its entry becomes
-                    # evictable): wait for one to commit or fail, evicting nothing yet
+                    # evictable): wait for one to commit or fail, evicting nothing yet (files
+                    # of earlier victims first: a commit into one of their paths would wait for
+                    # them, and this wait for that commit)
+                    self._unlink_deferred(doomed)
+                    doomed.clear()
                     self._room.wait()
                 else:  # nothing is evicted for a put that cannot fit anyway
                     raise OSError(errno.ENOSPC, f"store full: {self._used} of {self.capacity_bytes} bytes held by "
@@ -856,12 +875,16 @@ class KVStore:
         if c is not None:
             self._credit -= c.value
 
-    def _drop(self, digest: bytes, rename_to: str | None = None, expect: _Entry | None = None) -> bool:
+    def _drop(self, digest: bytes, rename_to: str | None = None, expect: _Entry | None = None,
+              defer: list[str] | None = None) -> bool:
         """Remove an entry from the index and its file from disk (deferred while it is read).
 
         ``expect``: drop only if the indexed entry is still this one (a checksum failure seen by
         a reader must not drop a newer version published meanwhile). File operations happen
-        under the lock, as publishing does, so a drop never removes a newer version's file.
+        under the lock, as publishing does, so a drop never removes a newer version's file;
+        with ``defer`` (a list) the unlink is the caller's, once it released the lock
+        (:meth:`_unlink_deferred`): the path is held in ``_unlinking`` until then, and a commit
+        into it waits.
         """
         with self._lock:
             ent = self._index.get(digest)
@@ -874,17 +897,47 @@ class KVStore:
             if ent.readers:
                 ent.doomed = rename_to or ""
             elif self._owns_file(digest, ent):
-                self._unlink_entry(digest, ent, rename_to)
+                self._unlink_entry(digest, ent, rename_to, defer)
             return True
 
     def _owns_file(self, digest: bytes, ent: "_Entry") -> bool:
         """The file at ent.path is still ent's own (no later rename replaced it; lock held)."""
         return ent.path != self._path_for(digest) or self._file_seq.get(digest, 0) == ent.seq
 
-    def _unlink_entry(self, digest: bytes, ent: "_Entry", rename_to: str | None) -> None:
+    def _unlink_entry(self, digest: bytes, ent: "_Entry", rename_to: str | None,
+                      defer: list[str] | None = None) -> None:
         if ent.path == self._path_for(digest):
             self._file_seq.pop(digest, None)
-        self._unlink(ent.path, rename_to)
+        if defer is not None and not rename_to:
+            self._unlinking[ent.path] = self._unlinking.get(ent.path, 0) + 1
+            defer.append(ent.path)
+        else:
+            self._unlink(ent.path, rename_to)
+
+    def _unlink_deferred(self, paths: list[str]) -> None:
+        """The unlinks :meth:`_drop` deferred (lock not held: file-system time never holds up
+        ``contains``, ``get`` or ``pin``); then the paths are free for commits again. Errors as
+        :meth:`_unlink`'s: logged and counted, never raised."""
+        if not paths:
+            return
+        failed = 0
+        try:
+            for path in paths:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    failed += 1
+                    _log.warning("kvkernels store: could not delete %s: %s", path, exc)
+        finally:
+            with self._lock:
+                for path in paths:
+                    n = self._unlinking.pop(path) - 1
+                    if n:
+                        self._unlinking[path] = n
+                self._stats["unlink_errors"] += failed
+                self._unlinked.notify_all()
 
     def _unlink(self, path: str, rename_to: str | None = None) -> None:
         """Delete (or rename aside) a file that has already left the index. Called with the lock
@@ -1207,11 +1260,16 @@ class KVStore:
         with self._submit_lock:
             if self._closed:
                 raise RuntimeError("KVStore is closed")
-            if expect is None:
-                return self._drop(digest)
-            with self._lock:  # (reentrant: _drop takes it too)
-                ent = self._index.get(digest)
-                return ent is not None and _same_content(ent.header, expect) and self._drop(digest, expect=ent)
+            doomed: list[str] = []  # unlinked after the lock, before close() can run (_submit_lock)
+            try:
+                if expect is None:
+                    return self._drop(digest, defer=doomed)
+                with self._lock:  # (reentrant: _drop takes it too)
+                    ent = self._index.get(digest)
+                    return (ent is not None and _same_content(ent.header, expect)
+                            and self._drop(digest, expect=ent, defer=doomed))
+            finally:
+                self._unlink_deferred(doomed)
 
     def pin(self, key) -> bool:
         """Protect ``key``'s entry from LRU eviction until a matching :meth:`unpin`; False if absent.

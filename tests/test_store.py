@@ -651,6 +651,52 @@ def test_lru_eviction_order(tmp_path):
         assert len(store) == 3
 
 
+def test_evictions_and_removes_unlink_outside_the_store_lock(tmp_path, monkeypatch):
+    # an eviction batch unlinked its victims under the lock: ~1,400 files took 2 s, and every
+    # contains / get / pin waited (LMCache's event loop, through the plugin's lookups)
+    import kvkernels.io.store as store_mod
+
+    _, buf, meta = staged()
+    size = 4096 + buf.numel()
+    seen = []
+    real_unlink = os.unlink
+    with KVStore(tmp_path, capacity_bytes=3 * size) as store:
+        def unlink(path, *a, **k):
+            if str(path).endswith(".kvk"):  # an entry's file (not a temporary)
+                seen.append(store._lock._is_owned())
+            return real_unlink(path, *a, **k)
+
+        monkeypatch.setattr(store_mod.os, "unlink", unlink)
+        for k in "abcdef":
+            store.put(k, buf, meta).result()  # d, e, f each evict one
+        assert store.remove("e")
+        h = store.header("f")
+        assert store.remove("f", expect=h)
+        assert store.stats()["evictions"] == 3 and len(seen) == 5 and not any(seen), seen
+        assert len(files(tmp_path)) == 1 and store._unlinking == {}
+
+
+def test_a_commit_into_a_path_whose_unlink_is_deferred_waits_for_it(tmp_path):
+    # the deferred unlink of an evicted or removed version must never delete a newer file renamed
+    # into the same path: the commit waits until the unlink is done
+    _, buf, meta = staged()
+    other = buf.clone()
+    other[:8] ^= 0xFF
+    with KVStore(tmp_path) as store:
+        store.put("k", buf, meta).result()
+        doomed = []
+        assert store._drop(key_digest("k"), defer=doomed) and len(doomed) == 1  # its unlink pending
+        fut = store.put("k", other, meta)
+        time.sleep(0.3)
+        assert not fut.done()  # written, but its rename waits
+        store._unlink_deferred(doomed)
+        fut.result(timeout=30)
+        assert torch.equal(store.get("k").result(), other)  # the new file is there, the old one gone
+        assert len(files(tmp_path)) == 1 and store._unlinking == {}
+    with KVStore(tmp_path) as store:  # and on disk after a reopen
+        assert torch.equal(store.get("k").result(), other)
+
+
 @pytest.mark.parametrize("key", ["../../etc/passwd", "/", "a/b\\c", "x\x00y", "", "ü" * 300, b"\x00\xff/.."])
 def test_keys_with_path_characters_stay_inside(tmp_path, key):
     _, buf, meta = staged()
