@@ -1650,13 +1650,16 @@ def test_a_layerwise_async_lookup_rounded_to_no_chunk_leaves_no_record_to_take_a
         m.close()
 
 
+@pytest.mark.parametrize("granularity", ["token", "block"])
 @pytest.mark.parametrize("heads,says", [(1, "several heads"), (4, "part of a head"), (None, None), (2, None)])
-def test_num_kv_heads_that_divides_but_differs_from_the_metadata_is_said_with_fp8(tmp_path, caplog, heads, says):
+def test_num_kv_heads_that_divides_but_differs_from_the_metadata_is_said_with_fp8(tmp_path, caplog, heads, says,
+                                                                                 granularity):
     # it was taken silently: one scale across both heads of kv_shape (coarser) or per half head
     md_heads = _metadata().kv_shape[3]
     assert md_heads == 2  # what the cases above assume
     with caplog.at_level(logging.WARNING, logger="kvkernels.integrations.lmcache"):
-        b = KVKernelsBackend(dst_device="cpu", config=_config(tmp_path / "kv", quant="fp8", num_kv_heads=heads),
+        b = KVKernelsBackend(dst_device="cpu", config=_config(tmp_path / "kv", quant="fp8", num_kv_heads=heads,
+                                                              quant_granularity=granularity),
                              metadata=_metadata())
     b.close()
     said = [r.getMessage() for r in caplog.records if "differs from the" in r.getMessage()]
@@ -1664,6 +1667,7 @@ def test_num_kv_heads_that_divides_but_differs_from_the_metadata_is_said_with_fp
         assert said == []
     else:
         assert len(said) == 1 and says in said[0] and f"num_kv_heads` {heads}" in said[0], said
+        assert f"one scale per {'chunk' if granularity == 'block' else 'token'} and" in said[0], said
 
 
 def test_the_staging_buffer_pool_is_bounded_across_sizes():
@@ -1677,9 +1681,9 @@ def test_the_staging_buffer_pool_is_bounded_across_sizes():
         for b in bufs:
             pool.give(b)
         assert pool.held <= 4
+    assert {k[0] for k in pool._free} == {4096 * 38, 4096 * 39}  # the least recently given sizes went first
     kept = pool.take(4096 * 39)  # the most recent size is still there: reused, not new
     assert kept.data_ptr() in {b.data_ptr() for b in bufs}
-    assert pool.take(4096).numel() == 4096  # an old size's went first: a fresh one
     pool.give(kept)
     pool.clear()
     assert pool.held == 0

@@ -231,8 +231,9 @@ class KVKernelsBackend(StoragePluginInterface):
                 # it divides, so it is taken: each fp8 scale then covers hidden / heads elements, a
                 # part of a head or several heads (coarser scales than per head lose accuracy)
                 log.warning("kvkernels LMCache plugin: `kvkernels.num_kv_heads` %d differs from the %d heads of "
-                            "LMCache's kv_shape %s: fp8 takes one scale per token and %d elements (%s); leave it "
-                            "out to follow LMCache's metadata", heads, int(shape[3]), tuple(shape), hidden // heads,
+                            "LMCache's kv_shape %s: fp8 takes one scale per %s and %d elements (%s); leave it "
+                            "out to follow LMCache's metadata", heads, int(shape[3]), tuple(shape),
+                            "chunk" if settings.quant_granularity == "block" else "token", hidden // heads,
                             "several heads" if heads < int(shape[3]) else "part of a head")
             return
         what = (f"`kvkernels.num_kv_heads`: {heads} does not divide the hidden size {hidden} of LMCache's kv_shape "

@@ -88,7 +88,10 @@ _IMPLEMENTED = ("paths", "capacity_bytes", "engine", "io_threads", "max_inflight
 ADAPTER_KEYS = {k: KEYS[k] for k in _IMPLEMENTED if k in KEYS}
 #: keys deleted (and announced) per hold of the notice lock; a store completion waits for at most one slice
 DELETE_SLICE = 64
-TOLD_SWEEP_MIN = 256  # keys told to LMCache beyond the store's count before a sweep (see _sweep_told)
+# keys told to LMCache beyond the store's count before a sweep (see _sweep_told): a small floor,
+# so a small store is not reported several times its capacity (a sweep of a few hundred keys
+# costs well under a millisecond)
+TOLD_SWEEP_MIN = 32
 TOLD_SWEEP_SLICE = 4096  # keys checked per hold of the notice lock in a sweep
 _READ_WINDOW_PER_THREAD = 2
 
