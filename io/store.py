@@ -1253,6 +1253,16 @@ class KVStore:
         ``expect``: a :class:`Header` from ``header(key)``: delete only that version, or one of the
         same bytes (False when the key holds other content now: e.g. a put replaced the version
         found unusable). ``RuntimeError`` once the store is closed."""
+        doomed: list[str] = []
+        try:
+            return self._remove_deferring(key, doomed, expect=expect)
+        finally:  # after the locks (close() waits for it: the folder stays this store's until then)
+            self._unlink_deferred(doomed)
+
+    def _remove_deferring(self, key, doomed: list[str], *, expect: Header | None = None) -> bool:
+        """:meth:`remove` whose file delete is left to the caller: its path goes into ``doomed``,
+        for :meth:`_unlink_deferred` once the caller released its own locks (the L2 adapter's
+        delete batches). ``close()`` waits for such deletes."""
         self._check_process()
         _check_expect(expect)
         digest = key_digest(key)
@@ -1260,16 +1270,12 @@ class KVStore:
         with self._submit_lock:
             if self._closed:
                 raise RuntimeError("KVStore is closed")
-            doomed: list[str] = []  # unlinked after the lock, before close() can run (_submit_lock)
-            try:
-                if expect is None:
-                    return self._drop(digest, defer=doomed)
-                with self._lock:  # (reentrant: _drop takes it too)
-                    ent = self._index.get(digest)
-                    return (ent is not None and _same_content(ent.header, expect)
-                            and self._drop(digest, expect=ent, defer=doomed))
-            finally:
-                self._unlink_deferred(doomed)
+            if expect is None:
+                return self._drop(digest, defer=doomed)
+            with self._lock:  # (reentrant: _drop takes it too)
+                ent = self._index.get(digest)
+                return ent is not None and _same_content(ent.header, expect) and self._drop(digest, expect=ent,
+                                                                                             defer=doomed)
 
     def pin(self, key) -> bool:
         """Protect ``key``'s entry from LRU eviction until a matching :meth:`unpin`; False if absent.
@@ -1339,6 +1345,9 @@ class KVStore:
             w.join()
         self._committer.shutdown(wait=True)
         self._hasher.shutdown(wait=True)
+        with self._lock:  # deferred deletes of removed entries finish in these folders, not the next owner's
+            while self._unlinking:
+                self._unlinked.wait()
         self._close_done = True
         _OPEN_STORES.discard(self)
         _unlock(self._locks)  # the folders are free for the next store

@@ -1001,15 +1001,15 @@ def test_a_store_task_does_not_wait_for_a_whole_eviction_batch(l1, tmp_path, mon
     try:
         n = 6 * L2.DELETE_SLICE
         batch = [_key(1000 + i) for i in range(n)]  # never stored: each costs only its remove
-        real_remove = a.store.remove
+        real_remove = a.store._remove_deferring  # (what delete() calls: the file goes after its locks)
         started = threading.Event()
 
-        def slow_remove(ks, **kw):
+        def slow_remove(ks, doomed, **kw):
             started.set()
             time.sleep(0.004)
-            return real_remove(ks, **kw)
+            return real_remove(ks, doomed, **kw)
 
-        monkeypatch.setattr(a.store, "remove", slow_remove)
+        monkeypatch.setattr(a.store, "_remove_deferring", slow_remove)
         t0 = time.monotonic()
         t = threading.Thread(target=a.delete, args=(batch,))
         t.start()
@@ -1034,18 +1034,46 @@ def test_a_delete_whose_remove_raises_still_announces_what_it_removed(l1, tmp_pa
         keys = [_key(500 + i) for i in range(3)]
         assert _store(a, keys, objs).is_successful()
         used = a.get_usage().total_bytes_used
-        real_remove = a.store.remove
+        real_remove = a.store._remove_deferring  # (what delete() calls)
 
-        def remove(ks, **kw):
+        def remove(ks, doomed, **kw):
             if ks == object_key_string(keys[1]):
                 raise RuntimeError("injected")
-            return real_remove(ks, **kw)
+            return real_remove(ks, doomed, **kw)
 
-        monkeypatch.setattr(a.store, "remove", remove)
+        monkeypatch.setattr(a.store, "_remove_deferring", remove)
         with pytest.raises(RuntimeError, match="injected"):
             a.delete(keys)
         assert not a.store.contains(object_key_string(keys[0]))
         assert a.get_usage().total_bytes_used == used - objs[0].get_size()
+        assert len(_entry_files(tmp_path / "kv")) == 2 and a.store._unlinking == {}  # its file went too
+    finally:
+        monkeypatch.undo()
+        a.close()
+
+
+def test_delete_removes_files_outside_the_adapters_and_the_stores_locks(l1, tmp_path, monkeypatch):
+    # a 1,024-key eviction batch unlinked its files under the adapter's lock: lookups, loads and
+    # unlocks waited (round trips p99 8 ms, max 36 ms, against 22 us idle)
+    import kvkernels.io.store as store_mod
+
+    a = _make(l1, tmp_path / "kv")
+    try:
+        objs = l1.alloc(3, seed=13)
+        keys = [_key(600 + i) for i in range(3)]
+        assert _store(a, keys, objs).is_successful()
+        held = []
+        real_unlink = os.unlink
+
+        def unlink(path, *args, **kw):
+            if str(path).endswith(".kvk"):
+                held.append((a._lock.locked(), a.store._lock._is_owned()))
+            return real_unlink(path, *args, **kw)
+
+        monkeypatch.setattr(store_mod.os, "unlink", unlink)
+        a.delete(keys)
+        assert held == [(False, False)] * 3, held
+        assert _entry_files(tmp_path / "kv") == [] and a.get_usage().total_bytes_used == 0
     finally:
         monkeypatch.undo()
         a.close()

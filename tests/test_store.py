@@ -697,6 +697,23 @@ def test_a_commit_into_a_path_whose_unlink_is_deferred_waits_for_it(tmp_path):
         assert torch.equal(store.get("k").result(), other)
 
 
+def test_close_waits_for_a_deferred_delete_before_letting_the_folder_go(tmp_path):
+    # a removed entry's file is deleted after the store's locks; the folder must still be this
+    # store's then (the next owner's file at that path would go)
+    _, buf, meta = staged()
+    store = KVStore(tmp_path)
+    store.put("k", buf, meta).result()
+    doomed = []
+    assert store._remove_deferring("k", doomed) and len(doomed) == 1
+    t = threading.Thread(target=store.close)
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive()  # waiting for the delete
+    store._unlink_deferred(doomed)
+    t.join(30)
+    assert not t.is_alive() and files(tmp_path) == []
+
+
 @pytest.mark.parametrize("key", ["../../etc/passwd", "/", "a/b\\c", "x\x00y", "", "ü" * 300, b"\x00\xff/.."])
 def test_keys_with_path_characters_stay_inside(tmp_path, key):
     _, buf, meta = staged()
