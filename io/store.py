@@ -401,6 +401,9 @@ class KVStore:
         # not delete the newer file), notified through _unlinked
         self._unlinking: dict[str, int] = {}
         self._unlinked = threading.Condition(self._lock)
+        # bytes of those files: still on disk, so still counted by room checks (else other puts
+        # wrote into room not yet freed: 1.25-1.43x capacity on disk with slow unlinks)
+        self._pending_unlink = 0
         # digests renamed into place but not yet visible (directory fsync pending): a drop of their
         # older version must not unlink or rename the path, which already holds the new file
         self._publishing: dict[bytes, int] = {}
@@ -793,20 +796,34 @@ class KVStore:
             return None
         if need > self.capacity_bytes:
             raise ValueError(f"`staging`: entry of {need} bytes exceeds capacity_bytes={self.capacity_bytes}")
-        doomed: list[str] = []  # the victims' files, unlinked once the lock is released
+        doomed: list[tuple[str, int]] = []  # the victims' files, unlinked once the lock is released
         try:
             return self._make_room_locked(need, exclude, doomed)
         finally:
             self._unlink_deferred(doomed)
 
-    def _make_room_locked(self, need: int, exclude: bytes, doomed: list[str]) -> _Room | None:
+    def _make_room_locked(self, need: int, exclude: bytes, doomed: list[tuple[str, int]]) -> _Room | None:
         with self._lock:
-            def fits(freed: int = 0) -> bool:
+            def others_pending() -> int:  # files other calls are deleting (this call's go before its write)
+                return self._pending_unlink - sum(n for _, n in doomed)
+
+            def fits(freed: int = 0, pending: bool = True) -> bool:
                 cur = self._index.get(exclude)
                 mine = cur.nbytes if cur is not None and exclude not in self._credits else 0
-                return self._used + self._reserved - self._credit - mine - freed + need <= self.capacity_bytes
+                held = self._used + (others_pending() if pending else 0)
+                return held + self._reserved - self._credit - mine - freed + need <= self.capacity_bytes
+
+            def wait_for_room() -> None:
+                # files of this call's victims first: a commit into one of their paths would wait
+                # for them, and this wait for that commit
+                self._unlink_deferred(doomed)
+                doomed.clear()
+                self._room.wait()
 
             while not fits():
+                if others_pending() > 0 and fits(pending=False):
+                    wait_for_room()  # deletes under way free enough: evict nothing more
+                    continue
                 # the oldest evictable entries until they would make room (an entry a put in
                 # flight replaces frees nothing more when evicted: its credit counts it already);
                 # a walk of the index only as far as needed, at capacity on every put
@@ -822,14 +839,10 @@ class KVStore:
                     for digest in victims:
                         self._drop(digest, defer=doomed)
                         self._stats["evictions"] += 1
-                elif self._reserved:
-                    # only puts in flight could make room (one fails, or its entry becomes
-                    # evictable): wait for one to commit or fail, evicting nothing yet (files
-                    # of earlier victims first: a commit into one of their paths would wait for
-                    # them, and this wait for that commit)
-                    self._unlink_deferred(doomed)
-                    doomed.clear()
-                    self._room.wait()
+                elif self._reserved or others_pending() > 0:
+                    # only puts in flight (one fails, or its entry becomes evictable) or deletes
+                    # under way could make room: wait for one, evicting nothing yet
+                    wait_for_room()
                 else:  # nothing is evicted for a put that cannot fit anyway
                     raise OSError(errno.ENOSPC, f"store full: {self._used} of {self.capacity_bytes} bytes held by "
                                   f"pinned entries ({len(self._pins)} pinned), puts in flight ({self._reserved} B) "
@@ -876,7 +889,7 @@ class KVStore:
             self._credit -= c.value
 
     def _drop(self, digest: bytes, rename_to: str | None = None, expect: _Entry | None = None,
-              defer: list[str] | None = None) -> bool:
+              defer: list[tuple[str, int]] | None = None) -> bool:
         """Remove an entry from the index and its file from disk (deferred while it is read).
 
         ``expect``: drop only if the indexed entry is still this one (a checksum failure seen by
@@ -905,24 +918,28 @@ class KVStore:
         return ent.path != self._path_for(digest) or self._file_seq.get(digest, 0) == ent.seq
 
     def _unlink_entry(self, digest: bytes, ent: "_Entry", rename_to: str | None,
-                      defer: list[str] | None = None) -> None:
+                      defer: list[tuple[str, int]] | None = None) -> None:
         if ent.path == self._path_for(digest):
             self._file_seq.pop(digest, None)
         if defer is not None and not rename_to:
             self._unlinking[ent.path] = self._unlinking.get(ent.path, 0) + 1
-            defer.append(ent.path)
+            self._pending_unlink += ent.nbytes
+            defer.append((ent.path, ent.nbytes))
         else:
             self._unlink(ent.path, rename_to)
 
-    def _unlink_deferred(self, paths: list[str]) -> None:
-        """The unlinks :meth:`_drop` deferred (lock not held: file-system time never holds up
-        ``contains``, ``get`` or ``pin``); then the paths are free for commits again. Errors as
-        :meth:`_unlink`'s: logged and counted, never raised."""
-        if not paths:
+    def _unlink_deferred(self, doomed: list[tuple[str, int]]) -> None:
+        """The unlinks :meth:`_drop` deferred (``(path, bytes)``; called after the caller released
+        the lock: file-system time never holds up ``contains``, ``get`` or ``pin``); then the
+        paths are free for commits again and their bytes for room checks. Errors as
+        :meth:`_unlink`'s: logged and counted, never raised. The bookkeeping survives an
+        interrupt (a Ctrl-C in its lock's acquire left a path pending for good: commits into it
+        and ``close()`` waited for ever); the interrupt is raised after it."""
+        if not doomed:
             return
         failed = 0
         try:
-            for path in paths:
+            for path, _ in doomed:
                 try:
                     os.unlink(path)
                 except FileNotFoundError:
@@ -931,13 +948,25 @@ class KVStore:
                     failed += 1
                     _log.warning("kvkernels store: could not delete %s: %s", path, exc)
         finally:
-            with self._lock:
-                for path in paths:
-                    n = self._unlinking.pop(path) - 1
-                    if n:
-                        self._unlinking[path] = n
-                self._stats["unlink_errors"] += failed
-                self._unlinked.notify_all()
+            left, interrupted = list(doomed), None
+            while left:
+                try:
+                    with self._lock:
+                        while left:
+                            path, nbytes = left[-1]
+                            n = self._unlinking.pop(path) - 1
+                            if n:
+                                self._unlinking[path] = n
+                            self._pending_unlink -= nbytes
+                            left.pop()
+                        self._stats["unlink_errors"] += failed
+                        failed = 0
+                        self._unlinked.notify_all()
+                        self._room.notify_all()
+                except BaseException as exc:  # noqa: BLE001 - re-raised once the paths are released
+                    interrupted = exc
+            if interrupted is not None:
+                raise interrupted
 
     def _unlink(self, path: str, rename_to: str | None = None) -> None:
         """Delete (or rename aside) a file that has already left the index. Called with the lock
@@ -1253,13 +1282,13 @@ class KVStore:
         ``expect``: a :class:`Header` from ``header(key)``: delete only that version, or one of the
         same bytes (False when the key holds other content now: e.g. a put replaced the version
         found unusable). ``RuntimeError`` once the store is closed."""
-        doomed: list[str] = []
+        doomed: list[tuple[str, int]] = []
         try:
             return self._remove_deferring(key, doomed, expect=expect)
         finally:  # after the locks (close() waits for it: the folder stays this store's until then)
             self._unlink_deferred(doomed)
 
-    def _remove_deferring(self, key, doomed: list[str], *, expect: Header | None = None) -> bool:
+    def _remove_deferring(self, key, doomed: list[tuple[str, int]], *, expect: Header | None = None) -> bool:
         """:meth:`remove` whose file delete is left to the caller: its path goes into ``doomed``,
         for :meth:`_unlink_deferred` once the caller released its own locks (the L2 adapter's
         delete batches). ``close()`` waits for such deletes."""
