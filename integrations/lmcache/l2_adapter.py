@@ -743,7 +743,7 @@ class KVKernelsL2Adapter(L2AdapterInterface):
         after ``_lock`` is released (lookups, loads and unlocks do not wait for the file system:
         a 1,024-key batch had lookup round trips at p99 8 ms, max 36 ms), before the notice."""
         deleted, sizes = [], []
-        doomed: list[str] = []  # the removed entries' files (KVStore waits for them in close())
+        doomed: list = []  # the removed entries' files (KVStore waits for them in close())
         try:
             for key in keys:
                 ks = object_key_string(key)
