@@ -716,16 +716,21 @@ def test_files_on_disk_stay_within_capacity_while_evicted_files_are_deleted(tmp_
     peak, stop = [0], threading.Event()
 
     def sample():
+        # under the store's lock: no room is given or taken back meanwhile, so the walk (not one
+        # snapshot across the shard folders) cannot count a deleted victim beside the file that
+        # took its room later; files only go (deletes) or grow within their reservation
         while not stop.is_set():
             n = 0
-            for dirpath, _, names in os.walk(tmp_path):
-                for f in names:
-                    if ".kvk" in f:  # entries and their temporaries
-                        try:
-                            n += os.path.getsize(os.path.join(dirpath, f))
-                        except FileNotFoundError:
-                            pass
+            with store._lock:
+                for dirpath, _, names in os.walk(tmp_path):
+                    for f in names:
+                        if ".kvk" in f:  # entries and their temporaries
+                            try:
+                                n += os.path.getsize(os.path.join(dirpath, f))
+                            except FileNotFoundError:
+                                pass
             peak[0] = max(peak[0], n)
+            time.sleep(0.001)
 
     with KVStore(tmp_path, capacity_bytes=cap, io_threads=4, fsync=False) as store:
         t = threading.Thread(target=sample)
