@@ -189,6 +189,22 @@ def _close_open_stores() -> None:
             _log.warning("kvkernels store: closing %s at exit failed: %r", ", ".join(store.paths), exc)
 
 
+def _remove_file(path: str, rename_to: str | None = None) -> bool:
+    """Delete ``path`` (or rename it to ``path + rename_to``); a file already gone is fine. A
+    refusal of the file system is logged and False (the caller counts it in ``unlink_errors``)."""
+    try:
+        if rename_to:
+            os.replace(path, path + rename_to)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        _log.warning("kvkernels store: could not %s %s: %s", "rename" if rename_to else "delete", path, exc)
+        return False
+    return True
+
+
 def _start_threads(pool: ThreadPoolExecutor, n: int) -> None:
     """Start all ``n`` threads of ``pool`` now (it starts them one per submit that finds none
     idle): a submit that must start one can fail after queueing its work (no thread can start
@@ -940,13 +956,7 @@ class KVStore:
         failed = 0
         try:
             for path, _ in doomed:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    failed += 1
-                    _log.warning("kvkernels store: could not delete %s: %s", path, exc)
+                failed += not _remove_file(path)
         finally:
             left, interrupted = list(doomed), None
             while left:
@@ -974,16 +984,8 @@ class KVStore:
         so a refusal of the file system (read-only, permissions) is logged and counted
         (``stats()["unlink_errors"]``), not raised: the index stays true and the store keeps
         working; the file is found again by the next open's recovery."""
-        try:
-            if rename_to:
-                os.replace(path, path + rename_to)
-            else:
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
+        if not _remove_file(path, rename_to):
             self._stats["unlink_errors"] += 1
-            _log.warning("kvkernels store: could not %s %s: %s", "rename" if rename_to else "delete", path, exc)
 
     # ------------------------------------------------------------------ get
     def header(self, key) -> Header | None:

@@ -94,6 +94,14 @@ def _cu_stream_wait_value32():
     return None
 
 
+def _note_latest(keys: dict, key, kept: int) -> None:
+    """``key`` as the newest of the insertion-ordered ``keys``, the oldest dropped past ``kept``."""
+    keys.pop(key, None)
+    keys[key] = None
+    while len(keys) > kept:
+        del keys[next(iter(keys))]
+
+
 def _check_mapping(x, name: str) -> None:
     if not isinstance(x, Mapping):
         fail(name, "a mapping {key: block_ids}", type(x).__name__, TypeError)
@@ -1843,10 +1851,7 @@ class LayerPipeline:
         if forget:
             self._forget_ssd(key)
         with self._lock:  # take_failed_saves may run on another thread (a connector's)
-            self._failed_saves.pop(key, None)
-            self._failed_saves[key] = None  # the newest last
-            while len(self._failed_saves) > FAILED_SAVES_KEPT:
-                del self._failed_saves[next(iter(self._failed_saves))]
+            _note_latest(self._failed_saves, key, FAILED_SAVES_KEPT)
 
     @property
     def failed_saves(self) -> set:
@@ -1880,10 +1885,7 @@ class LayerPipeline:
                                     "get_block_ids_with_load_errors(): the oldest are dropped", FAILED_LOADS_KEPT)
             else:
                 self._load_error_ids.update(host)
-            self._failed_loads.pop(key, None)
-            self._failed_loads[key] = None  # the newest last
-            while len(self._failed_loads) > FAILED_LOADS_KEPT:
-                del self._failed_loads[next(iter(self._failed_loads))]
+            _note_latest(self._failed_loads, key, FAILED_LOADS_KEPT)
 
     def take_failed_loads(self) -> set:
         """Keys whose restore failed since the last call (the same failures whose destination

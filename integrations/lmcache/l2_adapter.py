@@ -542,15 +542,15 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                     for ks in keys[i : i + TOLD_SWEEP_SLICE]:
                         v = self._told.get(ks)
                         if v is not None and not self.store.contains(ks):
-                            gone.append(v)
+                            gone.append((ks, *v))
                     if not gone:
                         continue
                     with self._lock:
-                        for key, _ in gone:
-                            del self._told[object_key_string(key)]
+                        for ks, _, _ in gone:
+                            del self._told[ks]
                         self.counters["evicted_by_store"] += len(gone)
                     try:
-                        self._notify_keys_deleted([k for k, _ in gone], [n for _, n in gone])
+                        self._notify_keys_deleted([k for _, k, _ in gone], [n for _, _, n in gone])
                     except Exception as exc:  # noqa: BLE001 - as for the stored notice
                         log.warning("kvkernels L2 adapter: delete listeners failed: %s", exc)
         except RuntimeError:  # the store closed under a late task: nothing more to sweep
