@@ -28,6 +28,10 @@ PACKAGE_DIR = {
     "kvkernels.integrations.vllm": "integrations/vllm",
     "kvkernels.bench": "bench",
     "kvkernels.csrc": "csrc",  # sources shipped so the backend can be built just in time
+    # (listed as packages of their own: setuptools warns that data inside an unlisted importable
+    # folder "would be ignored", and says later releases will ignore it)
+    "kvkernels.csrc.kernels": "csrc/kernels",
+    "kvkernels.csrc.bindings": "csrc/bindings",
 }
 
 
@@ -61,6 +65,9 @@ class BuildPyWithCuda(build_py):
 setup(
     packages=list(PACKAGE_DIR),
     package_dir=PACKAGE_DIR,
-    package_data={"kvkernels.bench": ["*.cpp"], "kvkernels.csrc": ["kernels/*.cuh", "bindings/*.cu"]},
+    package_data={"kvkernels.bench": ["*.cpp"],
+                  # (the suffixes csrc/build.py's source_key hashes: the wheel ships what a build uses)
+                  "kvkernels.csrc.kernels": ["*.cu", "*.cuh", "*.h", "*.hpp"],
+                  "kvkernels.csrc.bindings": ["*.cu", "*.cuh", "*.h", "*.hpp"]},
     cmdclass={"build_py": BuildPyWithCuda},
 )

@@ -16,7 +16,10 @@ rm -rf .whl
 mkdir -p .whl
 python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp "${plat[@]}" -d .whl "${pins[@]}"
-ls -la .whl
+# setuptools >= 77 builds kvkernels itself (the SPDX license string): used by .ci/gpu-env.sh only when
+# the image's is older, so it is kept apart from the wheels installed for the tests
+python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d .whl/build setuptools==80.10.2
+ls -la .whl .whl/build
 n=$(find .whl -maxdepth 1 -type f -name '*.whl' | wc -l)
 if [ "$n" -ne "${#pins[@]}" ]; then
   echo "fetch_wheels: ERROR: $n wheels in .whl for ${#pins[@]} pins" >&2; exit 1

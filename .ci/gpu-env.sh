@@ -34,6 +34,21 @@ else
   _kvk_no_wheels "pip install of .whl/*.whl into /tmp/kvk-site failed (pip's error above: two versions of one package? or this is not Python 3.12, which .ci/fetch_wheels.sh fetches for the GPU image)" || return 1
 fi
 # (into the active Python: on a development machine, run a dry run from the tree its venv points to)
-if ! python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . ; then
+# The build uses the image's setuptools (--no-build-isolation: no index here). pyproject.toml's SPDX
+# `license` string needs setuptools >= 77; an older one is stood in for, for this build only, by
+# the wheel .ci/fetch_wheels.sh puts in .whl/build (not in /tmp/kvk-site: the tests never see it)
+_kvk_build_pp=""
+if ! python3 -c 'import setuptools, sys; sys.exit(tuple(int(x) for x in setuptools.__version__.split(".")[:2]) < (77, 0))' 2>/dev/null; then
+  if compgen -G ".whl/build/setuptools-*.whl" >/dev/null && rm -rf /tmp/kvk-build \
+      && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/kvk-build .whl/build/setuptools-*.whl; then
+    _kvk_build_pp=/tmp/kvk-build
+    echo "GPU CI env: the image's setuptools is older than 77: kvkernels is built with .whl/build's"
+  else
+    echo "GPU CI env: ERROR: installing kvkernels needs setuptools >= 77 and neither the image nor .whl/build has it (run .ci/fetch_wheels.sh and carry .whl)" >&2
+    return 1
+  fi
+fi
+if ! PYTHONPATH="${_kvk_build_pp}${_kvk_build_pp:+${PYTHONPATH:+:}}${PYTHONPATH:-}" \
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . ; then
   echo "GPU CI env: ERROR: editable install of kvkernels failed" >&2; return 1
 fi

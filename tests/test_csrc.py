@@ -1175,3 +1175,40 @@ def test_cuda_backend_refuses_cpu_tensors_even_when_the_library_loads(monkeypatc
     monkeypatch.setenv("KVKERNELS_BACKEND", "cuda")
     assert backends.resolve("auto", lay.device) == "torch"
     assert torch.equal(ops.gather(lay, [1, 2]), ops.gather(lay, [1, 2], backend="torch"))
+
+
+def test_the_wheel_ships_what_a_just_in_time_build_compiles_and_builds_without_setuptools_warnings(tmp_path):
+    """A non-editable install (``pip install kvkernels``, a wheel) builds the CUDA backend on
+    first use from the sources shipped inside the package: the wheel must carry every file the
+    build hashes and compiles (its ``source_key`` equals the tree's), plus the license. The build
+    itself must not lean on what setuptools deprecates: the TOML-table ``license`` is refused by
+    setuptools releases after 2027-02-18, and data in unlisted package folders "would be ignored"."""
+    import sys
+    import zipfile
+
+    setuptools = pytest.importorskip("setuptools")
+    if tuple(int(x) for x in setuptools.__version__.split(".")[:2]) < (77, 0):
+        pytest.skip(f"setuptools {setuptools.__version__}: the build needs >= 77 (torch >= 2.13 requires it)")
+    src = tmp_path / "src"  # a copy: an in-tree build would leave build/ and egg-info in the checkout
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv*", ".whl", "build", "dist", "*.egg-info",
+                                                             "__pycache__", "bench_results", ".hypothesis", "*.so"))
+    env = {**os.environ, "KVKERNELS_BUILD_CUDA": "0", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation",
+                          "--no-index", "-w", str(tmp_path / "dist"), str(src)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert "SetuptoolsDeprecationWarning" not in out and "would be ignored" not in out, out[-4000:]
+    (whl,) = (tmp_path / "dist").glob("kvkernels-*.whl")
+    with zipfile.ZipFile(whl) as z:
+        names = z.namelist()
+        meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        z.extractall(tmp_path / "site")
+    assert "License-Expression: Apache-2.0" in meta
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    spec = importlib.util.spec_from_file_location("kvk_csrc_build_wheel", tmp_path / "site" / "kvkernels" / "csrc" / "build.py")
+    shipped = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shipped)
+    assert all(os.path.isfile(s) for s in shipped.SOURCES)
+    assert shipped.source_key() == build.source_key()
+    assert any(n.startswith("kvkernels/bench/") and n.endswith(".cpp") for n in names)  # the memcpy-loop bench
