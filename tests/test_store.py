@@ -1310,8 +1310,11 @@ def test_concurrent_vectored_fanned_out_gets_with_removes_and_eviction(tmp_path,
     with KVStore(tmp_path, io_threads=4, capacity_bytes=6 * size) as store:
         def worker(t):
             g = torch.Generator().manual_seed(t)
+            held = []  # threads 0-2 hold a pin across operations (at most 3 of the 6 slots pinned)
             try:
                 for i in range(25):
+                    if held and int(torch.randint(0, 3, (1,), generator=g)) == 0:
+                        store.unpin(held.pop())
                     k = f"k{int(torch.randint(0, 8, (1,), generator=g))}"
                     b = bufs[int(k[1:]) % 3]
                     op = int(torch.randint(0, 10, (1,), generator=g))
@@ -1327,9 +1330,14 @@ def test_concurrent_vectored_fanned_out_gets_with_removes_and_eviction(tmp_path,
                             errors.append(f"wrong bytes for {k}")
                     elif op < 9:
                         if store.pin(k):
-                            store.unpin(k)
+                            if t < 3 and not held:
+                                held.append(k)
+                            else:
+                                store.unpin(k)
                     else:
                         store.remove(k)
+                while held:
+                    store.unpin(held.pop())
             except Exception as exc:  # collected, asserted below
                 errors.append(repr(exc))
 
@@ -1342,6 +1350,7 @@ def test_concurrent_vectored_fanned_out_gets_with_removes_and_eviction(tmp_path,
         st = store.stats()
         assert st["inflight_bytes"] == 0 and st["pinned"] == 0 and st["bytes_used"] <= 6 * size
         assert all(e.readers == 0 for e in store._index.values())
+        assert sorted(store._lru) == sorted(store._index)  # the eviction order holds every unpinned entry
         on_disk = sorted(p for p in files(tmp_path) if p.endswith(".kvk"))
         assert on_disk == sorted(e.path for e in store._index.values())
 
@@ -1363,6 +1372,46 @@ def test_pinned_entries_are_not_evicted(tmp_path):
         store.put("d", buf, meta).result()  # "a" is evictable again
         assert [store.contains(k) for k in "acd"] == [False, True, True]
         assert store.remove("c") and store.pin_count("c") == 0  # an explicit remove wins over a pin
+
+
+def test_eviction_does_not_rewalk_the_same_pinned_entries_on_every_put(tmp_path):
+    """LMCache pins the chunks a lookup hit until their load, and hits are old entries: the LRU
+    end an eviction starts from. Each put at capacity walked past every pinned entry there (33 ms
+    per put at 200k pinned). Pinned entries are now out of the eviction order until their last
+    unpin, which puts them back at its young end (the load that follows a lookup's pin is a use).
+    The walk's checks are counted (``_pins`` and ``_credits`` lookups: at least one per entry it
+    visits), with the store's behaviour unchanged: only unpinned entries go, oldest first."""
+    _, buf, meta = staged()
+    size = 4096 + buf.numel()
+    n_pinned, n_free, n_puts = 300, 20, 60
+    with KVStore(tmp_path, capacity_bytes=(n_pinned + n_free) * size, fsync=False) as store:
+        for i in range(n_pinned + n_free):
+            store.put(f"k{i}", buf, meta).result()
+        assert all(store.pin(f"k{i}") for i in range(n_pinned))  # the oldest 300
+
+        class Counting(dict):
+            looked = 0
+
+            def __contains__(self, key):
+                Counting.looked += 1
+                return super().__contains__(key)
+
+        store._pins, store._credits = Counting(store._pins), Counting(store._credits)
+        for j in range(n_puts):
+            store.put(f"n{j}", buf, meta).result()
+        # each put evicts the oldest unpinned entry: the 20 unpinned originals, then the new ones
+        alive = [k for k in [f"k{i}" for i in range(n_pinned + n_free)] + [f"n{j}" for j in range(n_puts)]
+                 if store.contains(k)]
+        assert alive == [f"k{i}" for i in range(n_pinned)] + [f"n{j}" for j in range(n_puts - n_free, n_puts)]
+        # walking past the pinned entries on every put visited n_puts * n_pinned = 18,000 entries
+        assert Counting.looked <= 4 * n_puts, Counting.looked
+        # unpinned, they are evictable again, as entries used at their unpin: after the new ones
+        assert all(store.unpin(f"k{i}") for i in range(n_pinned))
+        for j in range(n_free + 1):
+            store.put(f"m{j}", buf, meta).result()
+        assert not any(store.contains(f"n{j}") for j in range(n_puts))
+        assert not store.contains("k0") and all(store.contains(f"k{i}") for i in range(1, n_pinned))
+        assert sorted(store._lru) == sorted(store._index) and not store._pins
 
 
 # ------------------------------------------------------------------- crash safety, disk full
