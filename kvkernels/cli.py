@@ -64,6 +64,18 @@ def demo_sizes(dev: torch.device) -> tuple[int, int]:
 DEMO_REPS = 3  # timed calls of the demo's gather and scatter (the best is shown)
 
 
+def _best_of(fn, dev: torch.device, reps: int = DEMO_REPS):
+    """The shortest of ``reps`` timed calls of ``fn`` (each followed by a device sync) and the
+    last call's result: one call timed alone ranged over 100x on a busy 2-core host."""
+    best, out = float("inf"), None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn(out)
+        _sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
 def demo(model: str = "llama3-8b", *, blocks: int | None = None, layout: str = "vllm-nhd", dest_layout: str = "flashinfer-hnd",
          backend: str = "auto", device: str | None = None, seed: int = 0, store_dir: str | None = None, quiet: bool = False) -> dict:
     """Build a paged cache of ``model``'s shape, gather random blocks, scatter them into *other*
@@ -104,14 +116,8 @@ def demo(model: str = "llama3-8b", *, blocks: int | None = None, layout: str = "
 
     kvkernels.gather(src, src_ids[:1], backend=backend)  # warm-up (JIT)
     _sync(dev)
-    # the best of DEMO_REPS calls (the later ones into the first one's buffer): one call timed
-    # alone ranged over 100x on a busy 2-core host
-    staging, t_gather = None, float("inf")
-    for _ in range(DEMO_REPS):
-        t0 = time.perf_counter()
-        staging = kvkernels.gather(src, src_ids, out=staging, backend=backend)
-        _sync(dev)
-        t_gather = min(t_gather, time.perf_counter() - t0)
+    # (the later calls into the first one's buffer)
+    t_gather, staging = _best_of(lambda prev: kvkernels.gather(src, src_ids, out=prev, backend=backend), dev)
     res = {"model": model, "device": str(dev), "blocks": n, "staging_bytes": staging.numel(),
            "chunk_bytes": src.chunk_nbytes, "gather_s": t_gather, "reps": DEMO_REPS}
     restored = staging
@@ -131,12 +137,8 @@ def demo(model: str = "llama3-8b", *, blocks: int | None = None, layout: str = "
         say(f"  store: put {host.numel() / res['store_put_s'] / 1e9:.2f} GB/s, get {host.numel() / res['store_get_s'] / 1e9:.2f} GB/s ({store_dir})")
     kvkernels.scatter(restored, dst, torch.full_like(dst_ids, -1), backend=backend)  # warm-up: all padding, writes nothing
     _sync(dev)
-    res["scatter_s"] = float("inf")
-    for _ in range(DEMO_REPS):  # (the same bytes into the same blocks each time)
-        t0 = time.perf_counter()
-        kvkernels.scatter(restored, dst, dst_ids, backend=backend)
-        _sync(dev)
-        res["scatter_s"] = min(res["scatter_s"], time.perf_counter() - t0)
+    # (the same bytes into the same blocks each time)
+    res["scatter_s"], _ = _best_of(lambda _prev: kvkernels.scatter(restored, dst, dst_ids, backend=backend), dev)
     ok = all(
         torch.equal(dst.views[l][c].index_select(0, dst_ids).view(torch.uint8 if src.dtype.itemsize == 1 else torch.int16),
                     src.views[l][c].index_select(0, src_ids).view(torch.uint8 if src.dtype.itemsize == 1 else torch.int16))
