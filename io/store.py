@@ -417,6 +417,9 @@ class KVStore:
         # not delete the newer file), notified through _unlinked
         self._unlinking: dict[str, int] = {}
         self._unlinked = threading.Condition(self._lock)
+        # final paths a commit is renaming into outside the lock (a key with nothing else at its
+        # path); other commits into the path wait for it, through _unlinked as well
+        self._renaming: set[str] = set()
         # bytes of those files: still on disk, so still counted by room checks (else other puts
         # wrote into room not yet freed: 1.25-1.43x capacity on disk with slow unlinks)
         self._pending_unlink = 0
@@ -738,13 +741,30 @@ class KVStore:
         try:
             header = Header(digest, meta, Header.layout_regions(meta, sizes, sums_f.result()), time.time_ns())
             self.engine.write_header(tmp, header.pack(), fsync=self.fsync)
-            with self._lock:  # renames happen under the lock, after any deferred unlink of the path
-                while final in self._unlinking:
+            with self._lock:  # after any deferred unlink of the path, and any rename into it
+                while final in self._unlinking or final in self._renaming:
                     self._unlinked.wait()
-                os.replace(tmp, final)
-                self._publishing[digest] = self._publishing.get(digest, 0) + 1
-                gen = self._renames[digest] = self._renames.get(digest, 0) + 1  # this rename's order
-                seq = self._file_seq[digest] = next(self._rename_seq)
+                # a key with no file, entry or commit of its own (LMCache's: new content keys)
+                # renames outside the lock: nothing else refers to `final` meanwhile (drops and
+                # readers unlink only a path whose file they own, other commits of the key wait
+                # above), and a rename can take milliseconds while the disk syncs other puts
+                alone = digest not in self._index and digest not in self._publishing and digest not in self._file_seq
+                if alone:
+                    self._renaming.add(final)
+                else:  # an older version: the rename and its bookkeeping in one step
+                    gen, seq = self._renamed(digest, tmp, final)
+            if alone:
+                try:
+                    os.replace(tmp, final)
+                except BaseException:
+                    with self._lock:
+                        self._renaming.discard(final)
+                        self._unlinked.notify_all()
+                    raise
+                with self._lock:  # (one step: a commit of the key waiting above renames after this)
+                    self._renaming.discard(final)
+                    self._unlinked.notify_all()
+                    gen, seq = self._renamed(digest, None, final)
         except BaseException:
             self._put_failed(tmp, nbytes, room)
             raise
@@ -781,6 +801,16 @@ class KVStore:
         if sync_error is not None:
             raise sync_error
         return header
+
+    def _renamed(self, digest: bytes, tmp: str | None, final: str) -> tuple[int, int]:
+        """Rename ``tmp`` to ``final`` (unless None: done already) and number the rename (lock
+        held): the file at the key's path is this commit's from now on."""
+        if tmp is not None:
+            os.replace(tmp, final)
+        self._publishing[digest] = self._publishing.get(digest, 0) + 1
+        gen = self._renames[digest] = self._renames.get(digest, 0) + 1  # this rename's order
+        seq = self._file_seq[digest] = next(self._rename_seq)
+        return gen, seq
 
     def _retire(self, old: "_Entry", new_path: str) -> None:
         """An older version leaves the index (lock held). Its file was replaced by the rename when it

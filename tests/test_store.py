@@ -1792,6 +1792,69 @@ def test_concurrent_puts_of_one_key_index_the_file_that_won_the_rename(tmp_path,
         assert store.stats()["bytes_used"] == store.header("k").file_nbytes
 
 
+def test_a_new_keys_rename_runs_outside_the_store_lock(tmp_path, monkeypatch):
+    """A commit renames its file into place; under 4 fsync writers on the CPU host a rename takes
+    0.3 ms median and up to ms, and it ran under the store's lock, so LMCache's `contains`, `pin`
+    and `header` calls (made on its event loop) waited for other keys' renames. A key with nothing
+    of its own at its path (every new content key) now renames outside the lock: while one such
+    rename is held up, the store answers; a second put of the same key waits for it, and the
+    index ends on the file that won."""
+    import kvkernels.io.store as store_mod
+
+    _, v1, meta = staged(seed=1)
+    _, v2, _ = staged(seed=2)
+    real = os.replace
+    entered, release = threading.Event(), threading.Event()
+    calls = []
+
+    def held_up(src, dst):
+        calls.append(dst)
+        if len(calls) == 1:
+            entered.set()
+            release.wait(10)
+        real(src, dst)
+
+    with KVStore(tmp_path, io_threads=2) as store:
+        store.put("other", v1, meta).result()
+        monkeypatch.setattr(store_mod.os, "replace", held_up)
+        f1 = store.put("k", v1, meta)
+        assert entered.wait(10)
+        answers = []
+        t = threading.Thread(target=lambda: answers.append((store.contains("other"), store.pin("other"),
+                                                            store.unpin("other"), store.header("k"))))
+        t.start()
+        t.join(5)
+        assert answers == [(True, True, True, None)]  # (the old code: stuck behind the rename)
+        f2 = store.put("k", v2, meta)  # waits for the first rename of its path
+        time.sleep(0.2)
+        assert len(calls) == 1 and not f2.done()
+        release.set()
+        f1.result(timeout=10), f2.result(timeout=10)
+        monkeypatch.undo()
+        assert len(calls) == 2 and torch.equal(store.get("k").result(timeout=10), v2)
+        assert not store._renaming and store.stats()["corrupt"] == 0
+        assert sorted(p for p in files(tmp_path)) == sorted(store._path_for(key_digest(k)) for k in ("k", "other"))
+
+
+def test_a_failed_rename_outside_the_lock_fails_only_its_put(tmp_path, monkeypatch):
+    import kvkernels.io.store as store_mod
+
+    _, v1, meta = staged(seed=1)
+    real = os.replace
+
+    def refused(src, dst):
+        raise OSError(errno.EIO, "injected EIO on rename")
+
+    with KVStore(tmp_path) as store:
+        monkeypatch.setattr(store_mod.os, "replace", refused)
+        with pytest.raises(OSError, match="injected EIO"):
+            store.put("k", v1, meta).result(timeout=10)
+        monkeypatch.setattr(store_mod.os, "replace", real)
+        assert not store.contains("k") and not store._renaming and files(tmp_path) == []  # no temporary left
+        store.put("k", v1, meta).result(timeout=10)  # the path is free again
+        assert torch.equal(store.get("k").result(timeout=10), v1) and store.stats()["put_errors"] == 1
+
+
 def test_failed_directory_sync_fails_the_put_but_keeps_the_index_true(tmp_path, monkeypatch):
     import kvkernels.io.store as store_mod
 
