@@ -754,17 +754,16 @@ class KVStore:
                 else:  # an older version: the rename and its bookkeeping in one step
                     gen, seq = self._renamed(digest, tmp, final)
             if alone:
+                renamed = False
                 try:
                     os.replace(tmp, final)
-                except BaseException:
-                    with self._lock:
+                    renamed = True
+                finally:  # the mark never outlives this call (commits of the key wait on it)
+                    with self._lock:  # one step: a commit of the key waiting above renames after this
                         self._renaming.discard(final)
                         self._unlinked.notify_all()
-                    raise
-                with self._lock:  # (one step: a commit of the key waiting above renames after this)
-                    self._renaming.discard(final)
-                    self._unlinked.notify_all()
-                    gen, seq = self._renamed(digest, None, final)
+                        if renamed:
+                            gen, seq = self._renamed(digest, None, final)
         except BaseException:
             self._put_failed(tmp, nbytes, room)
             raise
