@@ -119,6 +119,12 @@ def test_header_is_one_aligned_block_and_regions_are_4k_aligned(tmp_path):
     assert h.nbytes == 4096 and all(r.offset % 4096 == 0 for r in h.regions)
     assert os.path.getsize(path) == h.file_nbytes == 4096 + buf.numel()
     assert Header.unpack(open(path, "rb").read(4096)) == h
+    # docs/store.md's worked example: MLA, 3 layers, 3 blocks of 4 x 576 bf16 (13824 B per layer)
+    lay = make_cache("mla", num_layers=3, num_blocks=16, block_size=4, num_heads=1, head_dim=576, device=DEVICE)
+    with KVStore(tmp_path / "example") as store:
+        h = store.put("k", kvkernels.gather(lay, [3, 9, 1]).cpu(), EntryMeta.for_layout(lay, 3)).result()
+    assert [(r.offset, r.raw, r.stored) for r in h.regions] == [(o, 16384, 16384) for o in (4096, 20480, 36864)]
+    assert h.file_nbytes == 53248
 
 
 def test_per_region_stored_buffers_for_compressed_schemes(tmp_path):
