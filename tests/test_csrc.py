@@ -1205,6 +1205,7 @@ def test_the_wheel_ships_what_a_just_in_time_build_compiles_and_builds_without_s
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
         z.extractall(tmp_path / "site")
     assert "License-Expression: Apache-2.0" in meta
+    assert f"\nVersion: {kvkernels.__version__}\n" in meta  # (pyproject takes it from kvkernels.__version__)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     spec = importlib.util.spec_from_file_location("kvk_csrc_build_wheel", tmp_path / "site" / "kvkernels" / "csrc" / "build.py")
     shipped = importlib.util.module_from_spec(spec)
