@@ -985,8 +985,9 @@ class KVStore:
             self._unlink(ent.path, rename_to)
 
     def _unlink_deferred(self, doomed: list[tuple[str, int]]) -> None:
-        """The unlinks :meth:`_drop` deferred (``(path, bytes)``; called after the caller released
-        the lock: file-system time never holds up ``contains``, ``get`` or ``pin``); then the
+        """The unlinks :meth:`_drop` and :meth:`_release_reader` deferred (``(path, bytes)``;
+        called after the caller released the lock: file-system time never holds up
+        ``contains``, ``get`` or ``pin``); then the
         paths are free for commits again and their bytes for room checks. Errors as
         :meth:`_unlink`'s: logged and counted, never raised. The bookkeeping survives an
         interrupt (a Ctrl-C in its lock's acquire left a path pending for good: commits into it
@@ -1209,14 +1210,18 @@ class KVStore:
             raise _Replaced("replaced during the read")
 
     def _release_reader(self, ent: _Entry) -> None:
-        with self._lock:  # the file is no longer read: a deferred drop may unlink it now
-            ent.readers -= 1
-            if ent.readers == 0 and ent.doomed is not None:
-                # unless a newer version of the key lives (or is being published) at the same path
-                digest = ent.header.digest
-                if self._owns_file(digest, ent):
-                    self._unlink_entry(digest, ent, ent.doomed or None)
-                ent.doomed = None
+        doomed: list[tuple[str, int]] = []  # an entry dropped while read: its file goes after the lock
+        try:
+            with self._lock:  # the file is no longer read: a deferred drop may unlink it now
+                ent.readers -= 1
+                if ent.readers == 0 and ent.doomed is not None:
+                    # unless a newer version of the key lives (or is being published) at the same path
+                    digest = ent.header.digest
+                    if self._owns_file(digest, ent):
+                        self._unlink_entry(digest, ent, ent.doomed or None, doomed)
+                    ent.doomed = None
+        finally:
+            self._unlink_deferred(doomed)
 
     def _do_get(self, digest: bytes, ent: _Entry, sel, dests: list[list[torch.Tensor]], out, attempt: int = 0,
                 pinned: bool = False) -> object:

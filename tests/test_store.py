@@ -795,6 +795,43 @@ def test_an_interrupted_deferred_delete_still_frees_its_path(tmp_path, monkeypat
     assert not t.is_alive()
 
 
+def test_an_entry_removed_while_read_is_deleted_after_the_lock_once_read(tmp_path, monkeypatch):
+    """A drop of an entry that a get is reading leaves the file until the last reader is done;
+    that reader deleted it under the store's lock (file-system time that `contains`, `pin` and
+    every other call waited for). It is deleted after the lock now, and counted as a pending
+    delete until then, as evictions are."""
+    import kvkernels.io.store as store_mod
+
+    _, buf, meta = staged()
+    with KVStore(tmp_path, io_threads=1) as store:
+        store.put("k", buf, meta).result()
+        (path,) = files(tmp_path)
+        entered, release = threading.Event(), threading.Event()
+        real_read = store.engine.read_into
+
+        def held_read(p, pieces):
+            entered.set()
+            release.wait(10)
+            return real_read(p, pieces)
+
+        monkeypatch.setattr(store.engine, "read_into", held_read)
+        owned = []
+        real_remove = store_mod._remove_file
+
+        def remove_file(p, rename_to=None):
+            owned.append((p, store._lock._is_owned()))
+            return real_remove(p, rename_to)
+
+        monkeypatch.setattr(store_mod, "_remove_file", remove_file)
+        fut = store.get("k")
+        assert entered.wait(10)
+        assert store.remove("k") and os.path.exists(path) and owned == []  # read under way: the file stays
+        release.set()
+        assert torch.equal(fut.result(timeout=10), buf)  # the read finishes on the old file
+        assert owned == [(path, False)]  # deleted, with the store's lock not held
+        assert files(tmp_path) == [] and store._pending_unlink == 0 and store._unlinking == {}
+
+
 def test_close_waits_for_a_deferred_delete_before_letting_the_folder_go(tmp_path):
     # a removed entry's file is deleted after the store's locks; the folder must still be this
     # store's then (the next owner's file at that path would go)
