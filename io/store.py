@@ -832,14 +832,21 @@ class KVStore:
 
     def _put_failed(self, tmp: str | None, nbytes: int, room: _Room | None = None) -> None:
         try:
-            with self._lock:
-                self._stats["put_errors"] += 1
-                self._release_room(room)
+            # the temporary is this put's alone (no other call knows its name): deleted before
+            # the lock is taken, so a storm of failing puts (a full disk) never holds up
+            # `contains`, `get` or `pin`; its room is given back after, when its bytes are gone.
+            # A refused delete (EROFS after an EIO remounted the file system read-only) is logged
+            # and counted, not raised: the put's own error stays the one its future reports, and
+            # the next open's recovery deletes the temporary
+            removed = True
+            try:
                 if tmp is not None:
-                    # a refused delete (EROFS after an EIO remounted the file system read-only) is
-                    # logged and counted, not raised: the put's own error stays the one its future
-                    # reports, and the next open's recovery deletes the temporary
-                    self._unlink(tmp)
+                    removed = _remove_file(tmp)
+            finally:
+                with self._lock:
+                    self._stats["put_errors"] += 1
+                    self._stats["unlink_errors"] += not removed
+                    self._release_room(room)
         finally:  # in-flight bytes never stay counted (they would block every later put)
             self._release_inflight(nbytes)
 

@@ -1546,13 +1546,21 @@ def test_a_full_disk_fails_the_put_with_enospc_and_the_store_keeps_working(tmp_p
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(fd, bufs, offset, *a)
 
+    import kvkernels.io.store as store_mod
+
+    real_remove, removed = store_mod._remove_file, []
     with KVStore(tmp_path) as store:
+        def remove_file(p, rename_to=None):  # (the failed put's temporary goes without the store's lock)
+            removed.append((".tmp." in p, store._lock._is_owned()))
+            return real_remove(p, rename_to)
+
+        monkeypatch.setattr(store_mod, "_remove_file", remove_file)
         monkeypatch.setattr(os, "pwritev", pwritev)
         err = store.put("k", buf, meta).exception(timeout=30)
         monkeypatch.setattr(os, "pwritev", real)
         assert isinstance(err, OSError) and err.errno == errno.ENOSPC, repr(err)
         assert not store.contains("k") and store.stats()["put_errors"] == 1
-        assert not [f for f in files(tmp_path) if ".tmp." in f]
+        assert not [f for f in files(tmp_path) if ".tmp." in f] and removed == [(True, False)]
         store.put("k", buf, meta).result(timeout=30)
         assert torch.equal(store.get("k").result(), buf)
 
