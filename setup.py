@@ -33,6 +33,8 @@ PACKAGE_DIR = {
     "kvkernels.csrc.kernels": "csrc/kernels",
     "kvkernels.csrc.bindings": "csrc/bindings",
 }
+# the suffixes csrc/build.py's source_key hashes: the wheel ships every file a build uses
+CSRC_SOURCES = ["*.cu", "*.cuh", "*.h", "*.hpp"]
 
 
 def _build_cuda_requested() -> bool:
@@ -65,9 +67,7 @@ class BuildPyWithCuda(build_py):
 setup(
     packages=list(PACKAGE_DIR),
     package_dir=PACKAGE_DIR,
-    package_data={"kvkernels.bench": ["*.cpp"],
-                  # (the suffixes csrc/build.py's source_key hashes: the wheel ships what a build uses)
-                  "kvkernels.csrc.kernels": ["*.cu", "*.cuh", "*.h", "*.hpp"],
-                  "kvkernels.csrc.bindings": ["*.cu", "*.cuh", "*.h", "*.hpp"]},
+    package_data={"kvkernels.bench": ["*.cpp"], "kvkernels.csrc.kernels": CSRC_SOURCES,
+                  "kvkernels.csrc.bindings": CSRC_SOURCES},
     cmdclass={"build_py": BuildPyWithCuda},
 )

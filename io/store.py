@@ -994,8 +994,8 @@ class KVStore:
     def _unlink_deferred(self, doomed: list[tuple[str, int]]) -> None:
         """The unlinks :meth:`_drop` and :meth:`_release_reader` deferred (``(path, bytes)``;
         called after the caller released the lock: file-system time never holds up
-        ``contains``, ``get`` or ``pin``); then the
-        paths are free for commits again and their bytes for room checks. Errors as
+        ``contains``, ``get`` or ``pin``); then the paths are free for commits again and their
+        bytes for room checks. Errors as
         :meth:`_unlink`'s: logged and counted, never raised. The bookkeeping survives an
         interrupt (a Ctrl-C in its lock's acquire left a path pending for good: commits into it
         and ``close()`` waited for ever); the interrupt is raised after it."""
