@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 import torch
 
@@ -202,7 +203,7 @@ def _quant_rows(lay, ids, dst_ids, payload, base, peaks, device, backends) -> li
 
     rows: list[dict] = []
     peak = peaks.get("d2d_gbps")
-    variants = [("fp8-token", dict(quant="fp8", granularity="token")),
+    variants: list[tuple[str, dict[str, Any]]] = [("fp8-token", dict(quant="fp8", granularity="token")),
                 ("fp8-block", dict(quant="fp8", granularity="block"))]
     if lay.dtype in (torch.bfloat16, torch.float16):
         variants.append(("shuffle", dict(shuffle=True)))
@@ -245,7 +246,7 @@ def run(*, models=None, layouts=("nhd", "hnd"), pool=4096, blocks=2048, out_dir=
     for m in models:
         keys = ["mla"] if get_model(m).mla else [k for k in layouts if k != "mla"]
         for key in keys:
-            kw = dict(layers=2, heads=1, block_size=4) if tiny else {}
+            kw: dict[str, Any] = dict(layers=2, heads=1, block_size=4) if tiny else {}
             rows += bench_case(m, key, pool=pool, blocks=blocks, device=device, peaks=peaks, **kw)
             if device.type == "cuda":
                 torch.cuda.empty_cache()

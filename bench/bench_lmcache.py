@@ -37,6 +37,7 @@ import statistics
 import sys
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ STEM = "bench_lmcache"
 BACKENDS = ("kvkernels", "kvkernels-nofsync", "kvkernels-staged", "kvkernels-fp8", "LocalDiskBackend",
             "LocalDiskBackend-odirect")
 # kvkernels.* keys of each kvkernels row (the rest: defaults)
-VARIANTS = {"kvkernels": {}, "kvkernels-nofsync": {"fsync": False}, "kvkernels-staged": {"inplace_io": False},
+VARIANTS: dict[str, dict[str, Any]] = {"kvkernels": {}, "kvkernels-nofsync": {"fsync": False}, "kvkernels-staged": {"inplace_io": False},
             "kvkernels-fp8": {"quant": "fp8"}}
 
 
@@ -200,7 +201,8 @@ class _Bench:
         for o in objs:
             o.ref_count_down()
         _wait_visible(self.be, self.kept)
-        self.cold_s, self.cold_cpu = [], []
+        self.cold_s: list[float] = []
+        self.cold_cpu: list[float] = []
 
     def cold_retrieve(self) -> None:
         """One cold ``batched_get_blocking`` of the kept batch; wall time and process CPU (cores)."""
@@ -262,7 +264,8 @@ class _DD:
         except ImportError:  # pragma: no cover - run as a script
             from bench_store import dd_ceiling  # type: ignore
         self._dd, self.dir, self.nbytes = dd_ceiling, directory, nbytes
-        self.w, self.r = [], []
+        self.w: list[float] = []
+        self.r: list[float] = []
 
     def rep(self, rep: int) -> None:
         d = self._dd(self.dir, self.nbytes, settle_s=0.5)

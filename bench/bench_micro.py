@@ -48,6 +48,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 import torch
 
@@ -70,7 +71,7 @@ FULL_CASES = (("llama3-8b-nhd", "llama3-8b", "vllm-nhd"),  # 32 KB chunks
               ("llama3-70b-tp8-nhd", "llama3-70b-tp8", "vllm-nhd"),  # 4 KB (one head: HND is the same bytes)
               ("deepseek-v3-mla", "deepseek-v3-mla", "mla"))  # 18 KB
 # op name -> gather_quant / scatter_quant keywords
-OPS = {"gather": ("gather", {}), "scatter": ("scatter", {}),
+OPS: dict[str, tuple[str, dict[str, Any]]] = {"gather": ("gather", {}), "scatter": ("scatter", {}),
        "gather-fp8": ("gather", {"quant": "fp8"}), "scatter-fp8": ("scatter", {"quant": "fp8"}),
        "gather-shuffle": ("gather", {"shuffle": True}), "scatter-shuffle": ("scatter", {"shuffle": True})}
 POISON = 0x5A  # written over the outputs before the checked call

@@ -451,6 +451,8 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
             print(f"[bench] timeline skipped: {exc}", file=sys.stderr)
 
     if device.type == "cuda":
+        assert side is not None  # (made above for a CUDA device)
+
         def beside_compute(transfer):
             """Each layer's compute, then ``transfer(l)`` on the side stream once it is done."""
             def fn():

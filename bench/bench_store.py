@@ -265,8 +265,8 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
     print(f"# ceiling (O_DIRECT={ceil['o_direct']}, best of 1 and {dd_streams} streams): write {ceil['dd_write_gbps']:.2f} GB/s "
           f"(1 stream {ceil['dd_write_qd1_gbps']:.2f}), read {ceil['dd_read_gbps']:.2f} GB/s (1 stream {ceil['dd_read_qd1_gbps']:.2f})")
     print(common.format_table(rows, ["method", "entry_mb", "gbps", "pct_dd", "tokens_per_s", "mixed_total_gbps"]))
-    for r in rows:
-        r["model"] = "llama3-8b"
+    for row in rows:
+        row["model"] = "llama3-8b"
     return common.finish(rows, meta, paths, out_dir=out_dir, stem="store", plot=plot, case=lambda r: r["method"].split("[")[0],
                          value="pct_dd", ylabel="% of dd ceiling", title="SSD store vs dd")
 

@@ -91,11 +91,12 @@ def bench_paths(parser: argparse.ArgumentParser, *, out: str | None = None, dire
     or with ``scratch`` and no ``--dir`` ``KVKERNELS_BENCH_DIR`` when set. Every check runs before
     any folder is made, so a refused call leaves nothing behind. The benches write only into a
     fresh temporary folder inside the scratch folder (and remove only that folder)."""
-    todo = []
+    todo: list[tuple[str, str]] = []
+    base = bench_base_dir() if scratch else None
     if directory is not None:
         todo.append((directory, "argument --dir"))
-    elif scratch and bench_base_dir() is not None:
-        todo.append((bench_base_dir(), "KVKERNELS_BENCH_DIR"))
+    elif base is not None:
+        todo.append((base, "KVKERNELS_BENCH_DIR"))
     if out is not None:
         todo.append((out, "argument --out"))
     for d, what in todo:
@@ -313,7 +314,7 @@ def format_table(rows: list[dict], cols: list[str]) -> str:
 
 OUT_HELP = ("results folder: CSV, JSON and (with matplotlib) PNG (default ./bench_results; the committed results "
             "live in bench_results/<device>/)")
-_SAID_NO_PNG = []
+_SAID_NO_PNG: list[bool] = []
 
 
 def no_matplotlib() -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import torch
 
@@ -45,7 +46,7 @@ from kvkernels import StagingFormat
 from kvkernels.models import get_model, make_cache
 from kvkernels.quant import QuantStagingFormat
 
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "div_rn": {"FMA_DIV": False},
     "fma_div": {"FMA_DIV": True},
     "fma_div,intcode": {"FMA_DIV": True, "HW_CVT": False},
@@ -134,7 +135,7 @@ def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_r
             rows.append({**base, "variant": "cuda", "ms": ms, "gbps": bw, "pct_peak": 100 * bw / peak,
                          "bytes_differing": diff})
             common.progress(rows[-1])
-        lay = ids = ref = out = None  # noqa: F841 - frees the cache before the next model
+        lay = ids = ref = out = None  # type: ignore[assignment]  # noqa: F841 - frees the cache before the next model
         torch.cuda.empty_cache()
         # written after every model: a run cut off by a time cap keeps the finished ones (the
         # variants grew from 6 to 13 in the twelfth session)
@@ -147,7 +148,8 @@ def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_r
     return rows
 
 
-def ncu_target(models, *, pool: int = 4096, blocks: int = 2048, device: str = "cuda") -> tuple[int, int]:
+def ncu_target(models, *, pool: int = 4096, blocks: int = 2048,
+               device: str | torch.device = "cuda") -> tuple[int, int]:
     """One launch of each FP8 quantizing gather — Triton's default kernel, then the CUDA one — per
     model and granularity, and no other kernel named ``quant_gather``: what ``.ci/gpu-bench ncu``
     profiles (``ncu --kernel-name regex:quant_gather``). Returns (launches, failed launches)."""
@@ -173,7 +175,7 @@ def ncu_target(models, *, pool: int = 4096, blocks: int = 2048, device: str = "c
                     continue
                 launches += 1
                 print(f"[ncu-target] {m} chunk {lay.chunk_nbytes / 1024:g} KB {gran} {name}", flush=True)
-        lay = ids = out = None  # noqa: F841 - frees the cache before the next model
+        lay = ids = out = None  # type: ignore[assignment]  # noqa: F841 - frees the cache before the next model
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return launches, failed

@@ -55,7 +55,7 @@ def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
 
 def _host_view(t: torch.Tensor) -> memoryview:
     """A writable memoryview over a contiguous CPU uint8 tensor (no copy)."""
-    mv = memoryview(t.numpy())
+    mv = t.numpy().data  # (the array's memoryview)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 

@@ -34,6 +34,7 @@ import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -159,12 +160,20 @@ if hasattr(os, "register_at_fork"):
 # stores not closed yet: closed when the interpreter exits, before its thread pools stop (a put
 # still queued at exit was lost: its commit could no longer be scheduled)
 _OPEN_STORES: "weakref.WeakSet[KVStore]" = weakref.WeakSet()
+
+
+class _Closable(Protocol):
+    """What close_before_stores_at_exit takes: an object with a ``close()``."""
+
+    def close(self) -> object: ...
+
+
 # objects that write into stores from threads of their own (a LayerPipeline's SSD writer): closed
 # at exit before the stores, so their queued writes still find the stores open. -> their process
-_STORE_USERS: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+_STORE_USERS: "weakref.WeakKeyDictionary[_Closable, int]" = weakref.WeakKeyDictionary()
 
 
-def close_before_stores_at_exit(user) -> None:
+def close_before_stores_at_exit(user: _Closable) -> None:
     """Have ``user.close()`` called when this process's interpreter exits, before the open
     stores close (for objects with queued work that ends in ``KVStore.put``). ``close()`` must
     wait for a close already under way in another thread (not return at once)."""
@@ -454,8 +463,9 @@ class KVStore:
         self._close_done = False  # close() ran to its end (an interrupted one did not)
         self._pid = os.getpid()  # a forked child inherits the store without its workers or lock
         self._submit_lock = threading.Lock()
-        self._stats = {k: 0 for k in ("puts", "put_errors", "gets", "hits", "misses", "corrupt", "replaced_reads",
-                                      "evictions", "bytes_written", "bytes_read", "unlink_errors", "disturbed_reads")}
+        self._stats: dict[str, int | float] = {
+            k: 0 for k in ("puts", "put_errors", "gets", "hits", "misses", "corrupt", "replaced_reads",
+                           "evictions", "bytes_written", "bytes_read", "unlink_errors", "disturbed_reads")}
         self._stats.update(write_s=0.0, read_s=0.0)
         # one store per folder: a second one (this process or another) would delete the first's
         # temporaries in its recovery and, with an index gone stale under the other's overwrites,
@@ -488,7 +498,7 @@ class KVStore:
 
     # ------------------------------------------------------------------ recovery
     def _recover(self) -> dict:
-        report = {"removed_temporaries": 0, "removed_duplicates": 0, "bad_files": [], "entries": 0}
+        report: dict[str, Any] = {"removed_temporaries": 0, "removed_duplicates": 0, "bad_files": [], "entries": 0}
         found = []
         for root in self.paths:
             for shard in sorted(os.listdir(root)):
@@ -871,6 +881,7 @@ class KVStore:
             def fits(freed: int = 0, pending: bool = True) -> bool:
                 cur = self._index.get(exclude)
                 mine = cur.nbytes if cur is not None and exclude not in self._credits else 0
+                assert self.capacity_bytes is not None  # (_make_room returned already without a capacity)
                 held = self._used + (others_pending() if pending else 0)
                 return held + self._reserved - self._credit - mine - freed + need <= self.capacity_bytes
 
@@ -1140,10 +1151,12 @@ class KVStore:
                         and cur.header.meta == ent.header.meta
                         and (not pinned or _same_content(cur.header, ent.header)))
                 if same:
+                    assert cur is not None  # (same only with cur)
                     have = {r.layer: r for r in cur.header.regions}
                     new = [have.get(r.layer) for r in sel]
                     same = all(n is not None and n.stored == r.stored for n, r in zip(new, sel))
                 if same:
+                    assert cur is not None  # (same only with cur)
                     cur.readers += 1
                     sel = new
                 else:
@@ -1249,7 +1262,7 @@ class KVStore:
                     checks.append(self._hasher.submit(self._verify, sel, dests, js))
             self._check_not_replaced(ent)
         except (EOFError, FileNotFoundError, _Replaced) as exc:
-            short = exc
+            short: Exception | None = exc
         else:
             short = None
         finally:
@@ -1403,7 +1416,7 @@ class KVStore:
     def stats(self) -> dict:
         self._check_process()
         with self._lock:
-            d = dict(self._stats)
+            d: dict[str, Any] = dict(self._stats)
             d.update(entries=len(self._index), pinned=len(self._pins), bytes_used=self._used, capacity_bytes=self.capacity_bytes,
                      inflight_bytes=self._inflight, engine=self.engine.name, paths=list(self.paths),
                      io_threads=self.io_threads, read_priority=self.read_priority, recovery=self.recovery)

@@ -44,6 +44,7 @@ def _build_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("kvk_csrc_build", os.path.join(src, "build.py"))
+    assert spec is not None and spec.loader is not None  # (a .py file path always has a source loader)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -73,14 +74,14 @@ def _jit_library(mod, jit: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _load() -> tuple[object | None, str]:
+def _load() -> tuple[ctypes.CDLL | None, str]:
     if not torch.cuda.is_available():
         return None, "no CUDA device"
     env = config.env_str("KVKERNELS_CUDA_LIB", "").strip()  # blank: unset, as every variable
     if env:  # asked for by path: that library or none (never silently another one)
         if not os.path.isfile(env):
             return None, f"`KVKERNELS_CUDA_LIB`: {env!r} is not a file"
-        path = env
+        path: str | None = env
     else:
         shipped = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib", LIB)
         path = shipped if os.path.isfile(shipped) else None

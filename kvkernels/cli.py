@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -101,7 +102,7 @@ def demo(model: str = "llama3-8b", *, blocks: int | None = None, layout: str = "
     if shape.mla:
         layout, dest_layout = "mla", "mla-cross-layer"
     say = (lambda *a: None) if quiet else print
-    kw = dict(num_layers=shape.num_layers, num_blocks=pool, block_size=16, num_heads=shape.num_kv_heads,
+    kw: dict[str, Any] = dict(num_layers=shape.num_layers, num_blocks=pool, block_size=16, num_heads=shape.num_kv_heads,
               head_dim=shape.head_dim, dtype=torch.bfloat16, device=dev)
     src = make_cache(layout, fill="random", seed=seed, **kw)
     dst = make_cache(dest_layout, fill="zero", **kw)

@@ -54,12 +54,13 @@ import os
 import struct
 import threading
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 import torch
 
 from . import config
 from ._validate import check, check_int, check_tensor, describe, fail, same_device
-from .quant import store_scheme
+from .quant import QuantStagingFormat, store_scheme
 from .staging import StagingFormat, normalize_layers
 
 __all__ = [
@@ -106,7 +107,7 @@ _NV_CHECKSUM = 2  # flag: nvCOMP computed its checksums at encode (ChecksumPolic
 
 
 # --------------------------------------------------------------------------------------- formats
-def _is_fp8(fmt) -> bool:
+def _is_fp8(fmt: object) -> TypeGuard[QuantStagingFormat]:
     """An FP8 staging format (``kvkernels.quant.QuantStagingFormat``)."""
     return hasattr(fmt, "granularity") and hasattr(fmt, "q_entry_nbytes")
 
@@ -230,7 +231,7 @@ class CompressedStaging:
         Whether payloads were split into byte planes before compression.
     """
 
-    fmt: StagingFormat
+    fmt: StagingFormat | QuantStagingFormat
     codec: str
     regions: list
     stored_nbytes: tuple
@@ -273,7 +274,7 @@ class CompressedStaging:
         return self.staging_scheme
 
     @classmethod
-    def from_buffer(cls, buf: torch.Tensor, fmt: StagingFormat, stored_nbytes, codec: str, *,
+    def from_buffer(cls, buf: torch.Tensor, fmt: StagingFormat | QuantStagingFormat, stored_nbytes, codec: str, *,
                     byteshuffle: bool = False, scheme: str | None = None,
                     region_stride: int | None = None) -> "CompressedStaging":
         """Wrap regions read back from a store: region ``j`` at ``buf[j * region_stride:]``.
@@ -573,7 +574,7 @@ def _zstd_compress_cpu(payloads: list[torch.Tensor], frames: list[tuple[int, int
 
     jobs = []
     for p in payloads:
-        mv = memoryview(p.numpy())
+        mv = p.numpy().data  # (a memoryview of the array)
         jobs.append([_pool().submit(enc, mv[o: o + k]) for o, k in frames])
     out = []
     for p, futs in zip(payloads, jobs):
@@ -585,7 +586,7 @@ def _zstd_compress_cpu(payloads: list[torch.Tensor], frames: list[tuple[int, int
 
 def _zstd_decompress_cpu(region: torch.Tensor, raw: int, dst: torch.Tensor, j: int) -> None:
     zstandard = _zstd()
-    data = memoryview(region.contiguous().numpy()).cast("B")
+    data = region.contiguous().numpy().data.cast("B")
     frames, off = _parse_table(bytes(data[: _table_prefix(raw)]), len(data), raw, j)
     local = threading.local()
 
@@ -857,7 +858,7 @@ def _gpu_decompress(regions: list[torch.Tensor], codec: str, fmt, out: torch.Ten
 # ---------------------------------------------------------------------------------- public API
 def compress_regions(
     staging: torch.Tensor,
-    fmt: StagingFormat,
+    fmt: StagingFormat | QuantStagingFormat,
     codec: str = "auto",
     *,
     stream: "torch.cuda.Stream | None" = None,

@@ -58,7 +58,7 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping
+from typing import TYPE_CHECKING, Any, Hashable, Mapping
 
 import numpy as np
 import torch
@@ -67,6 +67,9 @@ from . import backends, config, ops
 from ._validate import check, check_int, fail
 from .layout import PagedLayout
 from .staging import REGION_ALIGN, StagingFormat
+
+if TYPE_CHECKING:
+    from ._cudart import Runtime
 
 __all__ = ["PinnedPool", "LayerPipeline", "HostEntry"]
 
@@ -172,6 +175,10 @@ class _NullEvent:
 
 
 class _NullStream:
+    # declared, never set: the runtime calls (stream_api="cudart", copy_mode="dma") drive CUDA
+    # streams; the tests that run those paths on CPU give the stand-in a handle (monkeypatch)
+    cuda_stream: int
+
     def wait_event(self, event) -> None:
         pass
 
@@ -195,7 +202,7 @@ def _copy_pieces(f, cfmt, layer: int, host_block: int, slot_block: int, n: int,
             out[-1][2] += nb
         else:
             out.append([h, d, nb])
-    return tuple(tuple(x) for x in out)
+    return tuple((x[0], x[1], x[2]) for x in out)
 
 
 def _zero_region_padding(buf: torch.Tensor, fmt: StagingFormat) -> None:
@@ -233,12 +240,13 @@ class _DmaPlan:
             brk[0] = True
             np.not_equal(np.diff(vals), 1, out=brk[1:])
             if pad:  # the host side must continue too
+                assert pos is not None  # (set with pad)
                 brk[1:] |= np.diff(pos) != 1
             starts = np.flatnonzero(brk)
         else:
             starts = np.arange(m, dtype=np.int64)
         self.cache_rel = vals[starts] * block_stride
-        self.host_rel = (pos[starts] if pad else starts) * chunk_nbytes
+        self.host_rel = (pos[starts] if pos is not None else starts) * chunk_nbytes  # (pos: set with pad)
         self.sizes = np.diff(starts, append=m).astype(np.int64) * chunk_nbytes
 
     def numel(self) -> int:
@@ -398,7 +406,7 @@ class PinnedPool:
         self.buffer = buf[: self.nbytes]
         self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # sorted (offset, size)
         self._lock = threading.Lock()
-        self._unpin = None
+        self._unpin: weakref.finalize | None = None
         if pin:
             ptr = self.buffer.data_ptr()
             _host_register(ptr, reg, device)
@@ -413,7 +421,9 @@ class PinnedPool:
         """Unpin now (the memory stays readable, pageable). Every DMA on the pool must be done:
         :meth:`LayerPipeline.close` calls it after draining its streams."""
         if self._unpin is not None and self._unpin.alive:
-            _, _, (ptr, buf, dev), _ = self._unpin.detach()
+            detached = self._unpin.detach()
+            assert detached is not None  # (alive just above)
+            _, _, (ptr, buf, dev), _ = detached
             _host_unregister(ptr, buf, dev, wait=False)
 
     def alloc(self, nbytes: int) -> int | None:
@@ -467,13 +477,13 @@ class HostEntry:
     buf: torch.Tensor  # uint8 [fmt.nbytes] view of the pool
     state: str = "saving"  # saving -> saved | loading (SSD) -> ready | failed
     layers_done: set = field(default_factory=set)
-    done_event: object = None  # D2H of the last layer complete
+    done_event: torch.cuda.Event | _NullEvent | None = None  # D2H of the last layer complete
     ssd_future: Future | None = None
     error: str | None = None
     users: int = 0  # loads in flight reading it
     # streamed SSD read (prefetch): per-layer gate flags (pinned int32 on a GPU host) and events
     gate: torch.Tensor | None = None
-    layer_read: list | None = None  # threading.Event per layer: set when its gate is released
+    layer_read: list[threading.Event] | None = None  # threading.Event per layer: set when its gate is released
     read_future: Future | None = None  # the prefetch reading it (a second prefetch of the key waits on it)
     # while saving: the host ids of the last layer and their device copy, reused by the next layer
     # when the caller passes the same ids again (vLLM passes one list per request for all layers)
@@ -549,7 +559,7 @@ class LayerPipeline:
         self.layout = layout
         self.cuda = layout.device.type == "cuda"
         self.stream_api = self._resolve_stream_api(stream_api)
-        self._rt = None
+        self._rt: Runtime | None = None
         if self.stream_api == "cudart":
             from . import _cudart
 
@@ -557,7 +567,7 @@ class LayerPipeline:
             if self._rt is None:
                 raise RuntimeError(f"`stream_api`: 'cudart' is not available: {_cudart.reason()}")
         self.copy_mode = self._resolve_copy_mode(copy_mode)
-        self._batch_rt = None  # the runtime whose cudaMemcpyBatchAsync moves dma-mode layers (GPU)
+        self._batch_rt: Runtime | None = None  # the runtime whose cudaMemcpyBatchAsync moves dma-mode layers (GPU)
         per_block = layout.num_kv * layout.chunk_nbytes
         check_int(slot_bytes, "slot_bytes", lo=per_block)
         # a slot holds one chunk of one layer: [K chunk | V chunk], chunk_blocks blocks each
@@ -580,6 +590,11 @@ class LayerPipeline:
         self._slots = {d: [torch.empty(self.slot_bytes, dtype=torch.uint8, device=dev) for _ in range(num_slots)]
                        for d in ("save", "load")}
         self._slot_next = {"save": 0, "load": 0}
+        # (the side streams: CUDA streams, or their no-op stand-in on CPU)
+        self.pack_stream: torch.cuda.Stream | _NullStream
+        self.d2h_stream: torch.cuda.Stream | _NullStream
+        self.h2d_stream: torch.cuda.Stream | _NullStream
+        self._async_streams: tuple[torch.cuda.Stream | _NullStream, torch.cuda.Stream | _NullStream]
         if self.cuda:
             self.pack_stream = torch.cuda.Stream(device=dev, priority=pack_priority)
             self.d2h_stream = torch.cuda.Stream(device=dev)
@@ -615,7 +630,8 @@ class LayerPipeline:
         self._finished_off = self._event()  # a previous restore's last layers, issued by start_load
         self._last_waited = -1  # the highest layer wait_for_layer_load was called for, this restore
         self._loads_async = False  # the current restore is start_load(asynchronous=True): no compute waits
-        self._async_slots = None  # [slots, free events, filled events, next]: made at the first async restore
+        # [slots, free events, filled events, next]: made at the first async restore
+        self._async_slots: list | None = None
         # one "layer restored" event per layer, re-recorded by each restore (only stream waits bind
         # to them; the last layer's, which get_finished polls, is new per restore)
         self._layer_loaded = [self._event() for _ in range(layout.num_layers)]
@@ -634,7 +650,7 @@ class LayerPipeline:
         self._lock = threading.RLock()
         # (entry, dst ids, streamed, what a failure reports: host ids as given, or the caller's tensor)
         self._loads: list[tuple[HostEntry, torch.Tensor, bool, object]] = []
-        self._load_events: dict[int, object] = {}
+        self._load_events: dict[int, torch.cuda.Event | _NullEvent] = {}
         self._next_load_layer = 0
         self._saving: dict[Hashable, HostEntry] = {}
         if self.copy_mode == "dma":
@@ -648,10 +664,11 @@ class LayerPipeline:
                                 "pipeline gathers", why)
                     self.copy_mode = "gather"
                     del self._base_tab
-        self._batch_ids = None  # (the requests' id copies, their concatenation): _save_together
+        # (the requests' id copies, their concatenation): _save_together
+        self._batch_ids: tuple[tuple[torch.Tensor, ...] | None, torch.Tensor] | None = None
         # (last layer's event, [(entry, what a failure reports; None: already reported)])
-        self._pending_loads: list[tuple[object, list]] = []
-        self._load_cat = None  # the restores' destination ids concatenated when they share a slot
+        self._pending_loads: list[tuple[torch.cuda.Event | _NullEvent, list]] = []
+        self._load_cat: torch.Tensor | None = None  # the restores' destination ids concatenated when they share a slot
         # destination ids of loads that failed: device tensors (read back when asked for, the
         # latest FAILED_LOADS_KEPT) and host ids (folded into a set: at most the cache's blocks)
         self._load_errors: list = []
@@ -725,6 +742,7 @@ class LayerPipeline:
         if rt._batch is None:
             return rt.batch_reason
         addrs = np.array([self.pool.buffer.data_ptr(), self._slots["save"][0].data_ptr(), 16], dtype=np.int64)
+        assert isinstance(self.d2h_stream, torch.cuda.Stream)  # (probed for a CUDA cache only)
         try:
             with torch.cuda.device(self._device_index):
                 a = addrs.ctypes.data
@@ -816,9 +834,11 @@ class LayerPipeline:
         """Before the H2D of ``layer`` of a streamed entry: on the GPU, the H2D stream waits for the
         layer's flag (no host wait); on CPU (or without the driver call) the host waits. A layer
         already read (its flag is set before its event) needs neither."""
+        assert ent.layer_read is not None  # (a streamed entry: prefetch made its gates)
         if ent.layer_read[layer].is_set():
             return
         if self._gpu_gates:
+            assert ent.gate is not None
             rc = _cu_stream_wait_value32()(self.h2d_stream.cuda_stream, ent.gate.data_ptr() + 4 * layer, GATE_READ,
                                            _CU_STREAM_WAIT_VALUE_GEQ)
             if rc == 0:
@@ -903,6 +923,7 @@ class LayerPipeline:
                     raise _named(exc, name) from None
             # the caller's tensor is read on the pack stream, maybe after the caller dropped it:
             # its memory must not go back to the compute stream's allocations before that
+            assert isinstance(self.pack_stream, torch.cuda.Stream)  # (a strided device tensor: a CUDA cache)
             block_ids.record_stream(self.pack_stream)
         else:
             host = self._host_ids(block_ids, name, unique=unique)
@@ -912,6 +933,7 @@ class LayerPipeline:
                 ids = ids.clone()  # after this call returns, so they get a copy of what was checked
         check(ids.numel() > 0, name, "at least one block id", "an empty list")
         if self.cuda:
+            assert isinstance(self.pack_stream, torch.cuda.Stream)
             ids.record_stream(self.pack_stream)
         return ids
 
@@ -939,7 +961,7 @@ class LayerPipeline:
             return tuple(block_ids)  # any sequence _ids_tensor takes (a range, an array.array)
         return None
 
-    def _save_ids(self, key, block_ids) -> tuple[object, object]:
+    def _save_ids(self, key, block_ids) -> tuple[torch.Tensor | _DmaPlan, tuple | None]:
         """``(device ids or a _DmaPlan, host key)`` of one layer's save: host ids equal to the
         previous layer's (``HostEntry.save_ids``) are not converted and copied again (host key
         None then: nothing to store); new host ids come with the key to store beside their copy
@@ -1004,7 +1026,8 @@ class LayerPipeline:
             self._failed_saves.pop(key, None)  # the set reports each key's latest save
         return ent
 
-    def save_layer(self, layer: int, saves: Mapping[Hashable, object]) -> None:
+    # (keys: Any, not Hashable: Mapping's key type is invariant, and a dict[str, ...] is no Mapping[Hashable, ...])
+    def save_layer(self, layer: int, saves: Mapping[Any, object]) -> None:
         """Offload ``layer`` of each request in ``saves`` (``{key: src_block_ids}``).
 
         Call after the compute stream has produced the layer's KV (vLLM: ``save_kv_layer``).
@@ -1021,7 +1044,7 @@ class LayerPipeline:
         # every key's ids and block count are checked before anything is issued: a bad call
         # raises with nothing issued, and every save it names misses this layer, so each of
         # them fails for the rest of its step (never completed from a mix of two steps)
-        checked: list[tuple[Hashable, object, object]] = []
+        checked: list[tuple[Hashable, torch.Tensor | _DmaPlan, tuple | None]] = []
         try:
             for key, block_ids in saves.items():
                 cur = self._saving.get(key)
@@ -1038,7 +1061,7 @@ class LayerPipeline:
             self._fail_call(layer, saves)
             raise
         self._record(self._ready["save"], self._compute())  # layer's KV is final here
-        todo: list[tuple[Hashable, HostEntry, object]] = []
+        todo: list[tuple[Hashable, HostEntry, torch.Tensor | _DmaPlan]] = []
         try:
             for key, ids, host_key in checked:
                 ent = self._entry_for_save(key, ids.numel(), layer)
@@ -1259,6 +1282,7 @@ class LayerPipeline:
 
     def _write_to_store(self, ent: HostEntry, queued: float):
         """Background thread: wait for the entry's DMA (off the step path), then put it."""
+        assert ent.done_event is not None  # (recorded before the write was queued)
         ent.done_event.synchronize()
         # reads before writes: wait for a gap, within a bound counted from when the write was
         # queued (one writer thread: a per-write bound would let a backlog of k saves wait k times)
@@ -1340,6 +1364,7 @@ class LayerPipeline:
                             gate=torch.zeros(num_layers, dtype=torch.int32, pin_memory=self._gpu_gates),
                             layer_read=[threading.Event() for _ in range(num_layers)], read_future=done)
             self.entries[key] = ent
+        assert ent.gate is not None  # (made just above, as its layer_read)
         gate = ent.gate.numpy()  # plain stores from the reading thread
 
         def region(layer: int) -> torch.Tensor:
@@ -1349,9 +1374,11 @@ class LayerPipeline:
             # one read per group of layers, all queued at once (the store keeps its queue depth),
             # gates released in layer order as the groups complete
             errors: list[str] = []
+            assert ent.layer_read is not None  # (made with the entry, above)
             try:
-                reads = []
+                reads: list[tuple[list[int], Future | Exception]] = []
                 header = getattr(self.store, "header", None)
+                refused: Exception | None
                 refused, h = None, None
                 try:  # (a header that cannot be read fails the entry, as a failed read does)
                     h = header(key) if header is not None else None
@@ -1427,6 +1454,7 @@ class LayerPipeline:
                         del self.entries[key]
                     ent.state, ent.error = "failed", "LayerPipeline is closed"
                     gate[:] = GATE_FAILED
+                    assert ent.layer_read is not None  # (made with the entry, above)
                     for e in ent.layer_read:
                         e.set()
                     self._drop(ent)  # (a restore may have taken the entry while it waited: freed after it)
@@ -1458,7 +1486,8 @@ class LayerPipeline:
             return f"stored entry {h.meta} is not the {want} asked for"
         return None
 
-    def start_load(self, loads: Mapping[Hashable, object], *, asynchronous: bool = False) -> None:
+    # (keys: Any, as save_layer's)
+    def start_load(self, loads: Mapping[Any, object], *, asynchronous: bool = False) -> None:
         """Begin restoring ``{key: dst_block_ids}`` layer by layer (vLLM: ``start_load_kv``).
 
         Each key must be in the host pool: saved earlier, or prefetched from SSD — ready, or
@@ -1555,9 +1584,10 @@ class LayerPipeline:
                 ent = self.entries.get(key)
                 ok = (ent is not None and ent.state in ("saved", "ready", "saving", "loading")
                       and ent.fmt.num_blocks == ids.numel())
-                if ok and ent.state == "loading" and self._loads_async:
+                # (``ent is not None`` below: implied by ok, spelled out for the type checker)
+                if ok and ent is not None and ent.state == "loading" and self._loads_async:
                     ok = False  # (a prefetch of a missing key began since the check: never gate on the disk)
-                if ok and ent.state == "saving":
+                if ok and ent is not None and ent.state == "saving":
                     ok = len(ent.layers_done) == self.layout.num_layers
                 # what a failure reports: host ids as given (their device copy is still queued on the
                 # pack stream); device ids are read back off the step path, in the getter
@@ -1566,6 +1596,7 @@ class LayerPipeline:
                 if not ok:
                     self._note_load_error(key, err)
                     continue
+                assert ent is not None  # (ok)
                 ent.users += 1  # (listed at once: a failure below gives the use back through _fail_loads)
                 self._loads.append((ent, ids, ent.state == "loading", err))  # streamed: gate each layer
                 if ent.done_event is not None and self.cuda:
@@ -1625,7 +1656,7 @@ class LayerPipeline:
         issued = False
         while self._loads and self._next_load_layer < self.layout.num_layers:
             if not wait_reads and not self._gpu_gates and any(
-                    streamed and not ent.layer_read[self._next_load_layer].is_set()
+                    streamed and ent.layer_read is not None and not ent.layer_read[self._next_load_layer].is_set()
                     for ent, _, streamed, _ in self._loads):
                 break
             self._issue_load_layer()
@@ -1682,6 +1713,7 @@ class LayerPipeline:
         try:
             ev = self._event()
             if self.cuda:
+                assert isinstance(self.h2d_stream, torch.cuda.Stream)
                 copied = torch.cuda.Event()
                 copied.record(self.h2d_stream)
                 self.pack_stream.wait_event(copied)
@@ -1752,6 +1784,7 @@ class LayerPipeline:
         for ent, _, streamed, _ in self._loads:
             if streamed:
                 self._gate(ent, layer)  # the layer's bytes are in the host pool (or zeroed on failure)
+        assert self._load_cat is not None  # (called when _begin_loads concatenated the ids)
         cfmt = StagingFormat.for_layout(self.layout, self._load_cat.numel(), (layer,))
         s, slot = self._load_slot()
         off = 0

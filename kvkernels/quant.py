@@ -356,7 +356,8 @@ def _stack_layers(layout: PagedLayout, layers, c: int) -> torch.Tensor | None:
     return v0.as_strided((k, *v0.shape), (step // es, *v0.stride()), v0.storage_offset())
 
 
-def _region_sections(out: torch.Tensor, fmt: QuantStagingFormat, j: int, k: int, c: int):
+def _region_sections(out: torch.Tensor, fmt: QuantStagingFormat, j: int, k: int,
+                     c: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes ``[k, n, bs, H, D]`` (uint8) and scales (fp32 ``[k, n, bs, H]`` or ``[k, n, H]``) of
     entry ``c`` in regions ``j .. j + k - 1`` of ``out``, as views."""
     n, bs, hh, d = fmt.num_blocks, fmt.block_size, fmt.num_heads, fmt.head_dim

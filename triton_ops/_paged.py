@@ -185,6 +185,6 @@ def launch(kernel, layout, block_ids: torch.Tensor, fmt, staging: torch.Tensor, 
     over ``fmt.layers`` of ``layout`` on the current stream."""
     if fmt.num_blocks == 0 or fmt.num_regions == 0:
         return
-    word, tab, grid, scalars, consts = _launch_plan(kernel, layout, fmt, staging.data_ptr(), staging.storage_offset(),
+    word, tab, grid, scalars, consts = _launch_plan(kernel, layout, fmt, staging.data_ptr(), int(staging.storage_offset()),
                                                     max_ctas)
     kernel[grid](tab, block_ids, staging[: fmt.nbytes].view(word), err, *scalars, **consts)

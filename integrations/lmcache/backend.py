@@ -57,9 +57,11 @@ log = logging.getLogger("kvkernels.integrations.lmcache")
 # LMCache memory format of each chunk order (convert.ORDERS); "LTD" by K/V entries (2 or 1 = MLA)
 _FORMATS = {("LTD", 2): MemoryFormat.KV_2LTD, ("LTD", 1): MemoryFormat.KV_MLA_FMT, ("T2D", 2): MemoryFormat.KV_T2D,
             ("2TD", 2): MemoryFormat.KV_2TD, ("TD", 1): MemoryFormat.KV_MLA_FMT}
-# (MemoryFormat, tensor dims) of a chunk LMCache hands over -> its order
-_ORDER_OF = {(MemoryFormat.KV_2LTD, 4): "LTD", (MemoryFormat.KV_MLA_FMT, 4): "LTD", (MemoryFormat.KV_MLA_FMT, 2): "TD",
-             (MemoryFormat.KV_T2D, 3): "T2D", (MemoryFormat.KV_2TD, 3): "2TD"}
+# (MemoryFormat, tensor dims) of a chunk LMCache hands over -> its order (looked up with dims None
+# for an object without a tensor: no such key, so no order)
+_ORDER_OF: dict[tuple[MemoryFormat, Optional[int]], str] = {
+    (MemoryFormat.KV_2LTD, 4): "LTD", (MemoryFormat.KV_MLA_FMT, 4): "LTD", (MemoryFormat.KV_MLA_FMT, 2): "TD",
+    (MemoryFormat.KV_T2D, 3): "T2D", (MemoryFormat.KV_2TD, 3): "2TD"}
 # the lookup id LMCache's synchronous layer-wise retrieve passes to batched_get_non_blocking
 # (lmcache 0.5.6 storage_manager.py, layerwise_batched_get): every key it names must come back
 _SYNC_LOOKUP_ID = "fake_lookup_id"
@@ -314,6 +316,7 @@ class KVKernelsBackend(StoragePluginInterface):
                             "object) is not supported; such chunks are not stored (lookups miss)", fmt,
                             None if t is None else tuple(t.shape))
             return None
+        assert t is not None  # (an order only with a tensor)
         try:
             shape = ChunkShape.of(t, self._num_heads, order)
         except ValueError:
@@ -575,6 +578,7 @@ class KVKernelsBackend(StoragePluginInterface):
                     callback(key)
                 except Exception as cexc:  # LMCache's contract: callback errors are logged, not raised
                     log.warning("kvkernels LMCache plugin: on_complete_callback failed for %s: %s", ks, cexc)
+            assert sfut is not None  # (None only with an exc: the put never reached the store)
             fut.set_result(sfut.result())
         finally:  # last: flush() returns only once the counters, the callback and the future are done
             with self._lock:
@@ -821,7 +825,7 @@ class KVKernelsBackend(StoragePluginInterface):
     def stats(self) -> dict:
         """Plugin counters plus the store's ``stats()``."""
         with self._lock:
-            d = dict(self.counters)
+            d: dict[str, Any] = dict(self.counters)
             d["put_tasks"] = len(self._put_tasks)
             d["pinned_keys"] = len(self._pins)
         d["store"] = self.store.stats()

@@ -443,6 +443,7 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                     if other is not None:
                         followed.append((ks, other))
                         continue
+                    assert mine is not None  # (claimed above: no other write of ks)
                     if self.store.contains(ks):
                         self._count("store_present")
                         self._release(ks, mine)
@@ -456,6 +457,7 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                     self._count("store_errors")
                     log.warning("kvkernels L2 adapter: store of %s failed: %s: %s", ks, type(exc).__name__, exc)
                     if mine is not None:
+                        assert ks is not None  # (mine is claimed only once ks is set)
                         self._release(ks, mine, exc)
         except Exception as exc:
             ok = False
@@ -759,8 +761,8 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                         if not self._closed:
                             raise
                         return False  # closed on another thread meanwhile: nothing more is deleted
-                    told = self._told.pop(ks, None)
-                    told = None if told is None else told[1]
+                    told_entry = self._told.pop(ks, None)
+                    told = None if told_entry is None else told_entry[1]
                     if removed:
                         self.counters["deleted"] += 1
                         if told is None:  # recovered, never counted in LMCache's usage
