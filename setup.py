@@ -67,7 +67,7 @@ class BuildPyWithCuda(build_py):
 setup(
     packages=list(PACKAGE_DIR),
     package_dir=PACKAGE_DIR,
-    package_data={"kvkernels.bench": ["*.cpp"], "kvkernels.csrc.kernels": CSRC_SOURCES,
+    package_data={"kvkernels": ["py.typed"], "kvkernels.bench": ["*.cpp"], "kvkernels.csrc.kernels": CSRC_SOURCES,
                   "kvkernels.csrc.bindings": CSRC_SOURCES},
     cmdclass={"build_py": BuildPyWithCuda},
 )

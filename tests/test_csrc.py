@@ -1213,3 +1213,4 @@ def test_the_wheel_ships_what_a_just_in_time_build_compiles_and_builds_without_s
     assert all(os.path.isfile(s) for s in shipped.SOURCES)
     assert shipped.source_key() == build.source_key()
     assert any(n.startswith("kvkernels/bench/") and n.endswith(".cpp") for n in names)  # the memcpy-loop bench
+    assert "kvkernels/py.typed" in names  # (PEP 561: type checkers use the annotations)
