@@ -7,6 +7,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 import torch
+from typing_extensions import assert_type  # (typing.assert_type: Python >= 3.11; mypy checks as 3.10)
 
 import kvkernels
 from kvkernels.compress import CompressedStaging, compress_regions, decompress_regions
@@ -19,8 +20,8 @@ def readme_example() -> None:  # README.md, "gather / scatter"
     caches = [torch.randn(2, 1024, 16, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(32)]
     layout = kvkernels.PagedLayout.from_vllm(caches)
     ids = torch.tensor([17, 3, 902, 45], device="cuda")
-    staging: torch.Tensor = kvkernels.gather(layout, ids, max_ctas=16)
-    fmt = kvkernels.StagingFormat.for_layout(layout, len(ids))
+    staging = assert_type(kvkernels.gather(layout, ids, max_ctas=16), torch.Tensor)
+    fmt = assert_type(kvkernels.StagingFormat.for_layout(layout, len(ids)), kvkernels.StagingFormat)
     host = torch.empty(fmt.nbytes, dtype=torch.uint8).pin_memory()
     host.copy_(staging, non_blocking=True)
     offset: int = fmt.region_offset(3)
@@ -35,7 +36,8 @@ def fp8_and_shuffle(layout: kvkernels.PagedLayout, ids: torch.Tensor, dst: list[
     kvkernels.scatter_quant(q, layout, dst, quant="fp8", granularity="block")
     s = kvkernels.gather(layout, ids, shuffle=True, layers=(0, 1))
     kvkernels.scatter(s, layout, dst, shuffle=True, layers=(0, 1))
-    qf = kvkernels.QuantStagingFormat.for_layout(layout, len(dst), granularity="block")
+    qf = assert_type(kvkernels.QuantStagingFormat.for_layout(layout, len(dst), granularity="block"),
+                     kvkernels.QuantStagingFormat)
     return qf.nbytes + kvkernels.quant_staging_nbytes(layout, len(dst), quant="fp8")
 
 
@@ -51,9 +53,9 @@ def store_example(layout: kvkernels.PagedLayout, staging: torch.Tensor, new_ids:
 
 def compress_example(staging: torch.Tensor, fmt: kvkernels.StagingFormat,
                      qfmt: kvkernels.QuantStagingFormat, q: torch.Tensor) -> torch.Tensor:  # compress.md
-    packed: CompressedStaging = compress_regions(staging, fmt, codec="zstd", byteshuffle=True)
+    packed = assert_type(compress_regions(staging, fmt, codec="zstd", byteshuffle=True), CompressedStaging)
     compress_regions(q, qfmt)  # an FP8 staging buffer is compressed the same way
-    return decompress_regions(packed, layers=[0])
+    return assert_type(decompress_regions(packed, layers=[0]), torch.Tensor)
 
 
 def pipeline_step(layout: kvkernels.PagedLayout, store: KVStore, saves: dict[str, torch.Tensor],
@@ -65,7 +67,7 @@ def pipeline_step(layout: kvkernels.PagedLayout, store: KVStore, saves: dict[str
         pipe.wait_for_layer_load(layer)
         pipe.save_layer(layer, saves)
     pipe.wait_for_save()
-    saved, loaded = pipe.get_finished()
+    saved, loaded = assert_type(pipe.get_finished(), tuple[set, set])
     failed: set = pipe.take_failed_loads() | pipe.take_failed_saves()
     ahead: Future = pipe.prefetch("req-9", num_blocks=4)
     ahead.cancel()
