@@ -726,7 +726,9 @@ def _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps, compute_only) -> li
                 pipe.save_layer(l, {"ssd": src})
             pipe.wait_for_save()
             pipe.get_finished()
-            pipe.entries["ssd"].ssd_future.result()  # on disk
+            written = pipe.entries["ssd"].ssd_future
+            assert written is not None  # (a pipeline with a store queues the write at the last layer)
+            written.result()  # on disk
 
             def timed(with_compute: bool, streamed: bool = True):
                 _sync(device)

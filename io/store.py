@@ -608,7 +608,7 @@ class KVStore:
             _settle(fut, res)  # a _Later: the rest runs elsewhere, this worker takes the next request
 
     # ------------------------------------------------------------------ put
-    def put(self, key, staging, meta: EntryMeta) -> Future:
+    def put(self, key, staging, meta: EntryMeta) -> "Future[Header]":
         """Store ``staging`` under ``key``; returns a Future of the written :class:`Header`.
 
         ``staging``: a 1-D uint8 tensor of at least ``meta.fmt.nbytes`` bytes in the staging
@@ -1453,10 +1453,10 @@ class KVStore:
         _OPEN_STORES.discard(self)
         _unlock(self._locks)  # the folders are free for the next store
 
-    def __enter__(self):
+    def __enter__(self) -> KVStore:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> None:
         self.close()
 
 

@@ -1322,7 +1322,7 @@ class LayerPipeline:
                 self._dma_pending = False
 
     # ------------------------------------------------------------------ load (restore)
-    def prefetch(self, key, *, num_blocks: int) -> Future:
+    def prefetch(self, key, *, num_blocks: int) -> "Future[HostEntry]":
         """Read entry ``key`` (``num_blocks`` blocks) from the SSD store into the host pool, in
         the background (vLLM: the async part of a load, before the step). The future resolves
         to the :class:`HostEntry` (state ``ready`` or ``failed``). A key already in the pool is
@@ -2027,8 +2027,8 @@ class LayerPipeline:
             self.pool.release()  # after the drain: no DMA reads or writes it any more
             self._close_done = True
 
-    def __enter__(self):
+    def __enter__(self) -> LayerPipeline:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> None:
         self.close()

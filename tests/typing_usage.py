@@ -12,8 +12,8 @@ from typing_extensions import assert_type  # (typing.assert_type: Python >= 3.11
 import kvkernels
 from kvkernels.compress import CompressedStaging, compress_regions, decompress_regions
 from kvkernels.integrations.lmcache import lmcache_extra_config
-from kvkernels.io import EntryMeta, KVStore
-from kvkernels.pipeline import LayerPipeline
+from kvkernels.io import EntryMeta, Header, KVStore
+from kvkernels.pipeline import HostEntry, LayerPipeline
 
 
 def readme_example() -> None:  # README.md, "gather / scatter"
@@ -44,8 +44,8 @@ def fp8_and_shuffle(layout: kvkernels.PagedLayout, ids: torch.Tensor, dst: list[
 def store_example(layout: kvkernels.PagedLayout, staging: torch.Tensor, new_ids: torch.Tensor) -> bool:  # store.md
     n = new_ids.numel()
     with KVStore(["/mnt/nvme0/kv", "/mnt/nvme1/kv"], capacity_bytes=2 << 40, fsync=False) as store:
-        done: Future = store.put("req-42", staging, EntryMeta.for_layout(layout, n))
-        done.result()
+        done = assert_type(store.put("req-42", staging, EntryMeta.for_layout(layout, n)), "Future[Header]")
+        assert_type(done.result().meta, EntryMeta)
         buf: torch.Tensor = store.get("req-42", layers=[0, 1]).result()
         kvkernels.scatter(buf.cuda(), layout, new_ids, layers=[0, 1])
         return store.contains(("req", 43))
@@ -60,6 +60,8 @@ def compress_example(staging: torch.Tensor, fmt: kvkernels.StagingFormat,
 
 def pipeline_step(layout: kvkernels.PagedLayout, store: KVStore, saves: dict[str, torch.Tensor],
                   loads: dict[str, list[int]], num_layers: int) -> tuple[set, set]:  # pipeline.md
+    with LayerPipeline(layout, host_bytes=1 << 30) as scratch:  # (the with-block gives the typed object)
+        assert_type(scratch, LayerPipeline)
     pipe = LayerPipeline(layout, host_bytes=1 << 30, store=store, prefetch_depth=2)
     pipe.start_load(loads)
     pipe.start_load({("req", 7): torch.tensor([1, 2])}, asynchronous=True)  # any hashable key
@@ -69,7 +71,7 @@ def pipeline_step(layout: kvkernels.PagedLayout, store: KVStore, saves: dict[str
     pipe.wait_for_save()
     saved, loaded = assert_type(pipe.get_finished(), tuple[set, set])
     failed: set = pipe.take_failed_loads() | pipe.take_failed_saves()
-    ahead: Future = pipe.prefetch("req-9", num_blocks=4)
+    ahead = assert_type(pipe.prefetch("req-9", num_blocks=4), "Future[HostEntry]")
     ahead.cancel()
     pipe.evict("req-9")
     pipe.close()
