@@ -33,3 +33,28 @@ def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.element_size() == 1:
         return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+DAMAGE_OPS = ("flip", "set", "cut", "extend", "zero")
+
+
+def damage(data: bytes, op: str, where: float, val: int, n: int, *, min_len: int = 0) -> bytearray:
+    """``data`` with one kind of damage at fraction ``where`` of its length: ``flip`` xors the
+    byte with ``val``, ``set`` overwrites it, ``cut`` truncates there (keeping ``min_len`` bytes
+    at least), ``extend`` appends ``n`` bytes of ``val``, ``zero`` clears ``n`` bytes (the
+    corruption property tests of the codec and the store)."""
+    out = bytearray(data)
+    p = int(where * len(out))
+    if op == "flip":
+        out[p] ^= val
+    elif op == "set":
+        out[p] = val
+    elif op == "cut":
+        out = out[: max(min_len, p)]
+    elif op == "extend":
+        out += bytes([val]) * n
+    elif op == "zero":
+        out[p: p + n] = bytes(len(out[p: p + n]))
+    else:
+        raise ValueError(f"unknown damage {op!r}")
+    return out

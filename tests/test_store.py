@@ -27,7 +27,7 @@ from kvkernels import StagingFormat
 from kvkernels.io import CorruptEntryError, EntryMeta, Header, KVStore
 from kvkernels.io.format import RegionInfo, key_digest
 from kvkernels.models import make_cache
-from kvtest import DEVICE, bytes_equal
+from kvtest import DAMAGE_OPS, DEVICE, bytes_equal, damage
 
 import fake_kvikio
 
@@ -1758,7 +1758,7 @@ def test_any_single_byte_flip_in_a_header_is_detected(pos, bit):
 
 
 @settings(max_examples=80, deadline=None)
-@given(op=st.sampled_from(["flip", "set", "cut", "extend", "zero"]), where=st.floats(0, 1, exclude_max=True),
+@given(op=st.sampled_from(DAMAGE_OPS), where=st.floats(0, 1, exclude_max=True),
        val=st.integers(1, 255), n=st.integers(1, 5000), reopen=st.booleans(),
        layers=st.sampled_from([None, 0, [1, 2]]))
 def test_any_damage_to_an_entry_file_is_caught_or_harmless(op, where, val, n, reopen, layers):
@@ -1777,18 +1777,8 @@ def test_any_damage_to_an_entry_file_is_caught_or_harmless(op, where, val, n, re
         try:
             store.put("k", buf, meta).result()
             (path,) = files(root)
-            data = bytearray(open(path, "rb").read())
-            p = int(where * len(data))
-            if op == "flip":
-                data[p] ^= val
-            elif op == "set":
-                data[p] = val
-            elif op == "cut":
-                data = data[:p]
-            elif op == "extend":
-                data += bytes([val]) * n
-            else:
-                data[p: p + n] = bytes(len(data[p: p + n]))
+            with open(path, "rb") as f:
+                data = damage(f.read(), op, where, val, n)
             with open(path, "r+b") as f:
                 f.truncate(0)
                 f.write(data)
