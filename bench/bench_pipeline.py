@@ -17,7 +17,9 @@ For each prompt length and block size, in one run:
   ``pipeline_timeline_<tag>.png``);
   ``[cudart]`` / ``[cuda+cudart]``: the pipeline with ``stream_api="cudart"`` (its event records,
   stream waits and DMAs as direct CUDA runtime calls), with the Triton and the CUDA backend's
-  launcher — the host time per layer against the default (torch's Python API);
+  launcher — the host time per layer against the default (torch's Python API; ``[cuda+cudart]``
+  runs the CUDA backend's default kernels, the bulk path only where ``KVKERNELS_CUDA_BULK=1`` is
+  set by the caller, unlike ``[cuda-bulk]``);
   ``[4 requests]`` / ``[4 requests+cudart]`` (first case only): the same blocks as four requests
   with list ids, as vLLM's connector passes them (one gather per layer for all four);
   ``[dma]`` / ``[dma+cudart]`` (and ``[4 requests+dma+cudart]``, first case only): the pipeline
@@ -41,6 +43,14 @@ For each prompt length and block size, in one run:
   (streamed: layer ``l`` restores as soon as it is read), alone and beside the compute, and
   ``read-then-restore`` (the whole read, then the restore), against a ``dd`` O_DIRECT read of the
   same size on the same disk.
+
+Every pipeline variant ends with one more save and restore whose bytes are compared (the torch
+reference gather of the source blocks against the destination blocks): a variant that moved wrong
+bytes, or had a failed save or restore in its timed runs, has its rows dropped and is named in
+the results' ``failed_variants`` (exit code 3); a variant the machine cannot run (no
+``cudaMemcpyBatchAsync``, no CUDA runtime for ``stream_api="cudart"``) is named in
+``skipped_variants``. Every pipeline names its ``stream_api`` and ``copy_mode``: the
+``KVKERNELS_PIPELINE_*`` environment variables change no row.
 
 Reported: compute time and slowdown (%), transfer throughput (GB/s, % of the measured one-shot
 D2H / H2D), wall over max(compute alone, transfer alone), and the host time of the step-path
@@ -287,6 +297,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         ids are lists of ints (what vLLM's connector passes), saved and restored together;
         ``host_ids``: one request with list ids (``copy_mode="dma"`` needs ids on the host);
         ``blocks``: ``(source ids, destination ids)`` other than the case's random ones."""
+        n_rows = len(rows)  # this variant's rows start here (dropped if its end check fails)
         s_ids, d_ids = blocks if blocks is not None else (src, dst)
         if parts == 1 and host_ids:
             saves, loads = {"req": s_ids.tolist()}, {"req": d_ids.tolist()}
@@ -366,11 +377,41 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         _sync(device)
         pipe.get_finished()
         # a save that found no pool room, or a restore that failed, times as a no-op: never publish it
-        failed, errors = pipe.take_failed_saves(), pipe.get_block_ids_with_load_errors()
-        if failed or errors:
-            raise RuntimeError(f"pipeline{tag}: timed runs had failed saves {sorted(map(str, failed))} or "
-                               f"restores failing on {len(errors)} blocks: their rows would be wrong")
+        failed, loads_failed = pipe.take_failed_saves(), pipe.take_failed_loads()
+        errors = pipe.get_block_ids_with_load_errors()
+        why = None
+        if failed or loads_failed or errors:
+            why = (f"timed runs had failed saves {sorted(map(str, failed))} or restores "
+                   f"{sorted(map(str, loads_failed))} failing on {len(errors)} blocks")
+        else:  # and one more step whose bytes are checked: a path that moved the wrong bytes times as well
+            why = check_round_trip(pipe, saves, loads, offload_only, restore_only)
+        if why is not None:
+            del rows[n_rows:]
+            raise RuntimeError(f"pipeline{tag}: {why}: its rows would be wrong")
         return t_off
+
+    def check_round_trip(pipe: LayerPipeline, saves: dict, loads: dict, offload_only, restore_only) -> str | None:
+        """One more save of ``saves`` and restore into ``loads`` (the step the rows timed); None when
+        every destination block then holds its source block's bytes (the torch reference gather
+        reads both sides: independent of the kernels and copies under test), else what differs."""
+        def ids(v):
+            return torch.as_tensor(v, dtype=torch.int64).to(device)
+
+        offload_only()
+        _sync(device)
+        pipe.get_finished()
+        # the bytes saved (nothing wrote the source blocks since): read before the restore, which
+        # may write blocks that are also sources
+        want = {k: kvkernels.gather(lay, ids(v), backend="torch") for k, v in saves.items()}
+        restore_only()
+        _sync(device)
+        pipe.get_finished()
+        failed, loads_failed = pipe.take_failed_saves(), pipe.take_failed_loads()
+        errors = pipe.get_block_ids_with_load_errors()
+        if failed or loads_failed or len(errors):
+            return f"the checked step had failed saves {sorted(map(str, failed))} or restores {sorted(map(str, loads_failed))}"
+        bad = [str(k) for k in saves if not torch.equal(kvkernels.gather(lay, ids(loads[k]), backend="torch"), want[k])]
+        return f"restored bytes differ from the saved blocks' for {bad}" if bad else None
 
     def add_checked(pipe: LayerPipeline, method, direction, fn):
         """``add``, then the row is dropped and the variant fails when one of its saves or
@@ -389,8 +430,12 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                                f"{sorted(map(str, loads))} on {len(errors)} blocks: the row would be wrong")
 
     rows.append({**base, "direction": "-", "method": "compute-alone", "compute_ms": c_ms, "wall_ms": c_wall})
-    pipe = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2)  # default 64 MiB slots
-    pipeline_rows(pipe)
+    # every pipeline names its stream_api and copy_mode: KVKERNELS_PIPELINE_* in the environment
+    # would otherwise change what a row's label says ran
+    pipe = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2,
+                         stream_api="torch", copy_mode="gather")  # default 64 MiB slots
+    with _optional_rows("[default]"):  # its check failing loses its rows, not the variants'
+        pipeline_rows(pipe)
     if profile_path is not None:
         _profile_issue(pipe, src, dst, L, device, profile_path, f"{model} {seq} tokens, {base['chunk_kb']} KB chunks")
         # first case only: the offload issued as vLLM's connector issues it — start_load_kv every
@@ -426,29 +471,39 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
             _sync(device)
             pipe.get_finished()
 
+            async_issue_s: list[float] = []
+
             def restore_async_beside_compute():
-                # issued once the forward's first layer is queued (vLLM: after the forward is
-                # launched), so its host issue time does not idle the compute stream being timed
+                # issued once the whole forward is queued (vLLM: right after the forward is
+                # launched). The call issues every layer (3-6 ms of host time at the third run's
+                # 95-184 us per layer): issued after layer 0 only, as before, the compute stream
+                # ran dry while the host issued it, and that idle time counted as slowdown
                 end = None
                 for l in range(L):
                     pipe.wait_for_layer_load(l)  # vLLM calls it in every step: nothing to wait for here
                     end = compute_layer(l) or end
-                    if l == 0:
-                        pipe.start_load({"req": dst}, asynchronous=True)
+                t0 = time.perf_counter()
+                pipe.start_load({"req": dst}, asynchronous=True)
+                async_issue_s.append(time.perf_counter() - t0)
                 return end
 
             add_checked(pipe, "kvk-pipeline[async restore]", "restore", restore_async_beside_compute)
+            # the call's host time (all layers at once), per layer like the other restore rows
+            rows[-1]["issue_us_per_layer"] = 1e6 * statistics.median(async_issue_s) / L
+            rows[-1]["issue_us_max"] = 1e6 * max(async_issue_s) / L
 
-    rows += _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps, compute_only)
+    with _optional_rows("[ssd]"):  # a disk or dd failure loses these rows, not the variants after them
+        rows += _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps, compute_only)
     if timeline_out is not None:
-        pipe.get_finished()
-        try:
-            if not pipe.evict("req"):  # the pool holds one entry of this size
-                raise RuntimeError("the host pool's entry is still in use")
-            timeline_out["layers"] = timeline(pipe, proxy, src, device, L)
-            timeline_out["case"] = f"{model} {seq} tokens, {base['chunk_kb']} KB chunks"
-        except RuntimeError as exc:  # a figure, not a measurement: the rows above stand
-            print(f"[bench] timeline skipped: {exc}", file=sys.stderr)
+        with _optional_rows("[timeline]"):  # another error: a failure, still not the rows after it
+            pipe.get_finished()
+            try:
+                if not pipe.evict("req"):  # the pool holds one entry of this size
+                    raise RuntimeError("the host pool's entry is still in use")
+                timeline_out["layers"] = timeline(pipe, proxy, src, device, L)
+                timeline_out["case"] = f"{model} {seq} tokens, {base['chunk_kb']} KB chunks"
+            except RuntimeError as exc:  # a figure, not a measurement: the rows above stand
+                print(f"[bench] timeline skipped: {exc}", file=sys.stderr)
 
     if device.type == "cuda":
         assert side is not None  # (made above for a CUDA device)
@@ -483,7 +538,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                 ext.memcpy_batch(tabs[0][0][:1], tabs[0][1][:1], lay.chunk_nbytes, side.cuda_stream)
                 torch.cuda.synchronize()
             except RuntimeError as exc:  # CUDA < 12.8 or a driver without it
-                print(f"[bench] cudaMemcpyBatchAsync baseline skipped: {exc}", file=sys.stderr)
+                _skip("memcpy-batch", f"cudaMemcpyBatchAsync refused: {exc}")
             else:
                 add("memcpy-batch", "offload", beside_compute(
                     lambda l: ext.memcpy_batch(tabs[l][0], tabs[l][1], lay.chunk_nbytes, side.cuda_stream)))
@@ -499,7 +554,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                 bulk = _cuda._use_bulk(lay, torch.empty(16, dtype=torch.uint8, device=device))
                 del pipe
                 pipe = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2,
-                                     backend="cuda")
+                                     backend="cuda", stream_api="torch", copy_mode="gather")
                 try:
                     pipeline_rows(pipe, "[cuda-bulk]" if bulk else "[cuda]")
                 finally:
@@ -514,7 +569,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                     continue
                 with _optional_rows(tag):
                     p3 = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2,
-                                       backend=backend, stream_api="cudart")
+                                       backend=backend, stream_api="cudart", copy_mode="gather")
                     try:
                         pipeline_rows(p3, tag)
                         if profile_path is not None:
@@ -522,7 +577,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                     finally:
                         p3.close()
         else:
-            print(f"[bench] stream_api='cudart' rows skipped: {_cudart.reason()}", file=sys.stderr)
+            _skip("[cudart] rows", f"stream_api='cudart' unavailable: {_cudart.reason()}")
     # copy_mode="dma": each layer as one cudaMemcpyBatchAsync straight between the blocks and the
     # host entry (no SM, no slot; list ids, as vLLM passes them): the memcpy-batch baseline's
     # slowdown with the pipeline's host time and completion tracking, against [cudart] above
@@ -533,29 +588,36 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         rt = _cudart.load()
         dma_ok = rt is not None and rt._batch is not None
         if not dma_ok:
-            print(f"[bench] copy_mode='dma' rows skipped: {rt.batch_reason if rt else _cudart.reason()}", file=sys.stderr)
+            _skip("[dma] rows", f"no cudaMemcpyBatchAsync: {rt.batch_reason if rt else _cudart.reason()}")
     if dma_ok:
         apis = (("torch", "[dma]"), ("cudart", "[dma+cudart]")) if device.type == "cuda" else (("torch", "[dma]"),)
         for api, tag in apis:
-            try:
-                p5 = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2,
-                                   stream_api=api, copy_mode="dma")
-            except RuntimeError as exc:  # never run on a GPU yet: its probe copy may be refused there
-                print(f"[bench] copy_mode='dma' rows skipped: {exc}", file=sys.stderr)
+            p5 = None
+            with _optional_rows(tag):  # never run on a GPU yet: any error is this variant's, not the bench's
+                try:
+                    p5 = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2,
+                                       stream_api=api, copy_mode="dma")
+                except RuntimeError as exc:  # its probe copy refused: the driver cannot, a skip
+                    _skip(f"{tag} (and the later dma rows)", f"copy_mode='dma' refused: {exc}")
+            if p5 is None:
                 dma_ok = False  # and the [4 requests+dma+cudart] rows below
                 break
-            with _optional_rows(tag):
-                try:
+            try:
+                timed = False
+                with _optional_rows(tag):
                     pipeline_rows(p5, tag, host_ids=True)
+                    timed = True
                     if profile_path is not None and api == "cudart":
                         _profile_issue(p5, src.tolist(), dst.tolist(), L, device, profile_path,
                                        f"{tag} {model} {seq} tokens", mode="a")
-                        # first case only: consecutive block ids (a fresh request from vLLM's free
-                        # queue often gets runs of them): pieces merge into runs, the best case
+                if timed and profile_path is not None and api == "cudart":
+                    # first case only: consecutive block ids (a fresh request from vLLM's free
+                    # queue often gets runs of them): pieces merge into runs, the best case
+                    with _optional_rows("[dma+cudart,consecutive ids]"):
                         seq_ids = (torch.arange(n, device=device), torch.arange(n, 2 * n, device=device))
                         pipeline_rows(p5, "[dma+cudart,consecutive ids]", host_ids=True, blocks=seq_ids)
-                finally:
-                    p5.close()
+            finally:
+                p5.close()
     if profile_path is not None:
         # first case only: the same blocks as 4 requests with list ids (vLLM's connector): one
         # gather per layer for all of them, and the ids copied once per save
@@ -587,7 +649,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
             tag = f"[ctas={ctas or 'all'}" + (f",priority={prio}]" if prio else "]")
             with _optional_rows(tag):
                 p2 = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=ctas, prefetch_depth=2,
-                                   pack_priority=prio)
+                                   pack_priority=prio, stream_api="torch", copy_mode="gather")
                 try:
                     pipeline_rows(p2, tag)
                     if timeline_out is not None and prio:
@@ -607,6 +669,13 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
 
 
 _FAILED: list[str] = []  # variants whose rows failed in this process's run (main's exit code)
+_SKIPPED: list[str] = []  # variants this machine cannot run (no rows, not a failure): in the results' meta
+
+
+def _skip(what: str, why: str) -> None:
+    """A variant left out because the machine cannot run it: said on stderr and in the meta."""
+    _SKIPPED.append(f"{what}: {why}")
+    print(f"[bench] {what} skipped: {why}", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -720,7 +789,8 @@ def _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps, compute_only) -> li
                           threads=config.io_threads()) for _ in range(3 if reps > 1 else 1)]
         dd = {"dd_read_gbps": statistics.median(d["dd_read_gbps"] for d in dds)}
         with KVStore(os.path.join(root, "store")) as store, LayerPipeline(
-            lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2, store=store
+            lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2, store=store,
+            stream_api="torch", copy_mode="gather"
         ) as pipe:
             for l in range(L):
                 pipe.save_layer(l, {"ssd": src})
@@ -810,6 +880,7 @@ def run(*, models=("llama3-8b",), seqs=(4096, 8192), block_sizes=(16, 2), out_di
     rows: list[dict] = []
     tl_box: dict = {}
     _FAILED.clear()
+    _SKIPPED.clear()
     if tiny:
         print("[bench] tiny: one smollm2-135m case, 64 tokens, block size 16 (--models / --seqs / --block-sizes "
               "do not apply)")
@@ -824,10 +895,12 @@ def run(*, models=("llama3-8b",), seqs=(4096, 8192), block_sizes=(16, 2), out_di
                                        timeline_out=None if tl_box else tl_box,
                                        profile_path=os.path.join(out_dir, "pipeline_issue_profile.txt") if first else None)
                     torch.cuda.empty_cache()
-                    common.write_results(rows, {**meta, "partial": True, "failed_variants": list(_FAILED)}, out_dir,
-                                         "pipeline")  # kept if cut
+                    common.write_results(rows, {**meta, "partial": True, "failed_variants": list(_FAILED),
+                                                "skipped_variants": list(_SKIPPED)}, out_dir, "pipeline")  # kept if cut
     if _FAILED:
         meta["failed_variants"] = list(_FAILED)
+    if _SKIPPED:
+        meta["skipped_variants"] = list(_SKIPPED)
     paths = common.write_results(rows, meta, out_dir, "pipeline")
     if tl_box:
         tl_path = os.path.join(out_dir, "pipeline_timeline.json")

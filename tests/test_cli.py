@@ -115,6 +115,9 @@ def test_bench_pipeline_tiny(tmp_path):
     assert paired and all(r["slowdown_min_pct"] <= r["slowdown_pct"] <= r["slowdown_max_pct"] for r in paired)
     assert {"kvk-pipeline[ctas=all]", "kvk-pipeline[ctas=16,priority=-1]", "kvk-pipeline[ctas=all,priority=-1]",
             "kvk-pipeline[vllm calls]", "kvk-pipeline[async restore]"} <= {r["method"] for r in res["rows"]}
+    (asy,) = [r for r in res["rows"] if r["method"] == "kvk-pipeline[async restore]"]
+    assert 0 < asy["issue_us_per_layer"] <= asy["issue_us_max"]  # its start_load's host time, per layer
+    assert "skipped_variants" not in res["meta"] and "failed_variants" not in res["meta"]
     doc = json.loads((tmp_path / "pipeline_timeline.json").read_text())
     assert set(doc["variants"]) == {"[ctas=16,priority=-1]", "[ctas=all,priority=-1]"}
     tl = doc["layers"]
@@ -152,6 +155,77 @@ def test_bench_pipeline_keeps_the_other_rows_when_a_variant_fails(tmp_path, monk
     assert bench_pipeline.main(["--tiny", "--no-plot", "--out", str(tmp_path / "m")]) == 3  # the rc says so
     monkeypatch.undo()
     assert bench_pipeline.main(["--tiny", "--no-plot", "--out", str(tmp_path / "ok")]) == 0
+
+
+def _dma_rows(tmp_path):
+    import json
+
+    doc = json.loads((tmp_path / "pipeline.json").read_text())
+    return [r["method"] for r in doc["rows"] if "dma" in r["method"]], doc["meta"]
+
+
+def test_bench_pipeline_publishes_no_rows_of_a_variant_whose_saves_failed(tmp_path, monkeypatch):
+    """A dma-mode pipeline whose saves find no host memory raises nothing (the saves are reported
+    failed): its timings are of no-ops. They were written to the results all the same, the
+    variant named in failed_variants only."""
+    from kvkernels.bench import bench_pipeline
+    from kvkernels.pipeline import LayerPipeline
+
+    real = LayerPipeline._alloc_host
+    monkeypatch.setattr(LayerPipeline, "_alloc_host",
+                        lambda self, nbytes: None if self.copy_mode == "dma" else real(self, nbytes))
+    bench_pipeline.run(out_dir=str(tmp_path), tiny=True, plot=False)
+    rows, meta = _dma_rows(tmp_path)
+    assert rows == []
+    assert any(f.startswith("[dma]: RuntimeError") and "failed saves ['req']" in f for f in meta["failed_variants"])
+
+
+def test_bench_pipeline_publishes_no_rows_of_a_variant_that_moved_wrong_bytes(tmp_path, monkeypatch):
+    """Each variant ends with a save and restore whose bytes are compared: one that restores into
+    the wrong blocks (no error raised, nothing reported failed) loses its rows."""
+    from kvkernels.bench import bench_pipeline
+    from kvkernels.pipeline import LayerPipeline
+
+    real = LayerPipeline.start_load
+
+    def shifted(self, loads, **kw):
+        if self.copy_mode == "dma":  # every destination one block further on: wrong blocks, no error
+            loads = {k: [(int(b) + 1) % self.layout.num_blocks for b in v] for k, v in loads.items()}
+        return real(self, loads, **kw)
+
+    monkeypatch.setattr(LayerPipeline, "start_load", shifted)
+    res = bench_pipeline.run(out_dir=str(tmp_path), tiny=True, plot=False)
+    rows, meta = _dma_rows(tmp_path)
+    assert rows == []
+    assert any(f.startswith("[dma]: RuntimeError") and "restored bytes differ" in f for f in meta["failed_variants"])
+    assert "kvk-pipeline[ctas=all,priority=-1]" in {r["method"] for r in res["rows"]}  # the variants after it
+    # and every other variant passed the same check (their rows are there, nothing else failed)
+    assert all(f.startswith("[dma]") for f in meta["failed_variants"])
+
+
+@pytest.mark.parametrize("exc,listed", [(RuntimeError("cudaMemcpyBatchAsync refused"), "skipped_variants"),
+                                        (ValueError("an error never seen before"), "failed_variants")])
+def test_bench_pipeline_a_dma_pipeline_that_cannot_be_built(tmp_path, monkeypatch, exc, listed):
+    """The dma pipeline's constructor (its probe copy) had never run on a GPU: a RuntimeError (the
+    driver refuses the batch copy) skips its rows and says so in the results; any other error
+    is a failed variant — before, it escaped the bench and lost every row of the run."""
+    from kvkernels.bench import bench_pipeline
+    from kvkernels.pipeline import LayerPipeline
+
+    real = LayerPipeline.__init__
+
+    def init(self, layout, **kw):
+        if kw.get("copy_mode") == "dma":
+            raise exc
+        real(self, layout, **kw)
+
+    monkeypatch.setattr(LayerPipeline, "__init__", init)
+    res = bench_pipeline.run(out_dir=str(tmp_path), tiny=True, plot=False)
+    rows, meta = _dma_rows(tmp_path)
+    assert rows == [] and "kvk-pipeline" in {r["method"] for r in res["rows"]}
+    assert any(f.startswith("[dma]") and str(exc) in f for f in meta[listed])
+    other = "failed_variants" if listed == "skipped_variants" else "skipped_variants"
+    assert not meta.get(other)
 
 
 def test_bench_store_tiny(tmp_path):
