@@ -35,7 +35,7 @@ pytest-benchmark's own JSON (``micro-pytest-benchmark.json``, readable by ``pyte
 compare``; its saved runs, with ``-- --benchmark-autosave``, go to ``--out``/pytest-benchmark).
 ``--compare`` puts an earlier ``micro.json`` beside it (same device and sizes only, every row of it
 verified) and ``--fail-slower PCT`` exits 1 when a median got more than PCT % slower or a row of the
-earlier run is missing (unless ``-k`` chose a subset).
+earlier run is missing (unless ``-k``, or a selection passed to pytest after ``--``, chose a subset).
 """
 
 from __future__ import annotations
@@ -344,11 +344,23 @@ def compare(rows: list[dict], meta: dict, old_path: str, fail_slower: float | No
         return 2, f"--compare {old_path}: no benchmark in common with this run"
     msg = f"compared {matched} of {len(rows)} benchmarks with {old_path} (commit {old_meta.get('commit')})"
     if missing:
-        msg += (f"; {len(missing)} of its benchmarks not run here" + (" (-k chose them)" if subset else "") + ": "
+        msg += (f"; {len(missing)} of its benchmarks not run here" + (" (-k or pytest's own selection chose them)" if subset else "") + ": "
                 + "; ".join(missing))
     if worse:
         msg += f"; more than {fail_slower:g} % slower: " + "; ".join(worse)
     return (1 if fail_slower is not None and (worse or (missing and not subset)) else 0), msg
+
+
+def selects(pytest_args) -> bool:
+    """True when arguments passed through to pytest (after ``--``) choose a subset of the
+    benchmarks (``-k``, ``-m``, node ids, ``--deselect``, ``--lf``...): ``--compare`` then lists
+    the baseline's rows missing here without failing the gate, as for this script's own ``-k``."""
+    for arg in pytest_args:
+        a = str(arg)
+        if a.startswith(("-k", "-m", "--deselect", "--ignore", "--lf", "--last-failed", "--sw", "--stepwise",
+                         "--keyword", "--markers-expr")) or "::" in a or a.endswith(".py"):
+            return True
+    return False
 
 
 def run(*, out_dir: str = "bench_results", tiny: bool = False, blocks: int = 2048, max_time: float = 0.5,
@@ -386,7 +398,7 @@ def run(*, out_dir: str = "bench_results", tiny: bool = False, blocks: int = 204
     meta["pytest_rc"] = rc
     cmp_rc, cmp_msg = 0, None
     if compare_to:
-        cmp_rc, cmp_msg = compare(rows, meta, compare_to, fail_slower, subset=bool(select))
+        cmp_rc, cmp_msg = compare(rows, meta, compare_to, fail_slower, subset=bool(select) or selects(pytest_args))
     paths = common.write_results(rows, meta, out_dir, "micro")
     paths["pytest-benchmark"] = os.path.join(out_dir, "micro-pytest-benchmark.json")
     with open(paths["pytest-benchmark"], "w") as f:
