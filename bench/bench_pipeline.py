@@ -393,16 +393,19 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
     def check_round_trip(pipe: LayerPipeline, saves: dict, loads: dict, offload_only, restore_only) -> str | None:
         """One more save of ``saves`` and restore into ``loads`` (the step the rows timed); None when
         every destination block then holds its source block's bytes (the torch reference gather
-        reads both sides: independent of the kernels and copies under test), else what differs."""
-        def ids(v):
-            return torch.as_tensor(v, dtype=torch.int64).to(device)
-
+        reads both sides: independent of the kernels and copies under test), else what differs.
+        The source blocks get new bytes first and the destination blocks are overwritten before
+        the restore, so neither an earlier save's entry nor an earlier restore's blocks can pass."""
+        for v in saves.values():
+            freshen(v)
         offload_only()
         _sync(device)
         pipe.get_finished()
-        # the bytes saved (nothing wrote the source blocks since): read before the restore, which
-        # may write blocks that are also sources
-        want = {k: kvkernels.gather(lay, ids(v), backend="torch") for k, v in saves.items()}
+        # the bytes saved (nothing wrote the source blocks since): read before the destinations
+        # are overwritten (they may also be sources)
+        want = {k: blocks_of(v) for k, v in saves.items()}
+        for k, v in loads.items():
+            poison(v, want[k])
         restore_only()
         _sync(device)
         pipe.get_finished()
@@ -410,12 +413,13 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         errors = pipe.get_block_ids_with_load_errors()
         if failed or loads_failed or len(errors):
             return f"the checked step had failed saves {sorted(map(str, failed))} or restores {sorted(map(str, loads_failed))}"
-        bad = [str(k) for k in saves if not torch.equal(kvkernels.gather(lay, ids(loads[k]), backend="torch"), want[k])]
+        bad = [str(k) for k in saves if not torch.equal(blocks_of(loads[k]), want[k])]
         return f"restored bytes differ from the saved blocks' for {bad}" if bad else None
 
-    def add_checked(pipe: LayerPipeline, method, direction, fn):
+    def add_checked(pipe: LayerPipeline, method, direction, fn, check=None):
         """``add``, then the row is dropped and the variant fails when one of its saves or
-        restores failed (a save with no pool room, a restore that did not run: timed as no-ops)."""
+        restores failed (a save with no pool room, a restore that did not run: timed as no-ops)
+        or ``check()`` (after the timed runs) returns why its bytes are wrong."""
         _sync(device)
         pipe.get_finished()
         pipe.take_failed_saves(), pipe.take_failed_loads(), pipe.get_block_ids_with_load_errors()  # older rows'
@@ -428,6 +432,42 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
             del rows[n_rows:]
             raise RuntimeError(f"{method}: failed saves {sorted(map(str, saves))} or restores "
                                f"{sorted(map(str, loads))} on {len(errors)} blocks: the row would be wrong")
+        why = check() if check is not None else None
+        if why is not None:
+            del rows[n_rows:]
+            raise RuntimeError(f"{method}: {why}: the row would be wrong")
+
+    def _ids(ids) -> torch.Tensor:
+        return torch.as_tensor(ids, dtype=torch.int64).to(device)
+
+    def blocks_of(ids) -> torch.Tensor:
+        """The blocks' bytes now (``ids``: a tensor or a list), in the staging format (the torch
+        reference gather: independent of the kernels and copies under test)."""
+        return kvkernels.gather(lay, _ids(ids), backend="torch")
+
+    def freshen(ids) -> None:
+        """New random bytes in the blocks ``ids`` (before a checked save: an entry left from an
+        earlier save of the same blocks would hold the right bytes even if this save wrote none)."""
+        staged = blocks_of(ids)
+        kvkernels.scatter(torch.randint_like(staged, 0, 256), lay, _ids(ids), backend="torch")
+
+    def poison(ids, want: torch.Tensor) -> None:
+        """Every byte of the blocks ``ids`` made different from ``want``'s (before a checked
+        restore: blocks an earlier restore filled would pass even if this one wrote nothing)."""
+        kvkernels.scatter(torch.bitwise_not(want), lay, _ids(ids), backend="torch")
+
+    def restored_as(pipe: LayerPipeline, want: torch.Tensor) -> str | None:
+        """None when the destination blocks (overwritten first) hold ``want`` after a synchronous
+        restore of the entry ``req`` into them, else why not."""
+        poison(dst, want)
+        pipe.start_load({"req": dst})
+        for l in range(L):
+            pipe.wait_for_layer_load(l)
+        _sync(device)
+        pipe.get_finished()
+        if pipe.take_failed_loads() or pipe.get_block_ids_with_load_errors():
+            return "the checking restore failed"
+        return None if torch.equal(blocks_of(dst), want) else "the destination blocks do not hold the saved bytes"
 
     rows.append({**base, "direction": "-", "method": "compute-alone", "compute_ms": c_ms, "wall_ms": c_wall})
     # every pipeline names its stream_api and copy_mode: KVKERNELS_PIPELINE_* in the environment
@@ -446,6 +486,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
             _sync(device)
             pipe.get_finished()
             vsaves = {"req": src}
+            freshen(src)  # bytes no earlier entry holds: its saves must have written them
 
             def offload_as_vllm():
                 end = None
@@ -457,7 +498,9 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                 pipe.wait_for_save()
                 return end
 
-            add_checked(pipe, "kvk-pipeline[vllm calls]", "offload", offload_as_vllm)
+            # the entry its last run saved holds the source blocks as they are now (only saves ran)
+            add_checked(pipe, "kvk-pipeline[vllm calls]", "offload", offload_as_vllm,
+                        check=lambda: restored_as(pipe, blocks_of(src)))
 
         # first case only: an asynchronous restore (vLLM 0.33's load_kv_async: issued after a
         # forward is launched, for a request that runs in a later step) beside a forward that does
@@ -467,6 +510,14 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         with _optional_rows("[async restore]"):
             _sync(device)
             pipe.get_finished()
+            freshen(src)
+            for l in range(L):  # the entry it restores: the source blocks as they are now
+                pipe.save_layer(l, {"req": src})
+            pipe.wait_for_save()
+            _sync(device)
+            pipe.get_finished()
+            saved = blocks_of(src)  # (before any restore: destination blocks may also be sources)
+            poison(dst, saved)  # the timed restores must write every byte of them
             pipe.start_load({"req": dst}, asynchronous=True)  # warm-up: its slots and events are made here
             _sync(device)
             pipe.get_finished()
@@ -487,7 +538,10 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                 async_issue_s.append(time.perf_counter() - t0)
                 return end
 
-            add_checked(pipe, "kvk-pipeline[async restore]", "restore", restore_async_beside_compute)
+            # the timed runs' restores wrote the destination blocks: they must hold the entry's bytes
+            add_checked(pipe, "kvk-pipeline[async restore]", "restore", restore_async_beside_compute,
+                        check=lambda: None if torch.equal(blocks_of(dst), saved)
+                        else "the destination blocks do not hold the saved bytes")
             # the call's host time (all layers at once), per layer like the other restore rows
             rows[-1]["issue_us_per_layer"] = 1e6 * statistics.median(async_issue_s) / L
             rows[-1]["issue_us_max"] = 1e6 * max(async_issue_s) / L

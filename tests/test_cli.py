@@ -203,6 +203,55 @@ def test_bench_pipeline_publishes_no_rows_of_a_variant_that_moved_wrong_bytes(tm
     assert all(f.startswith("[dma]") for f in meta["failed_variants"])
 
 
+def test_bench_pipeline_check_catches_a_save_that_writes_nothing(tmp_path, monkeypatch):
+    """A dma save whose copies do nothing leaves the entry with an earlier save's bytes — the same
+    blocks' bytes, unless the check gives the source blocks new ones first: it does."""
+    from kvkernels.bench import bench_pipeline
+    from kvkernels.pipeline import LayerPipeline
+
+    real = LayerPipeline._run_batch
+    monkeypatch.setattr(LayerPipeline, "_run_batch",
+                        lambda self, b, layer, to_host: None if to_host else real(self, b, layer, to_host))
+    bench_pipeline.run(out_dir=str(tmp_path), tiny=True, plot=False)
+    rows, meta = _dma_rows(tmp_path)
+    assert rows == []
+    assert any(f.startswith("[dma]: RuntimeError") and "restored bytes differ" in f for f in meta["failed_variants"])
+
+
+@pytest.mark.parametrize("broken", ["[vllm calls]", "[async restore]"])
+def test_bench_pipeline_checks_the_vllm_order_and_async_restore_rows(tmp_path, monkeypatch, broken):
+    """The two rows timed with add_checked have byte checks of their own: saves issued in vLLM's
+    order that read the wrong blocks, or asynchronous restores into the wrong blocks, drop that
+    row alone."""
+    import json
+
+    from kvkernels.bench import bench_pipeline
+    from kvkernels.pipeline import LayerPipeline
+
+    real_load, real_save = LayerPipeline.start_load, LayerPipeline.save_layer
+    state = {"vllm": False}
+
+    def start_load(self, loads, asynchronous=False):
+        state["vllm"] = not loads  # the [vllm calls] rows: an empty start_load before each step
+        if asynchronous and broken == "[async restore]":
+            loads = {k: [(int(b) + 1) % self.layout.num_blocks for b in v.tolist()] for k, v in loads.items()}
+        return real_load(self, loads, asynchronous=asynchronous)
+
+    def save_layer(self, layer, saves):
+        if state["vllm"] and broken == "[vllm calls]":  # the blocks after the named ones
+            saves = {k: (v + 1) % self.layout.num_blocks for k, v in saves.items()}
+        return real_save(self, layer, saves)
+
+    monkeypatch.setattr(LayerPipeline, "start_load", start_load)
+    monkeypatch.setattr(LayerPipeline, "save_layer", save_layer)
+    res = bench_pipeline.run(out_dir=str(tmp_path), tiny=True, plot=False)
+    methods = {r["method"] for r in res["rows"]}
+    other = ({"[vllm calls]", "[async restore]"} - {broken}).pop()
+    assert f"kvk-pipeline{broken}" not in methods and f"kvk-pipeline{other}" in methods and "kvk-pipeline" in methods
+    failed = json.loads((tmp_path / "pipeline.json").read_text())["meta"]["failed_variants"]
+    assert len(failed) == 1 and failed[0].startswith(broken) and "do not hold the saved bytes" in failed[0]
+
+
 @pytest.mark.parametrize("exc,listed", [(RuntimeError("cudaMemcpyBatchAsync refused"), "skipped_variants"),
                                         (ValueError("an error never seen before"), "failed_variants")])
 def test_bench_pipeline_a_dma_pipeline_that_cannot_be_built(tmp_path, monkeypatch, exc, listed):
