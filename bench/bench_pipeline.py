@@ -437,24 +437,14 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
             del rows[n_rows:]
             raise RuntimeError(f"{method}: {why}: the row would be wrong")
 
-    def _ids(ids) -> torch.Tensor:
-        return torch.as_tensor(ids, dtype=torch.int64).to(device)
-
     def blocks_of(ids) -> torch.Tensor:
-        """The blocks' bytes now (``ids``: a tensor or a list), in the staging format (the torch
-        reference gather: independent of the kernels and copies under test)."""
-        return kvkernels.gather(lay, _ids(ids), backend="torch")
+        return _blocks_of(lay, ids)
 
     def freshen(ids) -> None:
-        """New random bytes in the blocks ``ids`` (before a checked save: an entry left from an
-        earlier save of the same blocks would hold the right bytes even if this save wrote none)."""
-        staged = blocks_of(ids)
-        kvkernels.scatter(torch.randint_like(staged, 0, 256), lay, _ids(ids), backend="torch")
+        _freshen(lay, ids)
 
     def poison(ids, want: torch.Tensor) -> None:
-        """Every byte of the blocks ``ids`` made different from ``want``'s (before a checked
-        restore: blocks an earlier restore filled would pass even if this one wrote nothing)."""
-        kvkernels.scatter(torch.bitwise_not(want), lay, _ids(ids), backend="torch")
+        _poison(lay, ids, want)
 
     def restored_as(pipe: LayerPipeline, want: torch.Tensor) -> str | None:
         """None when the destination blocks (overwritten first) hold ``want`` after a synchronous
@@ -722,6 +712,29 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
     return rows
 
 
+def _ids(lay, ids) -> torch.Tensor:
+    return torch.as_tensor(ids, dtype=torch.int64).to(lay.device)
+
+
+def _blocks_of(lay, ids) -> torch.Tensor:
+    """The bytes of blocks ``ids`` (a tensor or a list) now, in the staging format: the torch
+    reference gather, independent of the kernels and copies under test (the rows' byte checks)."""
+    return kvkernels.gather(lay, _ids(lay, ids), backend="torch")
+
+
+def _freshen(lay, ids) -> None:
+    """New random bytes in the blocks ``ids`` (before a checked save: an entry left from an
+    earlier save of the same blocks would hold the right bytes even if this save wrote none)."""
+    staged = _blocks_of(lay, ids)
+    kvkernels.scatter(torch.randint_like(staged, 0, 256), lay, _ids(lay, ids), backend="torch")
+
+
+def _poison(lay, ids, want: torch.Tensor) -> None:
+    """Every byte of the blocks ``ids`` made different from ``want``'s (before a checked restore:
+    blocks an earlier restore filled would pass even if this one wrote nothing)."""
+    kvkernels.scatter(torch.bitwise_not(want), lay, _ids(lay, ids), backend="torch")
+
+
 _FAILED: list[str] = []  # variants whose rows failed in this process's run (main's exit code)
 _SKIPPED: list[str] = []  # variants this machine cannot run (no rows, not a failure): in the results' meta
 
@@ -846,15 +859,19 @@ def _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps, compute_only) -> li
             lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2, store=store,
             stream_api="torch", copy_mode="gather"
         ) as pipe:
+            _freshen(lay, src)  # bytes no earlier entry holds
             for l in range(L):
                 pipe.save_layer(l, {"ssd": src})
             pipe.wait_for_save()
+            _sync(device)
             pipe.get_finished()
+            saved = _blocks_of(lay, src)  # what every timed restore must leave in the destination blocks
             written = pipe.entries["ssd"].ssd_future
             assert written is not None  # (a pipeline with a store queues the write at the last layer)
             written.result()  # on disk
 
             def timed(with_compute: bool, streamed: bool = True):
+                _poison(lay, dst, saved)  # (not timed) the restore must write every byte of them
                 _sync(device)
                 pipe.get_finished()
                 if not pipe.evict("ssd"):  # (not an assert: python -O must not time a restore from host)
@@ -872,9 +889,12 @@ def _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps, compute_only) -> li
                 ent = fut.result()
                 if ent.state != "ready":
                     raise RuntimeError(f"prefetch failed: {ent.error}")
+                wall = (time.perf_counter() - t0) * 1e3
                 if pipe.get_block_ids_with_load_errors():
                     raise RuntimeError("the restore from SSD failed: the row would time a no-op")
-                return (time.perf_counter() - t0) * 1e3, comp
+                if not torch.equal(_blocks_of(lay, dst), saved):
+                    raise RuntimeError("the restore from SSD left other bytes than the saved ones: the row would be wrong")
+                return wall, comp
 
             def _restore(with_compute: bool):
                 pipe.start_load({"ssd": dst})

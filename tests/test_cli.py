@@ -252,6 +252,29 @@ def test_bench_pipeline_checks_the_vllm_order_and_async_restore_rows(tmp_path, m
     assert len(failed) == 1 and failed[0].startswith(broken) and "do not hold the saved bytes" in failed[0]
 
 
+def test_bench_pipeline_checks_the_bytes_of_the_ssd_restore_rows(tmp_path, monkeypatch):
+    """The restore-ssd rows time a prefetch and a layer-wise restore: one that restores into the
+    wrong blocks (nothing reported failed) drops them, and the rows after them stand."""
+    import json
+
+    from kvkernels.bench import bench_pipeline
+    from kvkernels.pipeline import LayerPipeline
+
+    real = LayerPipeline.start_load
+
+    def start_load(self, loads, asynchronous=False):
+        if "ssd" in loads:
+            loads = {"ssd": (loads["ssd"] + 1) % self.layout.num_blocks}
+        return real(self, loads, asynchronous=asynchronous)
+
+    monkeypatch.setattr(LayerPipeline, "start_load", start_load)
+    res = bench_pipeline.run(out_dir=str(tmp_path), tiny=True, plot=False)
+    assert not [r for r in res["rows"] if r["direction"] == "restore-ssd"]
+    assert "kvk-pipeline[ctas=all,priority=-1]" in {r["method"] for r in res["rows"]}
+    failed = json.loads((tmp_path / "pipeline.json").read_text())["meta"]["failed_variants"]
+    assert len(failed) == 1 and failed[0].startswith("[ssd]") and "other bytes than the saved ones" in failed[0]
+
+
 @pytest.mark.parametrize("exc,listed", [(RuntimeError("cudaMemcpyBatchAsync refused"), "skipped_variants"),
                                         (ValueError("an error never seen before"), "failed_variants")])
 def test_bench_pipeline_a_dma_pipeline_that_cannot_be_built(tmp_path, monkeypatch, exc, listed):
