@@ -938,3 +938,23 @@ def test_fp8_tuning_ncu_target_launches_each_fp8_gather_once(capsys):
     cuda = HAS_CUDA and backends.cuda_ext_available()
     assert (n, failed) == ((4, 0) if cuda else (2, 2)), out
     assert out.count("smollm2-135m chunk") == n and "token triton" in out and "block triton" in out
+
+
+@pytest.mark.parametrize("args,ok", [("--out /tmp/elsewhere", False), ("--out=/tmp/elsewhere", False),
+                                     ("--seqs 4096 --out", False), ("--out bench_results/gpu-bench", False),
+                                     ("--out bench_results/gpu-bench/qwen3-32b", True),
+                                     ("--out=./bench_results/gpu-bench/x", True)])
+def test_gpu_bench_refuses_a_step_out_folder_that_is_not_packed(tmp_path, args, ok):
+    """.ci/gpu-bench packs only bench_results/gpu-bench into $OUT: a step's own --out elsewhere (the
+    device plan gives qwen3-32b its own folder) lost its results with the machine, silently. It is
+    refused before anything is removed or installed."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # a second unknown step stops the script right after the checks when the --out is accepted
+    env = dict(os.environ, KVK_ARGS_PIPELINE=args)
+    r = subprocess.run(["bash", os.path.join(root, ".ci", "gpu-bench"), "pipeline:5", "nosuchstep"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    if ok:
+        assert "unknown step nosuchstep" in r.stdout
+    else:
+        assert "is not under bench_results/gpu-bench/" in r.stdout and "KVK_ARGS_PIPELINE" in r.stdout
