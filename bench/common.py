@@ -200,6 +200,9 @@ def env_record(*, tiny: bool | None = None) -> dict:
         "dirty": dirty,
         "argv": list(sys.argv),
         "tiny": tiny,
+        # the library's own settings (backend, caps, FP8 quotient, bulk path...): a row's label
+        # names what the bench asked for, these say what the environment changed under it
+        "kvkernels_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVKERNELS_")},
     }
 
 

@@ -87,6 +87,79 @@ def test_bench_gather_tiny(tmp_path):
     assert (tmp_path / "gather.csv").read_text().startswith("# {")
 
 
+@pytest.mark.parametrize("broken", ["gather", "scatter", "gather_quant", "scatter_quant"])
+def test_bench_gather_drops_the_rows_of_a_kernel_that_writes_nothing(tmp_path, monkeypatch, broken):
+    """No row of the gather bench was checked: kernels that wrote nothing were published at
+    their speed. Each variant now ends with a call into a destination holding the complement of
+    the expected bytes, compared with the torch backend's; the rows of one that fails go."""
+    from kvkernels import ops, quant
+    from kvkernels.bench import bench_gather
+
+    mod, name = (ops, {"gather": "_gather_into", "scatter": "_scatter_from"}[broken]) if broken in ("gather", "scatter") \
+        else (quant, broken)
+    real = getattr(mod, name)
+
+    def nothing(*a, **kw):  # the backend under test writes nothing; the torch reference still works
+        b = kw.get("backend", a[4] if mod is ops and len(a) > 4 else None)
+        if b != "torch" and not (mod is quant and kw.get("out") is None and broken == "gather_quant"):
+            return kw.get("out", a[3] if broken == "gather" else None)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(mod, name, nothing)
+    res = bench_gather.run(out_dir=str(tmp_path), tiny=True, plot=False, layouts=("nhd",))
+    meta = json.loads((tmp_path / "gather.json").read_text())["meta"]
+    methods = {r["method"] for r in res["rows"]}
+    prefix = {"gather": "kvk-gather[", "scatter": "kvk-scatter[", "gather_quant": "kvk-gather-",
+              "scatter_quant": "kvk-scatter-"}[broken]
+    under_test = [m for m in methods if m.startswith(prefix) and "[torch]" not in m]
+    assert under_test == [], under_test  # every row of the broken kernel dropped...
+    assert meta["failed_variants"] and all(prefix in f and "bytes differ" in f for f in meta["failed_variants"])
+    assert "torch-index_select" in methods  # ...and the others kept
+
+
+def test_bench_gather_a_variant_that_raises_loses_only_its_rows(tmp_path, monkeypatch):
+    """A shuffle scatter raising (code never run on a GPU) escaped the bench: no result file at all."""
+    from kvkernels import quant
+    from kvkernels.bench import bench_gather
+
+    real = quant.scatter_quant
+
+    def raising(*a, **kw):
+        if kw.get("shuffle") and kw.get("backend") != "torch":
+            raise ValueError("a shuffle scatter that never ran on a GPU")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(quant, "scatter_quant", raising)
+    res = bench_gather.run(out_dir=str(tmp_path), tiny=True, plot=False, layouts=("nhd",))
+    methods = {r["method"] for r in res["rows"]}
+    assert not any(m.startswith("kvk-scatter-shuffle[") and "[torch]" not in m for m in methods)
+    assert any(m.startswith("kvk-gather-shuffle[") for m in methods) and "torch-index_select" in methods
+    meta = json.loads((tmp_path / "gather.json").read_text())["meta"]
+    assert any("kvk-scatter-shuffle[" in f and "ValueError" in f for f in meta["failed_variants"])
+    # the rc says so (the CLI, same run)
+    assert bench_gather.main(["--tiny", "--no-plot", "--layouts", "nhd", "--out", str(tmp_path / "m")]) == 3
+
+
+def test_bench_gather_full_grid_rows_ignore_the_environments_cap(tmp_path, monkeypatch):
+    """kvk-gather[...] / kvk-scatter[...] are the full grid: with KVKERNELS_MAX_CTAS=16 they ran
+    with 16 CTAs under the same label. The run's KVKERNELS_* settings are in the meta."""
+    import kvkernels
+    from kvkernels.bench import bench_gather
+
+    caps = []
+    real = kvkernels.gather
+
+    def spy(*a, **kw):
+        caps.append(kw.get("max_ctas"))
+        return real(*a, **kw)
+
+    monkeypatch.setenv("KVKERNELS_MAX_CTAS", "16")
+    monkeypatch.setattr(kvkernels, "gather", spy)
+    res = bench_gather.run(out_dir=str(tmp_path), tiny=True, plot=False, models=["smollm2-135m"], layouts=("nhd",))
+    assert res["meta"]["kvkernels_env"]["KVKERNELS_MAX_CTAS"] == "16"
+    assert 0 in caps and None not in caps[:2]  # the timed full-grid gather names its cap
+
+
 def test_bench_cli_passes_arguments(tmp_path):
     assert cli.main(["bench", "gather", "--tiny", "--no-plot", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "gather.csv").exists()
