@@ -138,6 +138,14 @@ def _same(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
         raise RuntimeError(f"{what}: {bad} of {want.numel()} bytes differ from the torch reference's")
 
 
+def synced(fn):
+    """``fn`` followed by a device sync (a check reads host memory the call's copies write)."""
+    def call():
+        fn()
+        torch.cuda.synchronize()
+    return call
+
+
 def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: torch.device, peaks: dict,
                block_size: int = 16, layers: int | None = None, heads: int | None = None, dtype=torch.bfloat16,
                baselines: bool = True) -> list[dict]:
@@ -205,7 +213,8 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
             entries = []
             for c in range(lay.num_kv):
                 v = lay.views[l][c]
-                order = sorted((1, 2, 3), key=lambda d: -v.stride(d))  # memory order of a dense chunk
+                strides = v.stride()
+                order = sorted((1, 2, 3), key=lambda d: -strides[d])  # memory order of a dense chunk
                 entries.append(v.permute(0, *order).index_select(0, ids).contiguous().view(torch.uint8).reshape(-1))
             regions.append(torch.cat(entries))  # (a region's entries lie back to back: payload_nbytes)
         return torch.stack(regions)
@@ -284,8 +293,8 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
         with _variant(f"{case} memcpy-per-chunk-d2h", rows):
             add("memcpy-per-chunk-d2h", common.time_ms(lambda: ext.memcpy_chunks(s_tab, h_tab, lay.chunk_nbytes, stream), device=device),
                 payload, "d2h_gbps")
-            check_payload("memcpy-per-chunk-d2h", lambda: (ext.memcpy_chunks(s_tab, h_tab, lay.chunk_nbytes, stream),
-                                                           torch.cuda.synchronize()), host, want_raw=True)
+            check_payload("memcpy-per-chunk-d2h", synced(lambda: ext.memcpy_chunks(s_tab, h_tab, lay.chunk_nbytes, stream)),
+                          host, want_raw=True)
         side = torch.cuda.Stream(device=device)  # cudaMemcpyBatchAsync rejects the legacy default stream
 
         def batch_d2h():
@@ -302,14 +311,14 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
         else:
             with _variant(f"{case} memcpy-batch-d2h", rows):
                 add("memcpy-batch-d2h", common.time_ms(batch_d2h, device=device), payload, "d2h_gbps")
-                check_payload("memcpy-batch-d2h", lambda: (batch_d2h(), torch.cuda.synchronize()), host, want_raw=True)
+                check_payload("memcpy-batch-d2h", synced(batch_d2h), host, want_raw=True)
     for cap in (0, 16):
         with _variant(f"{case} kvk-zero-copy-d2h[ctas={cap or 'all'}]", rows):
             add(f"kvk-zero-copy-d2h[ctas={cap or 'all'}]",
                 common.time_ms(lambda: kvkernels.gather(lay, ids, out=host, backend="triton", max_ctas=cap, validate=False), device=device),
                 payload, "d2h_gbps")
-            check_gather(f"kvk-zero-copy-d2h[ctas={cap or 'all'}]", lambda: (
-                kvkernels.gather(lay, ids, out=host, backend="triton", max_ctas=cap), torch.cuda.synchronize()), host)
+            check_gather(f"kvk-zero-copy-d2h[ctas={cap or 'all'}]", synced(
+                lambda: kvkernels.gather(lay, ids, out=host, backend="triton", max_ctas=cap)), host)
 
     def gather_then_d2h():
         kvkernels.gather(lay, ids, out=out, backend="triton", validate=False, max_ctas=0)
@@ -317,7 +326,7 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
 
     with _variant(f"{case} kvk-gather+d2h", rows):
         add("kvk-gather+d2h", common.time_ms(gather_then_d2h, device=device), payload, "d2h_gbps")
-        check_gather("kvk-gather+d2h", lambda: (gather_then_d2h(), torch.cuda.synchronize()), host)
+        check_gather("kvk-gather+d2h", synced(gather_then_d2h), host)
     return rows
 
 
