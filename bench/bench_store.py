@@ -14,6 +14,16 @@ Reads and the ceiling are medians of ``--reps`` runs (virtual disks are noisy). 
 written into a new ``kvk-bench-store-*`` folder inside ``--dir``, removed at the end: nothing else
 in ``--dir`` is touched.
 
+Checked: every entry holds its own bytes (the random entry XOR a per-entry 64-bit pattern), and
+before each timed read its destination is overwritten with their complement (not timed); after
+the read the bytes read are compared with the entry's (not only the store's checksums): a read
+that wrote nothing, or wrong bytes, fails its variant. A variant (the ceiling; put / get /
+restore / get-1-layer of one engine; one queue depth of the sweep; one read-while-write setting)
+that raises or reads wrong bytes has its rows dropped and is named in the results'
+``failed_variants`` (exit code 3); one the machine cannot run (kvikio without CUDA or the
+package) is named in ``skipped_variants``. The results are written after the ceiling and after
+each variant (meta ``"partial": true``), so a run cut off by a time cap keeps what it measured.
+
 Targets (issue 3): >= 90 % of the dd ceiling for large entries with both engines.
 
     python bench/bench_store.py --dir /mnt/nvme0/kvk --out bench_results/<device>
@@ -22,6 +32,7 @@ Targets (issue 3): >= 90 % of the dd ceiling for large entries with both engines
 from __future__ import annotations
 
 import argparse
+import contextlib
 import mmap
 import os
 import statistics
@@ -30,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 
 import torch
 
@@ -148,6 +160,73 @@ def _entry(blocks: int, tiny: bool):
     return lay, buf, meta
 
 
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (1-D uint8) seen as int64 where it can be (compares run ~3x faster), else itself."""
+    if t.numel() % 8 == 0 and t.data_ptr() % 8 == 0:
+        try:
+            return t.view(torch.int64)
+        except RuntimeError:
+            pass
+    return t
+
+
+def _sources(buf: torch.Tensor, entries: int, seed: int = 0) -> list[torch.Tensor]:
+    """``entries`` buffers like ``buf``, each ``buf`` XOR its own 64-bit pattern: a read of another
+    entry (or of stale bytes) differs from the one asked for."""
+    import random
+
+    rng, keys = random.Random(seed), set[int]()
+    while len(keys) < entries:
+        keys.add(rng.getrandbits(63) | 1)
+    n = buf.numel() // 8 * 8  # (an 8-byte multiple for every model here; a tail gets the low byte)
+    out = []
+    for k in sorted(keys):
+        src = aligned_empty(buf.numel())  # 4096-aligned: the int64 views hold
+        torch.bitwise_xor(buf[:n].view(torch.int64), k, out=src[:n].view(torch.int64))
+        torch.bitwise_xor(buf[n:], k & 0xFF, out=src[n:])
+        out.append(src)
+    return out
+
+
+def _poison(out: torch.Tensor, want: torch.Tensor) -> None:
+    """Every byte of ``out`` made different from ``want``'s (before a checked read: a destination
+    an earlier read filled would pass even if this one wrote nothing)."""
+    torch.bitwise_not(want, out=out)
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """The bytes read are the entry's; else ``RuntimeError`` (the variant fails)."""
+    if not torch.equal(_words(got), _words(want)):
+        diff = got != want
+        raise RuntimeError(f"{what}: read wrong bytes: {int(diff.sum())} of {got.numel()} differ "
+                           f"(first at byte {int(diff.nonzero()[0, 0])})")
+
+
+_FAILED: list[str] = []  # variants whose rows failed in this process's run (main's exit code)
+_SKIPPED: list[str] = []  # variants this machine cannot run (no rows, not a failure): in the results' meta
+
+
+def _skip(what: str, why: str) -> None:
+    """A variant left out because the machine cannot run it: said on stderr and in the meta."""
+    _SKIPPED.append(f"{what}: {why}")
+    print(f"[bench] {what} skipped: {why}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _optional_rows(tag: str, rows: list[dict]):
+    """A variant's rows: a failure (an I/O error, wrong bytes read) is printed with its traceback,
+    the rows the variant added are dropped, and the variants after it still run (an exception
+    lost the whole run's results before)."""
+    start = len(rows)
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - reported, the bench goes on
+        del rows[start:]
+        _FAILED.append(f"{tag}: {type(exc).__name__}: {exc}")  # run() puts it in every result file's meta
+        print(f"[bench] {tag} rows failed and were dropped (the other rows stand):\n{traceback.format_exc()}",
+              file=sys.stderr)
+
+
 def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd_bytes: int = 2 << 30,
         out_dir: str = "bench_results", tiny: bool = False, plot: bool = True, reps: int = 3) -> dict:
     """``directory``: where to measure (default: ``KVKERNELS_BENCH_DIR``, else the system temp
@@ -167,103 +246,130 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
 
     meta["kvikio"] = kvikio_status()  # version, compat mode, GDS: the kvikio rows depend on them
     rows: list[dict] = []
+    _FAILED.clear()
+    _SKIPPED.clear()
+
+    def save_partial() -> None:  # after the ceiling and each variant: a run cut off keeps what it measured
+        common.write_results(rows, {**meta, "partial": True, "failed_variants": list(_FAILED),
+                                    "skipped_variants": list(_SKIPPED)}, out_dir, "store")
+
+    ceil: dict = {}
+    dd_streams = config.io_threads()  # the store's queue depth: the ceiling reads as wide
     try:
-        dd_streams = config.io_threads()  # the store's queue depth: the ceiling reads as wide
-        runs = [dd_ceiling(work, dd_bytes, settle_s=0.0 if tiny else 3.0, threads=dd_streams) for _ in range(reps)]  # median of reps: virtual disks are noisy
-        ceil = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k.endswith("_gbps")}
-        ceil["o_direct"] = runs[0]["o_direct"]
-        meta["ceiling"] = ceil
-        # printed now, not only with the table: a run cut off by its time cap still shows its ceiling
-        common.progress({"ceiling": {k: round(v, 3) if isinstance(v, float) else v for k, v in ceil.items()},
-                         "streams": dd_streams, "reps": reps})
+        with _optional_rows("ceiling", rows):  # without it the rows stand, with no pct_dd
+            runs = [dd_ceiling(work, dd_bytes, settle_s=0.0 if tiny else 3.0, threads=dd_streams) for _ in range(reps)]  # median of reps: virtual disks are noisy
+            ceil = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k.endswith("_gbps")}
+            ceil["o_direct"] = runs[0]["o_direct"]
+            meta["ceiling"] = ceil
+            # printed now, not only with the table: a run cut off by its time cap still shows its ceiling
+            common.progress({"ceiling": {k: round(v, 3) if isinstance(v, float) else v for k, v in ceil.items()},
+                             "streams": dd_streams, "reps": reps})
+        save_partial()
         lay, buf, emeta = _entry(blocks, tiny)
         nbytes = buf.numel()
         tokens = blocks * 16
+        srcs = _sources(buf, entries)  # entry i's bytes: each entry its own (a stale or wrong read differs)
+        del buf
 
         def add(method, gbps, peak_key, **extra):
-            peak = ceil[peak_key]
+            peak = ceil.get(peak_key)
             rows.append({"method": method, "entry_mb": round(nbytes / 1e6, 2), "gbps": gbps,
                          "pct_dd": 100.0 * gbps / peak if peak else None, "ceiling": peak_key, **extra})
             common.progress(rows[-1])
 
+        def timed_get(store, what: str, key: str, layers=None, lo: int = 0, hi: int = nbytes) -> float:
+            """Seconds of one cold read of every entry (``key`` + index) into ``outs``, then its bytes
+            checked: each destination holds the complement of the expected bytes before (not timed)."""
+            dsts = [o[: hi - lo] for o in outs]
+            for i in range(entries):
+                _poison(dsts[i], srcs[i][lo:hi])
+            _drop_tree(root)
+            t0 = time.perf_counter()
+            futs = [store.get(f"{key}{i}", layers=layers, out=dsts[i]) for i in range(entries)]
+            for f in futs:
+                f.result()
+            dt = time.perf_counter() - t0
+            for i in range(entries):
+                _check(dsts[i], srcs[i][lo:hi], f"{what}: {key}{i}")
+            return dt
+
         root = os.path.join(work, "store")
-        outs = [aligned_empty(nbytes).fill_(0) for _ in range(entries)]  # pre-faulted, like a pinned pool
+        outs = [aligned_empty(nbytes) for _ in range(entries)]  # pre-faulted by the first poison, like a pinned pool
         engines = available_engines()  # kvikio (when importable) and posix: the target is for both
         meta["engine"] = engines[0]
         meta["engines"] = engines
+        if "kvikio" not in engines:
+            st = meta["kvikio"]
+            _skip("engine[kvikio]", "no CUDA" if st.get("importable") else f"kvikio not importable ({st.get('reason')})")
         for eng in engines:
+            with _optional_rows(f"engine[{eng}]", rows):
+                shutil.rmtree(root, ignore_errors=True)
+                with KVStore(root, engine=eng) as store:
+                    t0 = time.perf_counter()
+                    futs = [store.put(f"e{i}", srcs[i], emeta) for i in range(entries)]
+                    for f in futs:
+                        f.result()
+                    add(f"put[{eng}]", entries * nbytes / (time.perf_counter() - t0) / 1e9, "dd_write_gbps", engine=eng)
+                    dt = statistics.median(timed_get(store, f"get[{eng}] rep {k + 1}", "e") for k in range(reps))
+                    add(f"get[{eng}]", entries * nbytes / dt / 1e9, "dd_read_gbps", engine=eng)
+                    add(f"restore[{eng}]", entries * nbytes / dt / 1e9, "dd_read_gbps", engine=eng,
+                        tokens_per_s=entries * tokens / dt)
+                    region = emeta.fmt.region_nbytes
+                    mid = lay.num_layers // 2
+                    dt = statistics.median(timed_get(store, f"get-1-layer[{eng}] rep {k + 1}", "e", layers=mid,
+                                                     lo=mid * region, hi=(mid + 1) * region) for k in range(reps))
+                    add(f"get-1-layer[{eng}]", entries * region / dt / 1e9, "dd_read_gbps", engine=eng)
             shutil.rmtree(root, ignore_errors=True)
-            with KVStore(root, engine=eng) as store:
-                t0 = time.perf_counter()
-                futs = [store.put(f"e{i}", buf, emeta) for i in range(entries)]
-                for f in futs:
-                    f.result()
-                add(f"put[{eng}]", entries * nbytes / (time.perf_counter() - t0) / 1e9, "dd_write_gbps", engine=eng)
-                dts = []
-                for _ in range(reps):
-                    _drop_tree(root)
-                    t0 = time.perf_counter()
-                    futs = [store.get(f"e{i}", out=outs[i]) for i in range(entries)]
-                    for f in futs:
-                        f.result()
-                    dts.append(time.perf_counter() - t0)
-                dt = statistics.median(dts)
-                add(f"get[{eng}]", entries * nbytes / dt / 1e9, "dd_read_gbps", engine=eng)
-                add(f"restore[{eng}]", entries * nbytes / dt / 1e9, "dd_read_gbps", engine=eng,
-                    tokens_per_s=entries * tokens / dt)
-                region = emeta.fmt.region_nbytes
-                dts = []
-                for _ in range(reps):
-                    _drop_tree(root)
-                    t0 = time.perf_counter()
-                    futs = [store.get(f"e{i}", layers=lay.num_layers // 2, out=outs[i][:region]) for i in range(entries)]
-                    for f in futs:
-                        f.result()
-                    dts.append(time.perf_counter() - t0)
-                add(f"get-1-layer[{eng}]", entries * region / statistics.median(dts) / 1e9, "dd_read_gbps", engine=eng)
-        shutil.rmtree(root, ignore_errors=True)
+            save_partial()
         for qd in (1, 2, 4, 8):
-            with KVStore(root, io_threads=qd) as store:
-                t0 = time.perf_counter()
-                for f in [store.put(f"q{i}", buf, emeta) for i in range(entries)]:
-                    f.result()
-                w = time.perf_counter() - t0
-                rs = []
-                for _ in range(reps):
+            with _optional_rows(f"qd-sweep[qd={qd}]", rows):
+                with KVStore(root, io_threads=qd) as store:
+                    t0 = time.perf_counter()
+                    for f in [store.put(f"q{i}", srcs[i], emeta) for i in range(entries)]:
+                        f.result()
+                    w = time.perf_counter() - t0
+                    r = statistics.median(timed_get(store, f"qd-sweep-get[qd={qd}] rep {k + 1}", "q") for k in range(reps))
+                add(f"qd-sweep-put[qd={qd}]", entries * nbytes / w / 1e9, "dd_write_gbps")
+                add(f"qd-sweep-get[qd={qd}]", entries * nbytes / r / 1e9, "dd_read_gbps")
+            shutil.rmtree(root, ignore_errors=True)
+            save_partial()
+        for prio in (True, False):
+            what = f"read-while-write[read_priority={prio}]"
+            with _optional_rows(what, rows):
+                with KVStore(root, io_threads=2, read_priority=prio) as store:
+                    for f in [store.put(f"old{i}", srcs[i], emeta) for i in range(entries)]:
+                        f.result()
+                    for i in range(entries):
+                        _poison(outs[i], srcs[i])
                     _drop_tree(root)
                     t0 = time.perf_counter()
-                    for f in [store.get(f"q{i}", out=outs[i]) for i in range(entries)]:
+                    # the new entries hold other bytes than the old ones read beside them
+                    wf = [store.put(f"new{i}", srcs[(i + 1) % entries], emeta) for i in range(entries)]
+                    rf = [store.get(f"old{i}", out=outs[i]) for i in range(entries)]
+                    for f in rf:
                         f.result()
-                    rs.append(time.perf_counter() - t0)
-                r = statistics.median(rs)
-            add(f"qd-sweep-put[qd={qd}]", entries * nbytes / w / 1e9, "dd_write_gbps")
-            add(f"qd-sweep-get[qd={qd}]", entries * nbytes / r / 1e9, "dd_read_gbps")
+                    r = time.perf_counter() - t0
+                    for f in wf:
+                        f.result()
+                    total = time.perf_counter() - t0
+                    for i in range(entries):
+                        _check(outs[i], srcs[i], f"{what}: old{i}")
+                add(what, entries * nbytes / r / 1e9, "dd_read_gbps", mixed_total_gbps=2 * entries * nbytes / total / 1e9)
             shutil.rmtree(root, ignore_errors=True)
-        for prio in (True, False):
-            with KVStore(root, io_threads=2, read_priority=prio) as store:
-                for f in [store.put(f"old{i}", buf, emeta) for i in range(entries)]:
-                    f.result()
-                _drop_tree(root)
-                done = threading.Event()
-                t0 = time.perf_counter()
-                wf = [store.put(f"new{i}", buf, emeta) for i in range(entries)]
-                rf = [store.get(f"old{i}", out=outs[i]) for i in range(entries)]
-                for f in rf:
-                    f.result()
-                r = time.perf_counter() - t0
-                for f in wf:
-                    f.result()
-                done.set()
-                total = time.perf_counter() - t0
-            add(f"read-while-write[read_priority={prio}]", entries * nbytes / r / 1e9, "dd_read_gbps",
-                mixed_total_gbps=2 * entries * nbytes / total / 1e9)
-            shutil.rmtree(root, ignore_errors=True)
+            save_partial()
     finally:
         shutil.rmtree(work, ignore_errors=True)  # only the folder this run made
+    if _FAILED:
+        meta["failed_variants"] = list(_FAILED)
+    if _SKIPPED:
+        meta["skipped_variants"] = list(_SKIPPED)
     paths = common.write_results(rows, meta, out_dir, "store")
     print(f"# {meta['device']}  {meta['date']}  dir={work} (removed)  engine={meta.get('engine')}")
-    print(f"# ceiling (O_DIRECT={ceil['o_direct']}, best of 1 and {dd_streams} streams): write {ceil['dd_write_gbps']:.2f} GB/s "
-          f"(1 stream {ceil['dd_write_qd1_gbps']:.2f}), read {ceil['dd_read_gbps']:.2f} GB/s (1 stream {ceil['dd_read_qd1_gbps']:.2f})")
+    if ceil:
+        print(f"# ceiling (O_DIRECT={ceil['o_direct']}, best of 1 and {dd_streams} streams): write {ceil['dd_write_gbps']:.2f} GB/s "
+              f"(1 stream {ceil['dd_write_qd1_gbps']:.2f}), read {ceil['dd_read_gbps']:.2f} GB/s (1 stream {ceil['dd_read_qd1_gbps']:.2f})")
+    else:
+        print("# ceiling: failed (see failed_variants); no pct_dd")
     print(common.format_table(rows, ["method", "entry_mb", "gbps", "pct_dd", "tokens_per_s", "mixed_total_gbps"]))
     for row in rows:
         row["model"] = "llama3-8b"
@@ -289,6 +395,9 @@ def main(argv=None, prog: str | None = None) -> int:
     common.bench_paths(p, out=a.out, directory=a.dir, scratch=True)
     run(directory=a.dir, blocks=a.blocks, entries=a.entries, dd_bytes=a.dd_bytes, out_dir=a.out, tiny=a.tiny,
         plot=not a.no_plot, reps=a.reps)
+    if _FAILED:  # the rows that ran are written; the exit code (and .ci/gpu-bench's rc) says some did not
+        print(f"# {len(_FAILED)} variant(s) failed, their rows dropped:\n#   " + "\n#   ".join(_FAILED))
+        return 3
     return 0
 
 
