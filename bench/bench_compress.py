@@ -9,14 +9,26 @@ when it exists, else the plain-PyTorch reference). Codecs: zstd everywhere; ANS 
 end-to-end effect on an SSD restore: every variant through ``KVStore`` on the disk under test
 (cold read + decompress), tokens/s, in ``compress_ssd.{csv,json}``.
 
+Checked bytes: every decode is compared with its input, into a destination first overwritten with
+the complement of the expected bytes (an earlier decode's bytes, or a reused allocation, cannot
+pass): the sample's round trip, the timed decode of the tiled input after its timing (every
+codec, ``-nocrc`` packs included), and every SSD restore after each repetition (the overwrite and
+the comparison are outside the timed regions). A variant that raises or restores wrong bytes has
+its rows dropped and is named in the meta's ``failed_variants`` (exit code 3); the others stand.
+Codecs not available here are named in the meta's ``skipped_variants`` with what they need, as
+are SSD restores whose compressed input failed. ``compress.{csv,json}`` is written before the SSD
+leg (and again after it, so both metas name every failure).
+
     python bench/bench_compress.py --out bench_results/<device>
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import traceback
 
 import torch
 
@@ -105,10 +117,57 @@ def fp8_variant(staging: torch.Tensor, fmt, dtype):
     return out, fmt8
 
 
+_FAILED: list[str] = []  # variants whose rows failed in this process's run (main's exit code)
+_SKIPPED: list[str] = []  # variants this machine cannot run (no rows, not a failure): in the results' meta
+
+
+def _skip(what: str, why: str, *, say: bool = True) -> None:
+    """A variant left out because the machine cannot run it: said on stderr and in the meta."""
+    _SKIPPED.append(f"{what}: {why}")
+    if say:
+        print(f"[bench] {what} skipped: {why}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _optional_rows(tag: str):
+    """A variant's rows: a failure (an exception, or bytes that differ) is printed, the variant is
+    named in ``_FAILED`` and the other variants are kept (one failure lost every result before)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - reported, the bench goes on
+        _FAILED.append(f"{tag}: {type(exc).__name__}: {exc}")  # run() puts it in every result file's meta
+        print(f"[bench] {tag} rows failed and were skipped (the other rows stand):\n{traceback.format_exc()}",
+              file=sys.stderr)
+        if torch.cuda.is_available():
+            try:
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001 - a sticky CUDA error: later rows will say so
+                pass
+
+
+def _poison(dst: torch.Tensor, want: torch.Tensor) -> None:
+    """Every byte of ``dst[:want.numel()]`` made different from ``want``'s (before a checked decode
+    or restore: bytes an earlier one left there, or a reused allocation, would pass even if this one
+    wrote nothing)."""
+    torch.bitwise_not(want, out=dst[: want.numel()])
+
+
+def _differs(got: torch.Tensor, want: torch.Tensor, spans, what: str) -> None:
+    """Raise when ``got`` and ``want`` differ over any ``(offset, nbytes)`` of ``spans``."""
+    for off, nb in spans:
+        a, b = got[off: off + nb], want[off: off + nb]
+        if not torch.equal(a, b):
+            bad = (a != b).nonzero()
+            raise RuntimeError(f"{what}: bytes differ ({bad.numel()} of {nb} at offset {off}, "
+                               f"first at {off + int(bad[0])})")
+
+
 def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool = False, reps: int = 5,
         codecs=None, plot: bool = True) -> dict:
     if reps < 1:  # zero repetitions left the SSD restore buffer unwritten: a false "bytes differ"
         raise ValueError(f"`reps`: expected a positive integer, got {reps}")
+    _FAILED.clear()
+    _SKIPPED.clear()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     (staging, fmt, dtype), name = load_input(sample, tiny)
     staging = staging.to(device)
@@ -118,11 +177,15 @@ def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool
     left_out = [c for c in (asked or ["ans", "zstd", "gdeflate", "lz4"]) if c not in have]
     if left_out:  # said, not silently dropped, with what each one needs
         print(f"# skipped (not available on {device}): {unavailable(left_out)}", flush=True)
+        for c in left_out:  # and named in the results' meta
+            why = unavailable([c])
+            _skip(c, f"not available on {device} ({why[len(c):].strip(' ()')})", say=False)
     if asked and not codecs:
         raise ValueError(f"`codecs`: none of {asked} is available on {device} (available: {have})")
     variants = [("raw", staging, fmt, False), ("shuffled", staging, fmt, True)]
-    f8, fmt8 = fp8_variant(staging.cpu(), fmt, dtype)
-    variants.append(("fp8", f8.to(device), fmt8, False))
+    with _optional_rows("fp8"):  # its input failing loses its rows, not the other inputs'
+        f8, fmt8 = fp8_variant(staging.cpu(), fmt, dtype)
+        variants.append(("fp8", f8.to(device), fmt8, False))
     raw_total = fmt.num_regions * fmt.payload_nbytes
     sample_tokens = fmt.num_blocks * fmt.block_size
     rows = []
@@ -135,11 +198,17 @@ def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool
         payload = vf.num_regions * vf.payload_nbytes
         rows.append({"input": vname, "codec": "none", "method": f"{vname}", "checksum": False, "ratio": 1.0,
                      "vs_raw_bf16": raw_total / payload, "enc_gbps": None, "dec_gbps": None, "bytes": payload})
-        tbuf, tfmt, tpayload = _tiled(buf, vf, device)
+        tiled = None
+        with _optional_rows(f"{vname} (tiled input)"):  # its codec and SSD rows are not run without it
+            tiled = _tiled(buf, vf, device)
+        if tiled is None:
+            continue
+        tbuf, tfmt, tpayload = tiled
         # tokens in the tiled variant: each variant is tiled to >= 256 MiB of its *own* bytes, so
         # the FP8 variant holds ~1.9x the raw variant's tokens (the H100 run of 2026-11-23 counted
         # the raw variant's tokens for every row and reported FP8's restore as no faster than raw)
         tvariants.append((vname, tbuf, tfmt, shuf, sample_tokens * (tfmt.num_blocks // vf.num_blocks)))
+        want, twant = buf[: vf.nbytes], tbuf[: tfmt.nbytes]
         # every codec with its default (nvCOMP codecs: checksums on), and ANS without checksums
         # too: what nvCOMP's checksum pass costs (rows "...+ans-nocrc"; before 2026-11-23, twelfth
         # session, ANS rows had no checksums)
@@ -147,35 +216,57 @@ def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool
         for c, ck in runs:
             if shuf and c in ("ans", "lz4"):
                 pass  # still measured: the field notes compare shuffled input on every codec
-            packed = compress_regions(buf, vf, c, byteshuffle=shuf, checksum=ck)
-            out = decompress_regions(packed)
-            ok = torch.equal(out[: vf.nbytes], buf[: vf.nbytes])
-            if not ok:
-                raise RuntimeError(f"{c} on {vname}: round trip mismatch")
-            tpacked = (compress_regions(tbuf, tfmt, c, byteshuffle=shuf, checksum=ck)
-                       if tbuf is not buf else packed)
-            if ck:
-                tpacks[(vname, c)] = tpacked
-            enc = common.time_ms(lambda: compress_regions(tbuf, tfmt, c, byteshuffle=shuf, checksum=ck),
-                                 device=device, reps=reps)
-            dst = torch.empty(tfmt.nbytes, dtype=torch.uint8, device=device)
-            dec = common.time_ms(lambda: decompress_regions(tpacked, out=dst), device=device, reps=reps)
-            rows.append({"input": vname, "codec": c, "method": f"{vname}+{c}" + ("" if ck else "-nocrc"),
-                         "checksum": ck and c in ("ans", "gdeflate", "lz4"), "ratio": packed.ratio,
-                         "vs_raw_bf16": raw_total / packed.nbytes, "enc_gbps": common.gbps(tpayload, enc),
-                         "dec_gbps": common.gbps(tpayload, dec), "bytes": packed.nbytes, "timed_mb": tpayload / 1e6})
-            del dst
-            common.progress(rows[-1])
-    ssd = ssd_restore_rows(tvariants, codecs, tpacks, raw_total / sample_tokens, dtype, device, reps=min(reps, 3))
+            method = f"{vname}+{c}" + ("" if ck else "-nocrc")
+            with _optional_rows(method):  # an error or wrong bytes: this variant's row is dropped
+                packed = compress_regions(buf, vf, c, byteshuffle=shuf, checksum=ck)
+                out = torch.empty(vf.nbytes, dtype=torch.uint8, device=device)
+                _poison(out, want)  # the decode must write every byte
+                decompress_regions(packed, out=out)
+                _differs(out, want, [(0, vf.nbytes)], f"{method}: round trip of the sample")
+                del out
+                tpacked = (compress_regions(tbuf, tfmt, c, byteshuffle=shuf, checksum=ck)
+                           if tbuf is not buf else packed)
+                enc = common.time_ms(lambda: compress_regions(tbuf, tfmt, c, byteshuffle=shuf, checksum=ck),
+                                     device=device, reps=reps)
+                dst = torch.empty(tfmt.nbytes, dtype=torch.uint8, device=device)
+                _poison(dst, twant)  # once, before the first (warm-up) decode: not timed
+                dec = common.time_ms(lambda: decompress_regions(tpacked, out=dst), device=device, reps=reps)
+                # the timed decodes' output (on a GPU: the tiled input, packed apart from the sample above)
+                _differs(dst, twant, [(0, tfmt.nbytes)], f"{method}: timed decode of the tiled input")
+                del dst
+                if ck:
+                    tpacks[(vname, c)] = tpacked  # checked: the SSD restore rows may use it
+                rows.append({"input": vname, "codec": c, "method": method,
+                             "checksum": ck and c in ("ans", "gdeflate", "lz4"), "ratio": packed.ratio,
+                             "vs_raw_bf16": raw_total / packed.nbytes, "enc_gbps": common.gbps(tpayload, enc),
+                             "dec_gbps": common.gbps(tpayload, dec), "bytes": packed.nbytes,
+                             "timed_mb": tpayload / 1e6})
+                common.progress(rows[-1])
     meta = common.env_record(tiny=tiny)
+    tv0 = next((v for v in tvariants if v[0] == "raw"), None)
     meta.update({"sample": name, "regions": fmt.num_regions, "payload_nbytes_per_region": fmt.payload_nbytes,
                  "dtype": str(dtype), "codecs": codecs, "zstandard": _ver("zstandard"),
                  "nvcomp": _wheels.version("nvidia-nvcomp"), "fp8_source": "torch reference",
-                 "ssd_entry_raw_mb": round(tvariants[0][2].num_regions * tvariants[0][2].payload_nbytes / 1e6, 1)})
+                 "ssd_entry_raw_mb": round(tv0[2].num_regions * tv0[2].payload_nbytes / 1e6, 1) if tv0 else None})
+
+    def with_lists(m: dict) -> dict:
+        m = dict(m)
+        if _FAILED:
+            m["failed_variants"] = list(_FAILED)
+        if _SKIPPED:
+            m["skipped_variants"] = list(_SKIPPED)
+        return m
+
     cols = ["method", "checksum", "ratio", "vs_raw_bf16", "enc_gbps", "dec_gbps", "bytes"]
     print(f"# {name}: {fmt.num_regions} regions x {fmt.payload_nbytes} B, {meta['device']}")
     print(common.format_table(rows, cols))
-    paths = common.write_results(rows, meta, out_dir, "compress")
+    # written before the SSD leg: a failure or a cut there does not lose the codec rows
+    paths = common.write_results(rows, with_lists(meta), out_dir, "compress")
+    n_failed, n_skipped = len(_FAILED), len(_SKIPPED)
+    ssd = ssd_restore_rows(tvariants, codecs, tpacks, raw_total / sample_tokens, dtype, device, reps=min(reps, 3))
+    meta = with_lists(meta)
+    if (len(_FAILED), len(_SKIPPED)) != (n_failed, n_skipped):  # both files' metas name every failure
+        common.write_results(rows, meta, out_dir, "compress")
     print(f"# restore from SSD through KVStore ({ssd[0]['engine'] if ssd else '-'}): read + decompress into staging")
     print(common.format_table(ssd, ["method", "stored_mb", "ms", "tokens_per_s", "effective_gbps", "speedup_vs_raw"]))
     paths.update({f"ssd_{k}": v for k, v in common.write_results(ssd, meta, out_dir, "compress_ssd").items()})
@@ -219,74 +310,100 @@ def ssd_restore_rows(variants, codecs, packs, raw_bytes_per_token: float, dtype,
     device + decompress into a staging buffer. ``variants``: ``(name, buffer, format, shuffled,
     tokens)``; tokens/s counts each variant's own tokens, ``effective_gbps`` is the raw bf16 bytes
     of those tokens (``raw_bytes_per_token`` each) restored per second, ``speedup_vs_raw`` the
-    tokens/s over the raw variant's."""
+    tokens/s over the raw variant's. Each repetition restores into a destination first overwritten
+    with the complement of the variant's bytes and is compared after (neither timed); a variant that
+    raises or differs is named in ``_FAILED``, its row dropped, and the others go on."""
     import shutil
+
+    from kvkernels.io import KVStore
+
+    rows: list[dict] = []
+    with _optional_rows("ssd-restore"):  # the store itself (its folder, open, close): the rows measured stand
+        root = common.fresh_bench_dir(None, "kvk-bench-compress-", "bench compress")
+        try:
+            with KVStore(os.path.join(root, "store")) as store:
+                for vname, buf, vf, shuf, tokens in variants:
+                    for c in ["none", *codecs]:
+                        if c == "none" and shuf:
+                            continue  # a plane split alone saves nothing on disk
+                        key = f"{vname}+{c}"
+                        if c != "none" and (vname, c) not in packs:  # its codec variant failed above
+                            _skip(f"ssd-restore:{key}", f"not run: {key} failed (see failed_variants)")
+                            continue
+                        with _optional_rows(f"ssd-restore:{key}"):  # an error or wrong bytes: this row is dropped
+                            row = _ssd_restore(store, root, key, vname, buf, vf, shuf, tokens, c, packs, dtype,
+                                               device, reps, raw_bytes_per_token)
+                            rows.append(row)
+                            common.progress(rows[-1])
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    base = next((r["tokens_per_s"] for r in rows if r["method"] == "ssd-restore:raw+none"), None)
+    for r in rows:
+        r["speedup_vs_raw"] = r["tokens_per_s"] / base if base else None
+    return rows
+
+
+def _ssd_restore(store, root, key, vname, buf, vf, shuf, tokens, c, packs, dtype, device, reps,
+                 raw_bytes_per_token) -> dict:
+    """One SSD restore variant of :func:`ssd_restore_rows`: put, ``reps`` timed cold restores, each
+    into a destination first overwritten with the complement of the expected bytes and compared
+    after (neither is timed); the row, or an exception."""
     import statistics
     import time
 
-    from kvkernels.io import EntryMeta, KVStore
+    from kvkernels.compress import CompressedStaging
+    from kvkernels.io import EntryMeta
 
     try:
         from .bench_store import _drop_tree
     except ImportError:  # pragma: no cover
         from bench.bench_store import _drop_tree  # type: ignore
-    from kvkernels.compress import CompressedStaging
 
-    root = common.fresh_bench_dir(None, "kvk-bench-compress-", "bench compress")
-    rows: list[dict] = []
+    if c == "none":
+        regions = [buf[off: off + nb].cpu() for _, off, nb in vf.regions()]
+        # "raw": the bench restores bytes and compares them (its fp8 variant is an
+        # opaque byte payload per region, not a QuantStagingFormat a cache restores from)
+        stored, scheme = [r.numel() for r in regions], "raw"
+    else:
+        packed = packs[(vname, c)]  # compressed (and checked) above
+        regions = [r.cpu() for r in packed.regions]
+        stored, scheme = list(packed.stored_nbytes), packed.scheme
+    meta = EntryMeta(vf.layers, vf.num_blocks, vf.block_size, vf.num_heads, vf.head_dim,
+                     vf.element_size, vf.num_kv, num_layers=max(vf.layers) + 1,
+                     dtype=str(dtype).replace("torch.", "") if vname != "fp8" else "fp8_e4m3+scales",
+                     scheme=scheme, codec=c)
+    want = buf[: vf.nbytes]
+    spans = [(off, nb) for _, off, nb in vf.regions()]
+    store.put(key, regions, meta).result()
     try:
-        with KVStore(os.path.join(root, "store")) as store:
-            for vname, buf, vf, shuf, tokens in variants:
-                for c in ["none", *codecs]:
-                    if c == "none" and shuf:
-                        continue  # a plane split alone saves nothing on disk
-                    if c == "none":
-                        regions = [buf[off: off + nb].cpu() for _, off, nb in vf.regions()]
-                        # "raw": the bench restores bytes and compares them (its fp8 variant is an
-                        # opaque byte payload per region, not a QuantStagingFormat a cache restores from)
-                        stored, scheme = [r.numel() for r in regions], "raw"
-                    else:
-                        packed = packs[(vname, c)]  # compressed above
-                        regions = [r.cpu() for r in packed.regions]
-                        stored, scheme = list(packed.stored_nbytes), packed.scheme
-                    meta = EntryMeta(vf.layers, vf.num_blocks, vf.block_size, vf.num_heads, vf.head_dim,
-                                     vf.element_size, vf.num_kv, num_layers=max(vf.layers) + 1,
-                                     dtype=str(dtype).replace("torch.", "") if vname != "fp8" else "fp8_e4m3+scales",
-                                     scheme=scheme, codec=c)
-                    key = f"{vname}+{c}"
-                    store.put(key, regions, meta).result()
-                    dst = torch.empty(vf.nbytes, dtype=torch.uint8, device=device)
-                    times = []
-                    for _ in range(reps):
-                        _drop_tree(root)
-                        if device.type == "cuda":
-                            torch.cuda.synchronize()
-                        t0 = time.perf_counter()
-                        got = store.get(key).result()
-                        if c == "none":
-                            dst[: got.numel()].copy_(got)
-                        else:
-                            back = CompressedStaging.from_buffer(got.to(device), vf, stored, c, byteshuffle=shuf)
-                            decompress_regions(back, out=dst)
-                        if device.type == "cuda":
-                            torch.cuda.synchronize()
-                        times.append(time.perf_counter() - t0)
-                    payload_ok = all(torch.equal(dst[off: off + nb].cpu(), buf[off: off + nb].cpu())
-                                     for _, off, nb in vf.regions())
-                    if not payload_ok:  # the restored bytes are the variant's, exactly
-                        raise RuntimeError(f"SSD restore of {key}: bytes differ")
-                    t = statistics.median(times)  # cold reads from a noisy disk: the median, as the other SSD rows
-                    rows.append({"method": f"ssd-restore:{key}", "input": vname, "codec": c, "engine": store.engine.name,
-                                 "stored_mb": sum(stored) / 1e6, "ms": t * 1e3, "tokens_per_s": tokens / t,
-                                 "effective_gbps": tokens * raw_bytes_per_token / t / 1e9})
-                    common.progress(rows[-1])
-                    store.remove(key)
+        dst = torch.empty(vf.nbytes, dtype=torch.uint8, device=device)
+        times = []
+        for i in range(reps):
+            _poison(dst, want)  # (not timed) every repetition must write the bytes itself
+            _drop_tree(root)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            got = store.get(key).result()
+            if c == "none":
+                dst[: got.numel()].copy_(got)
+            else:
+                back = CompressedStaging.from_buffer(got.to(device), vf, stored, c, byteshuffle=shuf)
+                decompress_regions(back, out=dst)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            # the restored bytes are the variant's, exactly (every region's payload)
+            _differs(dst, want, spans, f"SSD restore of {key} (repetition {i + 1})")
     finally:
-        shutil.rmtree(root, ignore_errors=True)
-    base = next((r["tokens_per_s"] for r in rows if r["method"] == "ssd-restore:raw+none"), None)
-    for r in rows:
-        r["speedup_vs_raw"] = r["tokens_per_s"] / base if base else None
-    return rows
+        try:
+            store.remove(key)
+        except Exception:  # noqa: BLE001 - the temp folder is removed at the end anyway
+            pass
+    t = statistics.median(times)  # cold reads from a noisy disk: the median, as the other SSD rows
+    return {"method": f"ssd-restore:{key}", "input": vname, "codec": c, "engine": store.engine.name,
+            "stored_mb": sum(stored) / 1e6, "ms": t * 1e3, "tokens_per_s": tokens / t,
+            "effective_gbps": tokens * raw_bytes_per_token / t / 1e9}
 
 
 def _ver(dist: str):
@@ -330,6 +447,9 @@ def main(argv=None, prog: str | None = None) -> int:
                     f"({type(exc).__name__}: {exc})")
     common.bench_paths(p, out=a.out, scratch=True)  # KVKERNELS_BENCH_DIR, when set: the store leg's folder
     run(sample=a.sample, out_dir=a.out, tiny=a.tiny, reps=a.reps, codecs=a.codecs, plot=not a.no_plot)
+    if _FAILED:  # the rows that ran are written; the exit code (and .ci/gpu-bench's rc) says some did not
+        print(f"# {len(_FAILED)} variant(s) failed, their rows skipped:\n#   " + "\n#   ".join(_FAILED))
+        return 3
     return 0
 
 
