@@ -23,7 +23,9 @@ encode with the conversion instruction. This script times, on one cache and bloc
 
 with each variant's time, GB/s (bytes read + written, as ``bench_gather``), % of the measured
 device-copy peak, and how many code/scale bytes differ from the default kernel's (must be 0), and the CUDA
-backend's kernel beside it. GPU only:
+backend's kernel beside it; every row also carries ``default_vs_torch_bytes_differing``, the
+default kernel's own payload bytes against the torch reference's (must be 0: else every variant
+was compared with wrong bytes; the exit code is 3 then too). GPU only:
 
     python bench/fp8_tuning.py [--models llama3-8b llama3-70b-tp8 deepseek-v3-mla] [--out DIR]
     python bench/fp8_tuning.py --ncu-target     # one launch per kernel, model, granularity (.ci/gpu-bench ncu)
@@ -44,7 +46,7 @@ except ImportError:  # pragma: no cover - run as a script
 
 from kvkernels import StagingFormat
 from kvkernels.models import get_model, make_cache
-from kvkernels.quant import QuantStagingFormat
+from kvkernels.quant import QuantStagingFormat, gather_quant
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "div_rn": {"FMA_DIV": False},
@@ -76,11 +78,19 @@ def _case(model: str, pool: int, blocks: int, device):
     return lay, ids
 
 
-def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_results") -> list[dict]:
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_results",
+        device: str | torch.device = "cuda", variants: dict | None = None) -> list[dict]:
+    """The rows (``variants``: a subset of :data:`VARIANTS`; ``device``: ``"cpu"`` runs the Triton
+    kernels under ``TRITON_INTERPRET=1`` at tiny sizes, for the tests only — no measurement)."""
     from kvkernels.triton_ops.quant_gather import quant_gather_triton
 
-    device = torch.device("cuda")
-    peaks = common.measure_peaks(device, 1 << 30)
+    device = torch.device(device)
+    peaks = common.measure_peaks(device, 1 << 30 if device.type == "cuda" else 1 << 20)
     peak = peaks["d2d_gbps"]
     meta = common.env_record()
     meta["peaks"] = peaks
@@ -98,14 +108,20 @@ def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_r
             # correct byte); bytes no kernel writes stay equal
             ref = torch.full((fmt.nbytes,), 0x5A, dtype=torch.uint8, device=device)
             quant_gather_triton(lay, ids, fmt, ref, err)
+            # and the default kernel itself against the torch reference (the definition: codes
+            # bit-identical to torch's cast), over every region's payload: a wrong default would
+            # otherwise make every variant "agree" with it (bytes_differing 0 everywhere)
+            torch_ref = gather_quant(lay, ids, quant="fp8", granularity=gran, backend="torch")
+            ref_wrong = sum(int((ref[o: o + n] != torch_ref[o: o + n]).sum()) for _, o, n in fmt.regions())
             out = torch.empty_like(ref)
-            base = {"model": m, "chunk_kb": round(lay.chunk_nbytes / 1024, 2), "granularity": gran}
-            for name, probe in VARIANTS.items():
+            base = {"model": m, "chunk_kb": round(lay.chunk_nbytes / 1024, 2), "granularity": gran,
+                    "default_vs_torch_bytes_differing": ref_wrong}
+            for name, probe in (VARIANTS if variants is None else variants).items():
                 try:
                     fn = lambda: quant_gather_triton(lay, ids, fmt, out, err, _probe=probe)  # noqa: E731
                     out.fill_(0x5A)
                     fn()
-                    torch.cuda.synchronize()
+                    _sync(device)
                     diff = int((out != ref).sum())
                     ms = common.time_ms(fn, device=device)
                 except Exception as exc:  # a variant that does not compile is a result too
@@ -124,7 +140,7 @@ def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_r
             try:
                 out.fill_(0x5A)
                 fn()
-                torch.cuda.synchronize()
+                _sync(device)
                 diff = int((out != ref).sum())
                 ms = common.time_ms(fn, device=device)
             except Exception as exc:  # recorded as a row (the rows after it still run); main() then exits 3
@@ -135,11 +151,13 @@ def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_r
             rows.append({**base, "variant": "cuda", "ms": ms, "gbps": bw, "pct_peak": 100 * bw / peak,
                          "bytes_differing": diff})
             common.progress(rows[-1])
-        lay = ids = ref = out = None  # type: ignore[assignment]  # noqa: F841 - frees the cache before the next model
-        torch.cuda.empty_cache()
         # written after every model: a run cut off by a time cap keeps the finished ones (the
-        # variants grew from 6 to 13 in the twelfth session)
+        # variants grew from 6 to 13 in the twelfth session); before the cache is freed, whose
+        # empty_cache raises after a sticky CUDA error
         common.write_results(rows, meta, out_dir, "fp8_tuning")
+        lay = ids = ref = out = torch_ref = None  # type: ignore[assignment]  # noqa: F841 - frees the cache before the next model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     paths = common.write_results(rows, meta, out_dir, "fp8_tuning")
     print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['date']}  d2d {peak:.0f} GB/s")
     print(common.format_table(rows, ["model", "chunk_kb", "granularity", "variant", "ms", "gbps", "pct_peak",
@@ -201,8 +219,11 @@ def main(argv=None) -> int:
     # wrote other bytes than the default kernel (itself checked against torch's cast by the tests) fails the run, so a wrapper's rc says so
     errors = sum(1 for r in rows if r.get("error"))
     wrong = sum(1 for r in rows if r.get("bytes_differing"))
-    if errors or wrong:
-        print(f"# FAILED: {errors} rows raised, {wrong} rows differ from the default kernel's bytes", file=sys.stderr)
+    bad_ref = sum(1 for r in rows if r.get("default_vs_torch_bytes_differing"))
+    if errors or wrong or bad_ref:
+        print(f"# FAILED: {errors} rows raised, {wrong} rows differ from the default kernel's bytes, "
+              f"{bad_ref} rows measured against a default kernel whose bytes differ from the torch "
+              "reference's", file=sys.stderr)
         return 3
     print(f"# all {len(rows)} rows ran and match the default kernel's bytes")
     return 0

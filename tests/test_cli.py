@@ -1013,6 +1013,34 @@ def test_fp8_tuning_ncu_target_launches_each_fp8_gather_once(capsys):
     assert out.count("smollm2-135m chunk") == n and "token triton" in out and "block triton" in out
 
 
+@pytest.mark.parametrize("wrong_default", [False, True])
+def test_fp8_tuning_checks_its_reference_kernel_against_torch(tmp_path, monkeypatch, wrong_default):
+    """Every variant's bytes are compared with the default kernel's: a wrong default made them all
+    'agree' (bytes_differing 0). The default is now compared with the torch reference, on every row."""
+    if os.environ.get("TRITON_INTERPRET") != "1" and not HAS_CUDA:
+        pytest.skip("the Triton kernel needs a GPU or TRITON_INTERPRET=1")
+    from kvkernels.bench import fp8_tuning
+    from kvkernels.triton_ops import quant_gather as qg
+
+    # 2 layers, 1 head, and one timed call per row: the interpreter is slow
+    real_model = fp8_tuning.get_model
+    monkeypatch.setattr(fp8_tuning, "get_model", lambda m: real_model(m).scaled(num_layers=2, num_kv_heads=1))
+    monkeypatch.setattr(fp8_tuning.common, "time_ms", lambda fn, *, device, reps=20: (fn(), 1.0)[1])
+    if wrong_default:
+        real = qg.quant_gather_triton
+
+        def off_by_one(lay, ids, fmt, out, err, **kw):  # every launch (variants too) one code off
+            real(lay, ids, fmt, out, err, **kw)
+            out[0] ^= 1
+
+        monkeypatch.setattr(qg, "quant_gather_triton", off_by_one)
+    rows = fp8_tuning.run(["smollm2-135m"], pool=8, blocks=4, out_dir=str(tmp_path),
+                          device="cuda" if HAS_CUDA else "cpu", variants={"fma_div": fp8_tuning.VARIANTS["fma_div"]})
+    tri = [r for r in rows if r["variant"].startswith("triton[")]
+    assert len(tri) == 2 and all(r["bytes_differing"] == 0 for r in tri)  # variants agree with the default...
+    assert all((r["default_vs_torch_bytes_differing"] > 0) == wrong_default for r in rows)  # ...which is checked
+
+
 @pytest.mark.parametrize("args,ok", [("--out /tmp/elsewhere", False), ("--out=/tmp/elsewhere", False),
                                      ("--seqs 4096 --out", False), ("--out bench_results/gpu-bench", False),
                                      ("--out bench_results/gpu-bench/qwen3-32b", True),
