@@ -446,6 +446,7 @@ def main(argv=None, prog: str | None = None) -> int:
             p.error(f"argument --sample: {a.sample!r} is not a real-KV sample written by bench/real_kv.py "
                     f"({type(exc).__name__}: {exc})")
     common.bench_paths(p, out=a.out, scratch=True)  # KVKERNELS_BENCH_DIR, when set: the store leg's folder
+    _FAILED.clear()  # this call's failures only (run() clears them too)
     run(sample=a.sample, out_dir=a.out, tiny=a.tiny, reps=a.reps, codecs=a.codecs, plot=not a.no_plot)
     if _FAILED:  # the rows that ran are written; the exit code (and .ci/gpu-bench's rc) says some did not
         print(f"# {len(_FAILED)} variant(s) failed, their rows skipped:\n#   " + "\n#   ".join(_FAILED))

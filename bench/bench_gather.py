@@ -443,6 +443,7 @@ def main(argv=None, prog: str | None = None) -> int:
     if a.blocks > a.pool:
         p.error(f"--blocks ({a.blocks}) must be <= --pool ({a.pool})")
     common.bench_paths(p, out=a.out)
+    _FAILED.clear()  # this call's failures only (run() clears them too)
     run(models=a.models, layouts=a.layouts, pool=a.pool, blocks=a.blocks, out_dir=a.out, quick=a.quick,
         tiny=a.tiny, plot=not a.no_plot)
     if _FAILED:  # the rows that ran are written; the exit code (and .ci/gpu-bench's rc) says some did not

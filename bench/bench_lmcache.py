@@ -686,6 +686,7 @@ def main(argv=None, prog: str | None = None) -> int:
     if importlib.util.find_spec("lmcache") is None:  # before any folder is made or disk measured
         p.error("needs lmcache: pip install 'kvkernels[lmcache]'")
     common.bench_paths(p, out=a.out, directory=a.dir, scratch=True)
+    _start()  # this call's failures only (each run clears them too)
     if a.layerwise:
         run_layerwise(directory=a.dir, chunks=8 if a.chunks is None else a.chunks, reps=a.reps,
                       out_dir=a.out, tiny=a.tiny)

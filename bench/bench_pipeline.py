@@ -50,7 +50,7 @@ bytes, or had a failed save or restore in its timed runs, has its rows dropped a
 the results' ``failed_variants`` (exit code 3); a variant the machine cannot run (no
 ``cudaMemcpyBatchAsync``, no CUDA runtime for ``stream_api="cudart"``) is named in
 ``skipped_variants``. Every pipeline names its ``stream_api`` and ``copy_mode``: the
-``KVKERNELS_PIPELINE_*`` environment variables change no row.
+``KVKERNELS_PIPELINE_STREAM_API`` / ``KVKERNELS_PIPELINE_COPY_MODE`` environment variables change no row.
 
 Reported: compute time and slowdown (%), transfer throughput (GB/s, % of the measured one-shot
 D2H / H2D), wall over max(compute alone, transfer alone), and the host time of the step-path
@@ -460,8 +460,8 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         return None if torch.equal(blocks_of(dst), want) else "the destination blocks do not hold the saved bytes"
 
     rows.append({**base, "direction": "-", "method": "compute-alone", "compute_ms": c_ms, "wall_ms": c_wall})
-    # every pipeline names its stream_api and copy_mode: KVKERNELS_PIPELINE_* in the environment
-    # would otherwise change what a row's label says ran
+    # every pipeline names its stream_api and copy_mode: KVKERNELS_PIPELINE_STREAM_API / _COPY_MODE
+    # in the environment would otherwise change what a row's label says ran
     pipe = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2,
                          stream_api="torch", copy_mode="gather")  # default 64 MiB slots
     with _optional_rows("[default]"):  # its check failing loses its rows, not the variants'
@@ -1011,6 +1011,7 @@ def main(argv=None, prog: str | None = None) -> int:
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
     common.bench_paths(p, out=a.out, scratch=True)  # KVKERNELS_BENCH_DIR, when set: the SSD restore's folder
+    _FAILED.clear()  # this call's failures only (run() clears them too)
     run(models=a.models, seqs=a.seqs, block_sizes=a.block_sizes, out_dir=a.out, tiny=a.tiny, plot=not a.no_plot)
     if _FAILED:  # the rows that ran are written; the exit code (and .ci/gpu-bench's rc) says some did not
         print(f"# {len(_FAILED)} variant(s) failed, their rows skipped:\n#   " + "\n#   ".join(_FAILED))

@@ -393,6 +393,7 @@ def main(argv=None, prog: str | None = None) -> int:
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
     common.bench_paths(p, out=a.out, directory=a.dir, scratch=True)
+    _FAILED.clear()  # this call's failures only (run() clears them too)
     run(directory=a.dir, blocks=a.blocks, entries=a.entries, dd_bytes=a.dd_bytes, out_dir=a.out, tiny=a.tiny,
         plot=not a.no_plot, reps=a.reps)
     if _FAILED:  # the rows that ran are written; the exit code (and .ci/gpu-bench's rc) says some did not
