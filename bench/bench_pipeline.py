@@ -464,7 +464,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
     # in the environment would otherwise change what a row's label says ran
     pipe = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2,
                          stream_api="torch", copy_mode="gather")  # default 64 MiB slots
-    with _optional_rows("[default]"):  # its check failing loses its rows, not the variants'
+    with _optional_rows("[default]", rows):  # its check failing loses its rows, not the variants'
         pipeline_rows(pipe)
     if profile_path is not None:
         _profile_issue(pipe, src, dst, L, device, profile_path, f"{model} {seq} tokens, {base['chunk_kb']} KB chunks")
@@ -472,7 +472,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         # step (here nothing to restore) and wait_for_layer_load before each layer. Until the
         # sixteenth session an empty restore still made the compute wait at each layer on the
         # saves' gathers; predicted: the same slowdown as the kvk-pipeline offload row above
-        with _optional_rows("[vllm calls]"):
+        with _optional_rows("[vllm calls]", rows):
             _sync(device)
             pipe.get_finished()
             vsaves = {"req": src}
@@ -497,7 +497,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         # not read its blocks: the forward's slowdown is what it costs (its wall_ms includes the
         # restore's end only through the final sync); predicted: at most the restore rows' slowdown,
         # with no wait of the compute stream for it
-        with _optional_rows("[async restore]"):
+        with _optional_rows("[async restore]", rows):
             _sync(device)
             pipe.get_finished()
             freshen(src)
@@ -507,10 +507,20 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
             _sync(device)
             pipe.get_finished()
             saved = blocks_of(src)  # (before any restore: destination blocks may also be sources)
-            poison(dst, saved)  # the timed restores must write every byte of them
             pipe.start_load({"req": dst}, asynchronous=True)  # warm-up: its slots and events are made here
             _sync(device)
             pipe.get_finished()
+            poison(dst, saved)  # (after the warm-up, which wrote them) the timed restores must write them
+
+            def restored_async() -> str | None:
+                """One more asynchronous restore into overwritten destination blocks, checked."""
+                poison(dst, saved)
+                pipe.start_load({"req": dst}, asynchronous=True)
+                _sync(device)
+                pipe.get_finished()
+                if pipe.take_failed_loads() or pipe.get_block_ids_with_load_errors():
+                    return "the checking restore failed"
+                return None if torch.equal(blocks_of(dst), saved) else "the destination blocks do not hold the saved bytes"
 
             async_issue_s: list[float] = []
 
@@ -530,16 +540,16 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
 
             # the timed runs' restores wrote the destination blocks: they must hold the entry's bytes
             add_checked(pipe, "kvk-pipeline[async restore]", "restore", restore_async_beside_compute,
-                        check=lambda: None if torch.equal(blocks_of(dst), saved)
-                        else "the destination blocks do not hold the saved bytes")
+                        check=lambda: (None if torch.equal(blocks_of(dst), saved)
+                                       else "the destination blocks do not hold the saved bytes") or restored_async())
             # the call's host time (all layers at once), per layer like the other restore rows
             rows[-1]["issue_us_per_layer"] = 1e6 * statistics.median(async_issue_s) / L
             rows[-1]["issue_us_max"] = 1e6 * max(async_issue_s) / L
 
-    with _optional_rows("[ssd]"):  # a disk or dd failure loses these rows, not the variants after them
+    with _optional_rows("[ssd]", rows):  # a disk or dd failure loses these rows, not the variants after them
         rows += _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps, compute_only)
     if timeline_out is not None:
-        with _optional_rows("[timeline]"):  # another error: a failure, still not the rows after it
+        with _optional_rows("[timeline]", rows):  # another error: a failure, still not the rows after it
             pipe.get_finished()
             try:
                 if not pipe.evict("req"):  # the pool holds one entry of this size
@@ -567,8 +577,23 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                 return end
             return fn
 
+        def baseline(method, fn) -> None:
+            """A baseline's row, then one more run of it into the pinned buffer overwritten with the
+            complement of the expected bytes, its regions' payload compared (a vLLM NHD cache: a
+            chunk's bytes in memory order are the staging order); a failure drops the row."""
+            with _optional_rows(method, rows):
+                add(method, "offload", fn)
+                want = blocks_of(src)
+                host.copy_(torch.bitwise_not(want))
+                fn()
+                torch.cuda.synchronize()
+                regions = (fmt.num_regions, fmt.region_nbytes)
+                got_p = host.view(regions)[:, : fmt.payload_nbytes]
+                if not torch.equal(got_p, want.cpu().view(regions)[:, : fmt.payload_nbytes]):
+                    raise RuntimeError(f"{method}: the pinned buffer does not hold the source blocks' bytes")
+
         for cap in (0, 2):
-            add(f"sm-zero-copy[ctas={cap or 'all'}]", "offload", beside_compute(
+            baseline(f"sm-zero-copy[ctas={cap or 'all'}]", beside_compute(
                 lambda l, cap=cap: kvkernels.gather(lay, src, out=host[fmt.region_offset(l):], layers=(l,),
                                                     backend="triton", max_ctas=cap, validate=False)))
         ext = _memcpy_ext() if _dense_chunk(lay) else None
@@ -576,7 +601,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
             tabs = [_chunk_tables(lay, src, host.data_ptr(), fmt.with_layers([l])) for l in range(L)]
             # with_layers keeps offsets of a single-layer buffer: shift to the layer's region
             tabs = [(s_, d_ + fmt.region_offset(l)) for l, (s_, d_) in enumerate(tabs)]
-            add("memcpy-per-chunk", "offload", beside_compute(
+            baseline("memcpy-per-chunk", beside_compute(
                 lambda l: ext.memcpy_chunks(tabs[l][0], tabs[l][1], lay.chunk_nbytes, side.cuda_stream)))
             try:
                 ext.memcpy_batch(tabs[0][0][:1], tabs[0][1][:1], lay.chunk_nbytes, side.cuda_stream)
@@ -584,8 +609,10 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
             except RuntimeError as exc:  # CUDA < 12.8 or a driver without it
                 _skip("memcpy-batch", f"cudaMemcpyBatchAsync refused: {exc}")
             else:
-                add("memcpy-batch", "offload", beside_compute(
+                baseline("memcpy-batch", beside_compute(
                     lambda l: ext.memcpy_batch(tabs[l][0], tabs[l][1], lay.chunk_nbytes, side.cuda_stream)))
+        else:
+            _skip("memcpy-per-chunk, memcpy-batch", "the per-chunk memcpy extension did not build (message above)")
         pipe.close()
     if device.type == "cuda":
         # the same pipeline with the CUDA backend's gather/scatter (a ctypes call instead of
@@ -594,7 +621,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         from kvkernels import _cuda
 
         if _cuda.available():
-            with _optional_rows("[cuda]"), common.env(KVKERNELS_CUDA_BULK="1"):
+            with _optional_rows("[cuda]", rows), common.env(KVKERNELS_CUDA_BULK="1"):
                 bulk = _cuda._use_bulk(lay, torch.empty(16, dtype=torch.uint8, device=device))
                 del pipe
                 pipe = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2,
@@ -611,7 +638,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
             for backend, tag in (("auto", "[cudart]"), ("cuda", "[cuda+cudart]")):
                 if backend == "cuda" and not _cuda.available():
                     continue
-                with _optional_rows(tag):
+                with _optional_rows(tag, rows):
                     p3 = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2,
                                        backend=backend, stream_api="cudart", copy_mode="gather")
                     try:
@@ -637,7 +664,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         apis = (("torch", "[dma]"), ("cudart", "[dma+cudart]")) if device.type == "cuda" else (("torch", "[dma]"),)
         for api, tag in apis:
             p5 = None
-            with _optional_rows(tag):  # never run on a GPU yet: any error is this variant's, not the bench's
+            with _optional_rows(tag, rows):  # never run on a GPU yet: any error is this variant's, not the bench's
                 try:
                     p5 = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=16, prefetch_depth=2,
                                        stream_api=api, copy_mode="dma")
@@ -648,7 +675,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                 break
             try:
                 timed = False
-                with _optional_rows(tag):
+                with _optional_rows(tag, rows):
                     pipeline_rows(p5, tag, host_ids=True)
                     timed = True
                     if profile_path is not None and api == "cudart":
@@ -657,7 +684,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                 if timed and profile_path is not None and api == "cudart":
                     # first case only: consecutive block ids (a fresh request from vLLM's free
                     # queue often gets runs of them): pieces merge into runs, the best case
-                    with _optional_rows("[dma+cudart,consecutive ids]"):
+                    with _optional_rows("[dma+cudart,consecutive ids]", rows):
                         seq_ids = (torch.arange(n, device=device), torch.arange(n, 2 * n, device=device))
                         pipeline_rows(p5, "[dma+cudart,consecutive ids]", host_ids=True, blocks=seq_ids)
             finally:
@@ -673,7 +700,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
                 continue
             if mode == "dma" and not dma_ok:
                 continue
-            with _optional_rows(tag):
+            with _optional_rows(tag, rows):
                 p4 = LayerPipeline(lay, host_bytes=fmt.nbytes + (2 << 20), max_ctas=16, prefetch_depth=2,
                                    stream_api=api, copy_mode=mode)
                 try:
@@ -691,7 +718,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         # a 33.6 MB device copy takes at 3 TB/s) instead of a long trickle.
         for ctas, prio in ((4, 0), (64, 0), (0, 0), (16, -1), (0, -1)):
             tag = f"[ctas={ctas or 'all'}" + (f",priority={prio}]" if prio else "]")
-            with _optional_rows(tag):
+            with _optional_rows(tag, rows):
                 p2 = LayerPipeline(lay, host_bytes=fmt.nbytes + (1 << 20), max_ctas=ctas, prefetch_depth=2,
                                    pack_priority=prio, stream_api="torch", copy_mode="gather")
                 try:
@@ -746,13 +773,17 @@ def _skip(what: str, why: str) -> None:
 
 
 @contextlib.contextmanager
-def _optional_rows(tag: str):
-    """A variant's rows: a failure (a path never run on a GPU, an API the driver refuses) is
-    printed and the case's other rows, and the cases after it, are kept (an exception lost the
-    whole call's results before)."""
+def _optional_rows(tag: str, rows: list | None = None):
+    """A variant's rows: a failure (a path never run on a GPU, an API the driver refuses, a
+    failed byte check) is printed, the rows the variant added to ``rows`` are dropped, and the
+    case's other rows, and the cases after it, are kept (an exception lost the whole call's
+    results before)."""
+    n = len(rows) if rows is not None else 0
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - reported, the bench goes on
+        if rows is not None:
+            del rows[n:]
         _FAILED.append(f"{tag}: {type(exc).__name__}: {exc}")  # run() puts it in every result file's meta
         print(f"[bench] {tag} rows failed and were skipped (the other rows stand):\n{traceback.format_exc()}",
               file=sys.stderr)

@@ -325,6 +325,54 @@ def test_bench_pipeline_checks_the_vllm_order_and_async_restore_rows(tmp_path, m
     assert len(failed) == 1 and failed[0].startswith(broken) and "do not hold the saved bytes" in failed[0]
 
 
+def test_bench_pipeline_a_variant_raising_part_way_loses_the_rows_it_had_added(tmp_path, monkeypatch):
+    """[dma]'s restore raising after its offload rows were in: those rows stayed published while
+    the variant was named failed."""
+    from kvkernels.bench import bench_pipeline
+    from kvkernels.pipeline import LayerPipeline
+
+    real = LayerPipeline.start_load
+    calls = {"dma": 0}
+
+    def start_load(self, loads, asynchronous=False):
+        if self.copy_mode == "dma" and loads:
+            calls["dma"] += 1
+            if calls["dma"] > 1:  # its warm-up restore passes; the timed ones, after the offload rows, raise
+                raise RuntimeError("a dma restore that never ran on a GPU")
+        return real(self, loads, asynchronous=asynchronous)
+
+    monkeypatch.setattr(LayerPipeline, "start_load", start_load)
+    res = bench_pipeline.run(out_dir=str(tmp_path), tiny=True, plot=False)
+    rows, meta = _dma_rows(tmp_path)
+    assert rows == [] and not any("dma" in r["method"] for r in res["rows"])
+    assert any(f.startswith("[dma]: RuntimeError: a dma restore") for f in meta["failed_variants"])
+
+
+def test_bench_pipeline_async_restore_check_is_not_passed_by_its_warm_up(tmp_path, monkeypatch):
+    """The async rows' destination blocks were overwritten before the warm-up restore, which then
+    filled them: timed restores that wrote nothing passed. Only the warm-up works here."""
+    import json
+
+    from kvkernels.bench import bench_pipeline
+    from kvkernels.pipeline import LayerPipeline
+
+    real = LayerPipeline.start_load
+    calls = {"async": 0}
+
+    def start_load(self, loads, asynchronous=False):
+        if asynchronous:
+            calls["async"] += 1
+            if calls["async"] > 1:  # after the warm-up: nothing restored (and nothing reported failed)
+                loads = {}
+        return real(self, loads, asynchronous=asynchronous)
+
+    monkeypatch.setattr(LayerPipeline, "start_load", start_load)
+    res = bench_pipeline.run(out_dir=str(tmp_path), tiny=True, plot=False)
+    assert "kvk-pipeline[async restore]" not in {r["method"] for r in res["rows"]}
+    failed = json.loads((tmp_path / "pipeline.json").read_text())["meta"]["failed_variants"]
+    assert len(failed) == 1 and failed[0].startswith("[async restore]")
+
+
 def test_bench_pipeline_checks_the_bytes_of_the_ssd_restore_rows(tmp_path, monkeypatch):
     """The restore-ssd rows time a prefetch and a layer-wise restore: one that restores into the
     wrong blocks (nothing reported failed) drops them, and the rows after them stand."""
