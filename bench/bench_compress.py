@@ -25,10 +25,8 @@ leg (and again after it, so both metas name every failure).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
-import traceback
 
 import torch
 
@@ -117,32 +115,10 @@ def fp8_variant(staging: torch.Tensor, fmt, dtype):
     return out, fmt8
 
 
-_FAILED: list[str] = []  # variants whose rows failed in this process's run (main's exit code)
-_SKIPPED: list[str] = []  # variants this machine cannot run (no rows, not a failure): in the results' meta
-
-
-def _skip(what: str, why: str, *, say: bool = True) -> None:
-    """A variant left out because the machine cannot run it: said on stderr and in the meta."""
-    _SKIPPED.append(f"{what}: {why}")
-    if say:
-        print(f"[bench] {what} skipped: {why}", file=sys.stderr)
-
-
-@contextlib.contextmanager
-def _optional_rows(tag: str):
-    """A variant's rows: a failure (an exception, or bytes that differ) is printed, the variant is
-    named in ``_FAILED`` and the other variants are kept (one failure lost every result before)."""
-    try:
-        yield
-    except Exception as exc:  # noqa: BLE001 - reported, the bench goes on
-        _FAILED.append(f"{tag}: {type(exc).__name__}: {exc}")  # run() puts it in every result file's meta
-        print(f"[bench] {tag} rows failed and were skipped (the other rows stand):\n{traceback.format_exc()}",
-              file=sys.stderr)
-        if torch.cuda.is_available():
-            try:
-                torch.cuda.synchronize()
-            except Exception:  # noqa: BLE001 - a sticky CUDA error: later rows will say so
-                pass
+_VARIANTS = common.Variants()  # failed variants (rows dropped; exit code 3) and skipped ones: in the meta
+_FAILED, _SKIPPED = _VARIANTS.failed, _VARIANTS.skipped
+_skip = _VARIANTS.skip
+_optional_rows = _VARIANTS.guard  # with _optional_rows(tag): one variant (it adds its row last)
 
 
 def _poison(dst: torch.Tensor, want: torch.Tensor) -> None:
@@ -166,8 +142,7 @@ def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool
         codecs=None, plot: bool = True) -> dict:
     if reps < 1:  # zero repetitions left the SSD restore buffer unwritten: a false "bytes differ"
         raise ValueError(f"`reps`: expected a positive integer, got {reps}")
-    _FAILED.clear()
-    _SKIPPED.clear()
+    _VARIANTS.clear()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     (staging, fmt, dtype), name = load_input(sample, tiny)
     staging = staging.to(device)
@@ -250,12 +225,7 @@ def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool
                  "ssd_entry_raw_mb": round(tv0[2].num_regions * tv0[2].payload_nbytes / 1e6, 1) if tv0 else None})
 
     def with_lists(m: dict) -> dict:
-        m = dict(m)
-        if _FAILED:
-            m["failed_variants"] = list(_FAILED)
-        if _SKIPPED:
-            m["skipped_variants"] = list(_SKIPPED)
-        return m
+        return {**m, **_VARIANTS.meta()}
 
     cols = ["method", "checksum", "ratio", "vs_raw_bf16", "enc_gbps", "dec_gbps", "bytes"]
     print(f"# {name}: {fmt.num_regions} regions x {fmt.payload_nbytes} B, {meta['device']}")
@@ -446,12 +416,9 @@ def main(argv=None, prog: str | None = None) -> int:
             p.error(f"argument --sample: {a.sample!r} is not a real-KV sample written by bench/real_kv.py "
                     f"({type(exc).__name__}: {exc})")
     common.bench_paths(p, out=a.out, scratch=True)  # KVKERNELS_BENCH_DIR, when set: the store leg's folder
-    _FAILED.clear()  # this call's failures only (run() clears them too)
+    _VARIANTS.clear()  # this call's failures only (run() clears them too)
     run(sample=a.sample, out_dir=a.out, tiny=a.tiny, reps=a.reps, codecs=a.codecs, plot=not a.no_plot)
-    if _FAILED:  # the rows that ran are written; the exit code (and .ci/gpu-bench's rc) says some did not
-        print(f"# {len(_FAILED)} variant(s) failed, their rows skipped:\n#   " + "\n#   ".join(_FAILED))
-        return 3
-    return 0
+    return _VARIANTS.exit_code()  # the rows that ran are written; the rc (and .ci/gpu-bench's) says some did not
 
 
 if __name__ == "__main__":

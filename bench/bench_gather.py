@@ -39,10 +39,8 @@ count payload bytes (like the D2H peak). Outputs: a table, ``gather.csv`` / ``ga
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
-import traceback
 from typing import Any
 
 import torch
@@ -97,34 +95,10 @@ def _chunk_tables(lay, ids: torch.Tensor, staging_base: int, fmt: StagingFormat)
     return torch.cat(src), torch.cat(dst)
 
 
-_FAILED: list[str] = []  # variants whose rows failed in this run (in every result file's meta; exit code 3)
-_SKIPPED: list[str] = []  # variants this machine cannot run: no rows, not a failure (in the meta)
-
-
-def _skip(what: str, why: str) -> None:
-    """A variant left out because the machine cannot run it: said on stderr and in the meta."""
-    _SKIPPED.append(f"{what}: {why}")
-    print(f"[bench] {what} skipped: {why}", file=sys.stderr)
-
-
-@contextlib.contextmanager
-def _variant(tag: str, rows: list):
-    """One variant's rows: an exception (a path never run on a GPU, a failed byte check) drops the
-    rows it added, is printed and named in the meta's ``failed_variants``, and the bench goes on
-    (one variant's error lost the whole run's results before)."""
-    n = len(rows)
-    try:
-        yield
-    except Exception as exc:  # noqa: BLE001 - reported, the bench goes on
-        del rows[n:]
-        _FAILED.append(f"{tag}: {type(exc).__name__}: {exc}")
-        print(f"[bench] {tag} failed, its rows dropped (the other rows stand):\n{traceback.format_exc()}",
-              file=sys.stderr)
-        if torch.cuda.is_available():
-            try:
-                torch.cuda.synchronize()
-            except Exception:  # noqa: BLE001 - a sticky CUDA error: later rows will say so
-                pass
+_VARIANTS = common.Variants()  # failed variants (rows dropped; exit code 3) and skipped ones: in the meta
+_FAILED, _SKIPPED = _VARIANTS.failed, _VARIANTS.skipped
+_skip = _VARIANTS.skip
+_variant = _VARIANTS.guard  # with _variant(tag, rows): one variant's rows
 
 
 def _same(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -395,8 +369,7 @@ def run(*, models=None, layouts=("nhd", "hnd"), pool=4096, blocks=2048, out_dir=
         peak_nbytes=1 << 30, tiny=False, plot=True) -> dict:
     device, tiny, meta = common.start(tiny, peak_nbytes)
     peaks = meta["peaks"]
-    _FAILED.clear()
-    _SKIPPED.clear()
+    _VARIANTS.clear()
     if tiny:
         models = models or ["smollm2-135m"]
         pool, blocks = 32, 8
@@ -414,12 +387,8 @@ def run(*, models=None, layouts=("nhd", "hnd"), pool=4096, blocks=2048, out_dir=
             rows += bench_case(m, key, pool=pool, blocks=blocks, device=device, peaks=peaks, **kw)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            common.write_results(rows, {**meta, "partial": True, "failed_variants": list(_FAILED),
-                                        "skipped_variants": list(_SKIPPED)}, out_dir, "gather")  # kept if a time cap cuts the run
-    if _FAILED:
-        meta["failed_variants"] = list(_FAILED)
-    if _SKIPPED:
-        meta["skipped_variants"] = list(_SKIPPED)
+            common.write_results(rows, {**meta, **_VARIANTS.meta(partial=True)}, out_dir, "gather")  # kept if a time cap cuts the run
+    meta.update(_VARIANTS.meta())
     paths = common.write_results(rows, meta, out_dir, "gather")
     print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  {meta['date']}")
     pk = f"d2d {peaks['d2d_gbps']:.0f} GB/s"
@@ -445,13 +414,10 @@ def main(argv=None, prog: str | None = None) -> int:
     if a.blocks > a.pool:
         p.error(f"--blocks ({a.blocks}) must be <= --pool ({a.pool})")
     common.bench_paths(p, out=a.out)
-    _FAILED.clear()  # this call's failures only (run() clears them too)
+    _VARIANTS.clear()  # this call's failures only (run() clears them too)
     run(models=a.models, layouts=a.layouts, pool=a.pool, blocks=a.blocks, out_dir=a.out, quick=a.quick,
         tiny=a.tiny, plot=not a.no_plot)
-    if _FAILED:  # the rows that ran are written; the exit code (and .ci/gpu-bench's rc) says some did not
-        print(f"# {len(_FAILED)} variant(s) failed, their rows dropped:\n#   " + "\n#   ".join(_FAILED))
-        return 3
-    return 0
+    return _VARIANTS.exit_code()  # the rows that ran are written; the rc (and .ci/gpu-bench's) says some did not
 
 
 if __name__ == "__main__":

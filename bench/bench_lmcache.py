@@ -53,7 +53,6 @@ import statistics
 import sys
 import threading
 import time
-import traceback
 from typing import Any
 
 import torch
@@ -423,26 +422,10 @@ def _session(directory, reps: int, shape):
         shutil.rmtree(directory, ignore_errors=True)  # only the folder this run made
 
 
-_FAILED: list[str] = []  # backends whose rows failed in this process's run (main's exit code)
-_SKIPPED: list[str] = []  # backends this host cannot run (no rows, not a failure): in the results' meta
-
-
-def _skip(what: str, why: str) -> None:
-    """A backend left out because the host cannot run it: said on stderr and in the meta."""
-    _SKIPPED.append(f"{what}: {why}")
-    print(f"[bench] {what} skipped: {why}", file=sys.stderr)
-
-
-@contextlib.contextmanager
-def _optional_rows(tag: str):
-    """A backend's rows: a failure (an exception, a failed check) is printed and named in
-    ``_FAILED``; the other backends go on (one backend's exception lost every row before)."""
-    try:
-        yield
-    except Exception as exc:  # noqa: BLE001 - reported, the bench goes on
-        _FAILED.append(f"{tag}: {type(exc).__name__}: {exc}")  # the run puts it in the result file's meta
-        print(f"[bench] {tag} rows failed and were skipped (the other rows stand):\n{traceback.format_exc()}",
-              file=sys.stderr)
+_VARIANTS = common.Variants()  # failed backends (rows dropped; exit code 3) and skipped ones: in the meta
+_FAILED, _SKIPPED = _VARIANTS.failed, _VARIANTS.skipped
+_skip = _VARIANTS.skip
+_optional_rows = _VARIANTS.guard  # with _optional_rows(tag): one backend (its rows are made at the end)
 
 
 def _guarded(tag: str, fn, *args) -> bool:
@@ -480,15 +463,11 @@ def _rows(benches: list, *args) -> list[dict]:
 
 
 def _start() -> None:
-    _FAILED.clear()
-    _SKIPPED.clear()
+    _VARIANTS.clear()
 
 
 def _finish_meta(meta: dict) -> None:
-    if _FAILED:
-        meta["failed_variants"] = list(_FAILED)
-    if _SKIPPED:
-        meta["skipped_variants"] = list(_SKIPPED)
+    meta.update(_VARIANTS.meta())
 
 
 def run(*, directory=None, chunks=32, reps=3, out_dir="bench_results", tiny=False, layers=32, tokens=256, heads=8,
@@ -696,10 +675,7 @@ def main(argv=None, prog: str | None = None) -> int:
     else:
         run(directory=a.dir, chunks=32 if a.chunks is None else a.chunks, reps=a.reps,
             out_dir=a.out, tiny=a.tiny, dd=not a.no_dd, plot=not a.no_plot)
-    if _FAILED:  # the rows that ran are written; the exit code says some did not
-        print(f"# {len(_FAILED)} backend(s) failed, their rows skipped:\n#   " + "\n#   ".join(_FAILED))
-        return 3
-    return 0
+    return _VARIANTS.exit_code("backend")  # the rows that ran are written; the rc says some did not
 
 
 if __name__ == "__main__":

@@ -84,14 +84,12 @@ are medians too.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
 import statistics
 import sys
 import time
-import traceback
 
 import torch
 
@@ -762,36 +760,10 @@ def _poison(lay, ids, want: torch.Tensor) -> None:
     kvkernels.scatter(torch.bitwise_not(want), lay, _ids(lay, ids), backend="torch")
 
 
-_FAILED: list[str] = []  # variants whose rows failed in this process's run (main's exit code)
-_SKIPPED: list[str] = []  # variants this machine cannot run (no rows, not a failure): in the results' meta
-
-
-def _skip(what: str, why: str) -> None:
-    """A variant left out because the machine cannot run it: said on stderr and in the meta."""
-    _SKIPPED.append(f"{what}: {why}")
-    print(f"[bench] {what} skipped: {why}", file=sys.stderr)
-
-
-@contextlib.contextmanager
-def _optional_rows(tag: str, rows: list | None = None):
-    """A variant's rows: a failure (a path never run on a GPU, an API the driver refuses, a
-    failed byte check) is printed, the rows the variant added to ``rows`` are dropped, and the
-    case's other rows, and the cases after it, are kept (an exception lost the whole call's
-    results before)."""
-    n = len(rows) if rows is not None else 0
-    try:
-        yield
-    except Exception as exc:  # noqa: BLE001 - reported, the bench goes on
-        if rows is not None:
-            del rows[n:]
-        _FAILED.append(f"{tag}: {type(exc).__name__}: {exc}")  # run() puts it in every result file's meta
-        print(f"[bench] {tag} rows failed and were skipped (the other rows stand):\n{traceback.format_exc()}",
-              file=sys.stderr)
-        if torch.cuda.is_available():
-            try:
-                torch.cuda.synchronize()
-            except Exception:  # noqa: BLE001 - a sticky CUDA error: later rows will say so
-                pass
+_VARIANTS = common.Variants()  # failed variants (rows dropped; exit code 3) and skipped ones: in the meta
+_FAILED, _SKIPPED = _VARIANTS.failed, _VARIANTS.skipped
+_skip = _VARIANTS.skip
+_optional_rows = _VARIANTS.guard  # with _optional_rows(tag, rows): one variant's rows
 
 
 class _Stamps:
@@ -984,8 +956,7 @@ def run(*, models=("llama3-8b",), seqs=(4096, 8192), block_sizes=(16, 2), out_di
     peaks = meta["peaks"]
     rows: list[dict] = []
     tl_box: dict = {}
-    _FAILED.clear()
-    _SKIPPED.clear()
+    _VARIANTS.clear()
     if tiny:
         print("[bench] tiny: one smollm2-135m case, 64 tokens, block size 16 (--models / --seqs / --block-sizes "
               "do not apply)")
@@ -1000,12 +971,8 @@ def run(*, models=("llama3-8b",), seqs=(4096, 8192), block_sizes=(16, 2), out_di
                                        timeline_out=None if tl_box else tl_box,
                                        profile_path=os.path.join(out_dir, "pipeline_issue_profile.txt") if first else None)
                     torch.cuda.empty_cache()
-                    common.write_results(rows, {**meta, "partial": True, "failed_variants": list(_FAILED),
-                                                "skipped_variants": list(_SKIPPED)}, out_dir, "pipeline")  # kept if cut
-    if _FAILED:
-        meta["failed_variants"] = list(_FAILED)
-    if _SKIPPED:
-        meta["skipped_variants"] = list(_SKIPPED)
+                    common.write_results(rows, {**meta, **_VARIANTS.meta(partial=True)}, out_dir, "pipeline")  # kept if cut
+    meta.update(_VARIANTS.meta())
     paths = common.write_results(rows, meta, out_dir, "pipeline")
     if tl_box:
         tl_path = os.path.join(out_dir, "pipeline_timeline.json")
@@ -1042,12 +1009,9 @@ def main(argv=None, prog: str | None = None) -> int:
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
     common.bench_paths(p, out=a.out, scratch=True)  # KVKERNELS_BENCH_DIR, when set: the SSD restore's folder
-    _FAILED.clear()  # this call's failures only (run() clears them too)
+    _VARIANTS.clear()  # this call's failures only (run() clears them too)
     run(models=a.models, seqs=a.seqs, block_sizes=a.block_sizes, out_dir=a.out, tiny=a.tiny, plot=not a.no_plot)
-    if _FAILED:  # the rows that ran are written; the exit code (and .ci/gpu-bench's rc) says some did not
-        print(f"# {len(_FAILED)} variant(s) failed, their rows skipped:\n#   " + "\n#   ".join(_FAILED))
-        return 3
-    return 0
+    return _VARIANTS.exit_code()  # the rows that ran are written; the rc (and .ci/gpu-bench's) says some did not
 
 
 if __name__ == "__main__":

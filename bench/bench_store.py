@@ -32,7 +32,6 @@ Targets (issue 3): >= 90 % of the dd ceiling for large entries with both engines
 from __future__ import annotations
 
 import argparse
-import contextlib
 import mmap
 import os
 import statistics
@@ -41,7 +40,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 
 import torch
 
@@ -202,29 +200,10 @@ def _check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
                            f"(first at byte {int(diff.nonzero()[0, 0])})")
 
 
-_FAILED: list[str] = []  # variants whose rows failed in this process's run (main's exit code)
-_SKIPPED: list[str] = []  # variants this machine cannot run (no rows, not a failure): in the results' meta
-
-
-def _skip(what: str, why: str) -> None:
-    """A variant left out because the machine cannot run it: said on stderr and in the meta."""
-    _SKIPPED.append(f"{what}: {why}")
-    print(f"[bench] {what} skipped: {why}", file=sys.stderr)
-
-
-@contextlib.contextmanager
-def _optional_rows(tag: str, rows: list[dict]):
-    """A variant's rows: a failure (an I/O error, wrong bytes read) is printed with its traceback,
-    the rows the variant added are dropped, and the variants after it still run (an exception
-    lost the whole run's results before)."""
-    start = len(rows)
-    try:
-        yield
-    except Exception as exc:  # noqa: BLE001 - reported, the bench goes on
-        del rows[start:]
-        _FAILED.append(f"{tag}: {type(exc).__name__}: {exc}")  # run() puts it in every result file's meta
-        print(f"[bench] {tag} rows failed and were dropped (the other rows stand):\n{traceback.format_exc()}",
-              file=sys.stderr)
+_VARIANTS = common.Variants()  # failed variants (rows dropped; exit code 3) and skipped ones: in the meta
+_FAILED, _SKIPPED = _VARIANTS.failed, _VARIANTS.skipped
+_skip = _VARIANTS.skip
+_optional_rows = _VARIANTS.guard  # with _optional_rows(tag, rows): one variant's rows
 
 
 def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd_bytes: int = 2 << 30,
@@ -246,12 +225,10 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
 
     meta["kvikio"] = kvikio_status()  # version, compat mode, GDS: the kvikio rows depend on them
     rows: list[dict] = []
-    _FAILED.clear()
-    _SKIPPED.clear()
+    _VARIANTS.clear()
 
     def save_partial() -> None:  # after the ceiling and each variant: a run cut off keeps what it measured
-        common.write_results(rows, {**meta, "partial": True, "failed_variants": list(_FAILED),
-                                    "skipped_variants": list(_SKIPPED)}, out_dir, "store")
+        common.write_results(rows, {**meta, **_VARIANTS.meta(partial=True)}, out_dir, "store")
 
     ceil: dict = {}
     dd_streams = config.io_threads()  # the store's queue depth: the ceiling reads as wide
@@ -359,10 +336,7 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
             save_partial()
     finally:
         shutil.rmtree(work, ignore_errors=True)  # only the folder this run made
-    if _FAILED:
-        meta["failed_variants"] = list(_FAILED)
-    if _SKIPPED:
-        meta["skipped_variants"] = list(_SKIPPED)
+    meta.update(_VARIANTS.meta())
     paths = common.write_results(rows, meta, out_dir, "store")
     print(f"# {meta['device']}  {meta['date']}  dir={work} (removed)  engine={meta.get('engine')}")
     if ceil:
@@ -393,13 +367,10 @@ def main(argv=None, prog: str | None = None) -> int:
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
     common.bench_paths(p, out=a.out, directory=a.dir, scratch=True)
-    _FAILED.clear()  # this call's failures only (run() clears them too)
+    _VARIANTS.clear()  # this call's failures only (run() clears them too)
     run(directory=a.dir, blocks=a.blocks, entries=a.entries, dd_bytes=a.dd_bytes, out_dir=a.out, tiny=a.tiny,
         plot=not a.no_plot, reps=a.reps)
-    if _FAILED:  # the rows that ran are written; the exit code (and .ci/gpu-bench's rc) says some did not
-        print(f"# {len(_FAILED)} variant(s) failed, their rows dropped:\n#   " + "\n#   ".join(_FAILED))
-        return 3
-    return 0
+    return _VARIANTS.exit_code()  # the rows that ran are written; the rc (and .ci/gpu-bench's) says some did not
 
 
 if __name__ == "__main__":

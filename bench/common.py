@@ -127,6 +127,65 @@ def fresh_bench_dir(directory: str | None, prefix: str, what: str) -> str:
     return tempfile.mkdtemp(prefix=prefix, dir=base)
 
 
+class Variants:
+    """What a bench run could not measure: variants that failed (a check or an exception: their
+    rows dropped, the others kept) and variants the machine cannot run. Each bench keeps one at
+    module level; its results' meta lists both (``failed_variants``, ``skipped_variants``) and its
+    ``main()`` exits 3 when a variant failed. The lists are cleared in place."""
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+        self.skipped: list[str] = []
+
+    def clear(self) -> None:
+        self.failed.clear()
+        self.skipped.clear()
+
+    def skip(self, what: str, why: str, *, say: bool = True) -> None:
+        """A variant left out because the machine cannot run it: said on stderr and in the meta."""
+        self.skipped.append(f"{what}: {why}")
+        if say:
+            print(f"[bench] {what} skipped: {why}", file=sys.stderr)
+
+    @contextmanager
+    def guard(self, tag: str, rows: list | None = None):
+        """One variant: an exception (a path never run on a GPU, an API the driver refuses, a failed
+        byte check) is printed with its traceback, the rows it added to ``rows`` are dropped, it is
+        named in ``failed``, and the bench goes on (one variant's error lost whole runs before)."""
+        n = len(rows) if rows is not None else 0
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - reported, the bench goes on
+            if rows is not None:
+                del rows[n:]
+            self.failed.append(f"{tag}: {type(exc).__name__}: {exc}")
+            import traceback
+
+            print(f"[bench] {tag} rows failed and were dropped (the other rows stand):\n{traceback.format_exc()}",
+                  file=sys.stderr)
+            if torch.cuda.is_available():
+                try:
+                    torch.cuda.synchronize()
+                except Exception:  # noqa: BLE001 - a sticky CUDA error: later rows will say so
+                    pass
+
+    def meta(self, *, partial: bool = False) -> dict:
+        """The lists for a result file's meta (only those not empty; a partial file has both)."""
+        m: dict = {"partial": True} if partial else {}
+        if self.failed or partial:
+            m["failed_variants"] = list(self.failed)
+        if self.skipped or partial:
+            m["skipped_variants"] = list(self.skipped)
+        return m
+
+    def exit_code(self, what: str = "variant") -> int:
+        """3 (and the failures printed) when a variant failed, else 0."""
+        if not self.failed:
+            return 0
+        print(f"# {len(self.failed)} {what}(s) failed, their rows dropped:\n#   " + "\n#   ".join(self.failed))
+        return 3
+
+
 def progress(row: dict) -> None:
     """One line per measured row on stderr, as it is measured: a run cut off by a time cap still
     shows how far it got (the tables and files are written at the end)."""

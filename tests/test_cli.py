@@ -219,7 +219,7 @@ def test_bench_pipeline_keeps_the_other_rows_when_a_variant_fails(tmp_path, monk
     methods = {r["method"] for r in res["rows"]}
     assert "kvk-pipeline" in methods and "kvk-pipeline[ctas=all,priority=-1]" in methods  # before and after
     assert not any("dma" in m for m in methods)
-    assert "[dma] rows failed and were skipped" in capsys.readouterr().err
+    assert "[dma] rows failed and were dropped" in capsys.readouterr().err
     assert (tmp_path / "pipeline.csv").exists()
     import json
 
