@@ -121,13 +121,6 @@ _skip = _VARIANTS.skip
 _optional_rows = _VARIANTS.guard  # with _optional_rows(tag): one variant (it adds its row last)
 
 
-def _poison(dst: torch.Tensor, want: torch.Tensor) -> None:
-    """Every byte of ``dst[:want.numel()]`` made different from ``want``'s (before a checked decode
-    or restore: bytes an earlier one left there, or a reused allocation, would pass even if this one
-    wrote nothing)."""
-    torch.bitwise_not(want, out=dst[: want.numel()])
-
-
 def _differs(got: torch.Tensor, want: torch.Tensor, spans, what: str) -> None:
     """Raise when ``got`` and ``want`` differ over any ``(offset, nbytes)`` of ``spans``."""
     for off, nb in spans:
@@ -195,7 +188,7 @@ def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool
             with _optional_rows(method):  # an error or wrong bytes: this variant's row is dropped
                 packed = compress_regions(buf, vf, c, byteshuffle=shuf, checksum=ck)
                 out = torch.empty(vf.nbytes, dtype=torch.uint8, device=device)
-                _poison(out, want)  # the decode must write every byte
+                common.poison(out, want)  # the decode must write every byte
                 decompress_regions(packed, out=out)
                 _differs(out, want, [(0, vf.nbytes)], f"{method}: round trip of the sample")
                 del out
@@ -204,7 +197,7 @@ def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool
                 enc = common.time_ms(lambda: compress_regions(tbuf, tfmt, c, byteshuffle=shuf, checksum=ck),
                                      device=device, reps=reps)
                 dst = torch.empty(tfmt.nbytes, dtype=torch.uint8, device=device)
-                _poison(dst, twant)  # once, before the first (warm-up) decode: not timed
+                common.poison(dst, twant)  # once, before the first (warm-up) decode: not timed
                 dec = common.time_ms(lambda: decompress_regions(tpacked, out=dst), device=device, reps=reps)
                 # the timed decodes' output (on a GPU: the tiled input, packed apart from the sample above)
                 _differs(dst, twant, [(0, tfmt.nbytes)], f"{method}: timed decode of the tiled input")
@@ -349,7 +342,7 @@ def _ssd_restore(store, root, key, vname, buf, vf, shuf, tokens, c, packs, dtype
         dst = torch.empty(vf.nbytes, dtype=torch.uint8, device=device)
         times = []
         for i in range(reps):
-            _poison(dst, want)  # (not timed) every repetition must write the bytes itself
+            common.poison(dst, want)  # (not timed) every repetition must write the bytes itself
             _drop_tree(root)
             if device.type == "cuda":
                 torch.cuda.synchronize()

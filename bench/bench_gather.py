@@ -103,12 +103,8 @@ _variant = _VARIANTS.guard  # with _variant(tag, rows): one variant's rows
 
 def _same(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
     """Raise unless ``got`` holds ``want``'s bytes (a byte check after a variant's timed calls)."""
-    got, want = got.reshape(-1), want.reshape(-1)
-    if got.device != want.device:
-        got = got.cpu()
-        want = want.cpu()
-    if not torch.equal(got, want):
-        bad = int((got != want).sum())
+    if not common.same_bytes(got, want):
+        bad = int((got.reshape(-1).cpu() != want.reshape(-1).cpu()).sum())
         raise RuntimeError(f"{what}: {bad} of {want.numel()} bytes differ from the torch reference's")
 
 
@@ -157,27 +153,29 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
     def ref(block_ids) -> torch.Tensor:
         return kvkernels.gather(lay, block_ids, backend="torch")
 
-    def check_gather(what, call, dest: torch.Tensor) -> None:
-        want = ref(ids)
-        dest[: fmt.nbytes].copy_(torch.bitwise_not(want))
+    def payload_of(buf: torch.Tensor) -> torch.Tensor:
+        """The payload bytes of a staging buffer (methods that do not write region padding)."""
+        return buf[: fmt.nbytes].view(fmt.num_regions, fmt.region_nbytes)[:, : fmt.payload_nbytes]
+
+    def check_gather(what, call, dest: torch.Tensor, *, payload: bool = False, raw: bool = False,
+                     also=()) -> None:
+        """``call()`` into ``dest`` (and the buffers ``also``) overwritten with the complement of
+        the blocks' staging first, then ``dest`` compared: whole, or the regions' payload only
+        (``payload``: methods that do not write region padding; ``raw``: the per-chunk copies)."""
+        full = ref(ids)
+        for buf in (dest, *also):
+            common.poison(buf, full)
         call()
-        _same(what, dest[: fmt.nbytes], want)
+        if raw or payload:
+            _same(what, payload_of(dest), raw_chunks() if raw else payload_of(full))
+        else:
+            _same(what, dest[: fmt.nbytes], full)
 
     def check_scatter(what, call_from) -> None:
         staged = ref(ids)  # what the call writes into dst_ids
         kvkernels.scatter(torch.bitwise_not(staged), lay, dst_ids, backend="torch")
         call_from(staged)
         _same(what, ref(dst_ids), staged)
-
-    def payload_of(buf: torch.Tensor) -> torch.Tensor:
-        """The payload bytes of a staging buffer (methods that do not write region padding)."""
-        return buf[: fmt.nbytes].view(fmt.num_regions, fmt.region_nbytes)[:, : fmt.payload_nbytes]
-
-    def check_payload(what, call, dest: torch.Tensor, want_raw: bool = False) -> None:
-        want = payload_of(ref(ids)) if not want_raw else raw_chunks()
-        dest[: fmt.nbytes].copy_(torch.bitwise_not(ref(ids)))
-        call()
-        _same(what, payload_of(dest), want)
 
     def raw_chunks() -> torch.Tensor:
         """What the per-chunk copies write: each chunk's bytes in memory order (= the staging
@@ -246,7 +244,7 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
 
     with _variant(f"{case} torch-index_select", rows):
         add("torch-index_select", common.time_ms(index_select_all, device=device), 2 * payload, "d2d_gbps")
-        check_payload("torch-index_select", index_select_all, out)
+        check_gather("torch-index_select", index_select_all, out, payload=True)
     if not cuda:
         return rows
     ext = _memcpy_ext() if _dense_chunk(lay) else None
@@ -261,14 +259,14 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
         with _variant(f"{case} memcpy-per-chunk-d2d", rows):
             add("memcpy-per-chunk-d2d", common.time_ms(lambda: ext.memcpy_chunks(s_tab, d_tab, lay.chunk_nbytes, stream), device=device),
                 2 * payload, "d2d_gbps")
-            check_payload("memcpy-per-chunk-d2d", lambda: ext.memcpy_chunks(s_tab, d_tab, lay.chunk_nbytes, stream), out,
-                          want_raw=True)
+            check_gather("memcpy-per-chunk-d2d", lambda: ext.memcpy_chunks(s_tab, d_tab, lay.chunk_nbytes, stream), out,
+                         raw=True)
         s_tab, h_tab = _chunk_tables(lay, ids, host.data_ptr(), fmt)
         with _variant(f"{case} memcpy-per-chunk-d2h", rows):
             add("memcpy-per-chunk-d2h", common.time_ms(lambda: ext.memcpy_chunks(s_tab, h_tab, lay.chunk_nbytes, stream), device=device),
                 payload, "d2h_gbps")
-            check_payload("memcpy-per-chunk-d2h", synced(lambda: ext.memcpy_chunks(s_tab, h_tab, lay.chunk_nbytes, stream)),
-                          host, want_raw=True)
+            check_gather("memcpy-per-chunk-d2h", synced(lambda: ext.memcpy_chunks(s_tab, h_tab, lay.chunk_nbytes, stream)),
+                         host, raw=True)
         side = torch.cuda.Stream(device=device)  # cudaMemcpyBatchAsync rejects the legacy default stream
 
         def batch_d2h():
@@ -285,7 +283,7 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
         else:
             with _variant(f"{case} memcpy-batch-d2h", rows):
                 add("memcpy-batch-d2h", common.time_ms(batch_d2h, device=device), payload, "d2h_gbps")
-                check_payload("memcpy-batch-d2h", synced(batch_d2h), host, want_raw=True)
+                check_gather("memcpy-batch-d2h", synced(batch_d2h), host, raw=True)
     for cap in (0, 16):
         with _variant(f"{case} kvk-zero-copy-d2h[ctas={cap or 'all'}]", rows):
             add(f"kvk-zero-copy-d2h[ctas={cap or 'all'}]",
@@ -300,9 +298,8 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
 
     with _variant(f"{case} kvk-gather+d2h", rows):
         add("kvk-gather+d2h", common.time_ms(gather_then_d2h, device=device), payload, "d2h_gbps")
-        # the device staging too (an earlier row's check left the right bytes in it): its gather is checked
-        out[: fmt.nbytes].copy_(torch.bitwise_not(ref(ids)))
-        check_gather("kvk-gather+d2h", synced(gather_then_d2h), host)
+        # the device staging overwritten too (an earlier row's check left the right bytes in it)
+        check_gather("kvk-gather+d2h", synced(gather_then_d2h), host, also=(out,))
     return rows
 
 
@@ -347,7 +344,7 @@ def _quant_rows(lay, ids, dst_ids, payload, base, peaks, device, backends) -> li
                     common.progress(rows[-1])
                     want = gather_quant(lay, ids, backend="torch", **kw)  # the codes of the blocks as they are now
                     if op == "gather":
-                        buf.copy_(torch.bitwise_not(want))
+                        common.poison(buf, want)
                         gather_quant(lay, ids, out=buf, backend=b, **kw)
                         _same(f"kvk-gather-{vname}[{b}]", buf, want)
                     else:  # what the torch backend's scatter leaves in the blocks, then this one's

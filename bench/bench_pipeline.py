@@ -372,17 +372,9 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         rows[-1]["issue_us_mean"] = 1e6 * (statistics.fmean(issue_s["restore"])
                                            + statistics.fmean(issue_s["start_load"]) / L)
         rows[-1]["issue_us_max"] = 1e6 * (max(issue_s["restore"]) + max(issue_s["start_load"]) / L)
-        _sync(device)
-        pipe.get_finished()
-        # a save that found no pool room, or a restore that failed, times as a no-op: never publish it
-        failed, loads_failed = pipe.take_failed_saves(), pipe.take_failed_loads()
-        errors = pipe.get_block_ids_with_load_errors()
-        why = None
-        if failed or loads_failed or errors:
-            why = (f"timed runs had failed saves {sorted(map(str, failed))} or restores "
-                   f"{sorted(map(str, loads_failed))} failing on {len(errors)} blocks")
-        else:  # and one more step whose bytes are checked: a path that moved the wrong bytes times as well
-            why = check_round_trip(pipe, saves, loads, offload_only, restore_only)
+        # a save that found no pool room, or a restore that failed, times as a no-op: never publish
+        # it; nor a path that moved the wrong bytes (one more step, its bytes checked)
+        why = failures(pipe, "timed runs") or check_round_trip(pipe, saves, loads, offload_only, restore_only)
         if why is not None:
             del rows[n_rows:]
             raise RuntimeError(f"pipeline{tag}: {why}: its rows would be wrong")
@@ -405,32 +397,30 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         for k, v in loads.items():
             poison(v, want[k])
         restore_only()
-        _sync(device)
-        pipe.get_finished()
-        failed, loads_failed = pipe.take_failed_saves(), pipe.take_failed_loads()
-        errors = pipe.get_block_ids_with_load_errors()
-        if failed or loads_failed or len(errors):
-            return f"the checked step had failed saves {sorted(map(str, failed))} or restores {sorted(map(str, loads_failed))}"
+        why = failures(pipe, "the checked step")
+        if why is not None:
+            return why
         bad = [str(k) for k in saves if not torch.equal(blocks_of(loads[k]), want[k])]
         return f"restored bytes differ from the saved blocks' for {bad}" if bad else None
 
-    def add_checked(pipe: LayerPipeline, method, direction, fn, check=None):
-        """``add``, then the row is dropped and the variant fails when one of its saves or
-        restores failed (a save with no pool room, a restore that did not run: timed as no-ops)
-        or ``check()`` (after the timed runs) returns why its bytes are wrong."""
-        _sync(device)
-        pipe.get_finished()
-        pipe.take_failed_saves(), pipe.take_failed_loads(), pipe.get_block_ids_with_load_errors()  # older rows'
-        n_rows = len(rows)
-        add(method, direction, fn)
+    def failures(pipe: LayerPipeline, when: str) -> str | None:
+        """Once the queued work is done: the saves and restores that failed since the last call
+        (a save with no pool room, a restore that did not run: timed as no-ops), or None."""
         _sync(device)
         pipe.get_finished()
         saves, loads, errors = pipe.take_failed_saves(), pipe.take_failed_loads(), pipe.get_block_ids_with_load_errors()
         if saves or loads or errors:
-            del rows[n_rows:]
-            raise RuntimeError(f"{method}: failed saves {sorted(map(str, saves))} or restores "
-                               f"{sorted(map(str, loads))} on {len(errors)} blocks: the row would be wrong")
-        why = check() if check is not None else None
+            return (f"{when} had failed saves {sorted(map(str, saves))} or restores {sorted(map(str, loads))} "
+                    f"failing on {len(errors)} blocks")
+        return None
+
+    def add_checked(pipe: LayerPipeline, method, direction, fn, check=None):
+        """``add``, then the row is dropped and the variant fails when one of its saves or
+        restores failed or ``check()`` (after the timed runs) returns why its bytes are wrong."""
+        failures(pipe, "")  # older rows'
+        n_rows = len(rows)
+        add(method, direction, fn)
+        why = failures(pipe, "its timed runs") or (check() if check is not None else None)
         if why is not None:
             del rows[n_rows:]
             raise RuntimeError(f"{method}: {why}: the row would be wrong")
@@ -442,19 +432,19 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         _freshen(lay, ids)
 
     def poison(ids, want: torch.Tensor) -> None:
-        _poison(lay, ids, want)
+        _poison_blocks(lay, ids, want)
 
-    def restored_as(pipe: LayerPipeline, want: torch.Tensor) -> str | None:
-        """None when the destination blocks (overwritten first) hold ``want`` after a synchronous
-        restore of the entry ``req`` into them, else why not."""
+    def restored_as(pipe: LayerPipeline, want: torch.Tensor, asynchronous: bool = False) -> str | None:
+        """None when the destination blocks (overwritten first) hold ``want`` after one more
+        restore of the entry ``req`` into them (synchronous, or ``asynchronous``), else why not."""
         poison(dst, want)
-        pipe.start_load({"req": dst})
+        pipe.start_load({"req": dst}, asynchronous=asynchronous)
         for l in range(L):
-            pipe.wait_for_layer_load(l)
-        _sync(device)
-        pipe.get_finished()
-        if pipe.take_failed_loads() or pipe.get_block_ids_with_load_errors():
-            return "the checking restore failed"
+            pipe.wait_for_layer_load(l)  # (nothing to wait for during an asynchronous restore)
+        return failures(pipe, "the checking restore") or held(want)
+
+    def held(want: torch.Tensor) -> str | None:
+        """None when the destination blocks hold ``want`` now, else why not."""
         return None if torch.equal(blocks_of(dst), want) else "the destination blocks do not hold the saved bytes"
 
     rows.append({**base, "direction": "-", "method": "compute-alone", "compute_ms": c_ms, "wall_ms": c_wall})
@@ -510,16 +500,6 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
             pipe.get_finished()
             poison(dst, saved)  # (after the warm-up, which wrote them) the timed restores must write them
 
-            def restored_async() -> str | None:
-                """One more asynchronous restore into overwritten destination blocks, checked."""
-                poison(dst, saved)
-                pipe.start_load({"req": dst}, asynchronous=True)
-                _sync(device)
-                pipe.get_finished()
-                if pipe.take_failed_loads() or pipe.get_block_ids_with_load_errors():
-                    return "the checking restore failed"
-                return None if torch.equal(blocks_of(dst), saved) else "the destination blocks do not hold the saved bytes"
-
             async_issue_s: list[float] = []
 
             def restore_async_beside_compute():
@@ -538,8 +518,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
 
             # the timed runs' restores wrote the destination blocks: they must hold the entry's bytes
             add_checked(pipe, "kvk-pipeline[async restore]", "restore", restore_async_beside_compute,
-                        check=lambda: (None if torch.equal(blocks_of(dst), saved)
-                                       else "the destination blocks do not hold the saved bytes") or restored_async())
+                        check=lambda: held(saved) or restored_as(pipe, saved, asynchronous=True))
             # the call's host time (all layers at once), per layer like the other restore rows
             rows[-1]["issue_us_per_layer"] = 1e6 * statistics.median(async_issue_s) / L
             rows[-1]["issue_us_max"] = 1e6 * max(async_issue_s) / L
@@ -582,7 +561,7 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
             with _optional_rows(method, rows):
                 add(method, "offload", fn)
                 want = blocks_of(src)
-                host.copy_(torch.bitwise_not(want))
+                common.poison(host, want)
                 fn()
                 torch.cuda.synchronize()
                 regions = (fmt.num_regions, fmt.region_nbytes)
@@ -754,7 +733,7 @@ def _freshen(lay, ids) -> None:
     kvkernels.scatter(torch.randint_like(staged, 0, 256), lay, _ids(lay, ids), backend="torch")
 
 
-def _poison(lay, ids, want: torch.Tensor) -> None:
+def _poison_blocks(lay, ids, want: torch.Tensor) -> None:
     """Every byte of the blocks ``ids`` made different from ``want``'s (before a checked restore:
     blocks an earlier restore filled would pass even if this one wrote nothing)."""
     kvkernels.scatter(torch.bitwise_not(want), lay, _ids(lay, ids), backend="torch")
@@ -874,7 +853,7 @@ def _ssd_rows(lay, proxy, src, dst, fmt, base, device, reps, compute_only) -> li
             written.result()  # on disk
 
             def timed(with_compute: bool, streamed: bool = True):
-                _poison(lay, dst, saved)  # (not timed) the restore must write every byte of them
+                _poison_blocks(lay, dst, saved)  # (not timed) the restore must write every byte of them
                 _sync(device)
                 pipe.get_finished()
                 if not pipe.evict("ssd"):  # (not an assert: python -O must not time a restore from host)

@@ -158,16 +158,6 @@ def _entry(blocks: int, tiny: bool):
     return lay, buf, meta
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (1-D uint8) seen as int64 where it can be (compares run ~3x faster), else itself."""
-    if t.numel() % 8 == 0 and t.data_ptr() % 8 == 0:
-        try:
-            return t.view(torch.int64)
-        except RuntimeError:
-            pass
-    return t
-
-
 def _sources(buf: torch.Tensor, entries: int, seed: int = 0) -> list[torch.Tensor]:
     """``entries`` buffers like ``buf``, each ``buf`` XOR its own 64-bit pattern: a read of another
     entry (or of stale bytes) differs from the one asked for."""
@@ -186,15 +176,9 @@ def _sources(buf: torch.Tensor, entries: int, seed: int = 0) -> list[torch.Tenso
     return out
 
 
-def _poison(out: torch.Tensor, want: torch.Tensor) -> None:
-    """Every byte of ``out`` made different from ``want``'s (before a checked read: a destination
-    an earlier read filled would pass even if this one wrote nothing)."""
-    torch.bitwise_not(want, out=out)
-
-
 def _check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """The bytes read are the entry's; else ``RuntimeError`` (the variant fails)."""
-    if not torch.equal(_words(got), _words(want)):
+    if not common.same_bytes(got, want):
         diff = got != want
         raise RuntimeError(f"{what}: read wrong bytes: {int(diff.sum())} of {got.numel()} differ "
                            f"(first at byte {int(diff.nonzero()[0, 0])})")
@@ -259,7 +243,7 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
             checked: each destination holds the complement of the expected bytes before (not timed)."""
             dsts = [o[: hi - lo] for o in outs]
             for i in range(entries):
-                _poison(dsts[i], srcs[i][lo:hi])
+                common.poison(dsts[i], srcs[i][lo:hi])
             _drop_tree(root)
             t0 = time.perf_counter()
             futs = [store.get(f"{key}{i}", layers=layers, out=dsts[i]) for i in range(entries)]
@@ -317,7 +301,7 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
                     for f in [store.put(f"old{i}", srcs[i], emeta) for i in range(entries)]:
                         f.result()
                     for i in range(entries):
-                        _poison(outs[i], srcs[i])
+                        common.poison(outs[i], srcs[i])
                     _drop_tree(root)
                     t0 = time.perf_counter()
                     # the new entries hold other bytes than the old ones read beside them
