@@ -17,7 +17,8 @@ in ``--dir`` is touched.
 Checked: every entry holds its own bytes (the random entry XOR a per-entry 64-bit pattern), and
 before each timed read its destination is overwritten with their complement (not timed); after
 the read the bytes read are compared with the entry's (not only the store's checksums): a read
-that wrote nothing, or wrong bytes, fails its variant. A variant (the ceiling; put / get /
+that wrote nothing, or wrong bytes, fails its variant. Every entry written is read back the same
+way (the read-while-write rows' new entries after their timed run). A variant (the ceiling; put / get /
 restore / get-1-layer of one engine; one queue depth of the sweep; one read-while-write setting)
 that raises or reads wrong bytes has its rows dropped and is named in the results'
 ``failed_variants`` (exit code 3); one the machine cannot run (kvikio without CUDA or the
@@ -315,6 +316,13 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
                     total = time.perf_counter() - t0
                     for i in range(entries):
                         _check(outs[i], srcs[i], f"{what}: old{i}")
+                    # the writes timed beside the reads are read back too (not timed): a put that
+                    # stored wrong bytes must not leave a mixed-throughput row standing
+                    for i in range(entries):
+                        common.poison(outs[i], srcs[(i + 1) % entries])
+                    for i, f in enumerate([store.get(f"new{i}", out=outs[i]) for i in range(entries)]):
+                        f.result()
+                        _check(outs[i], srcs[(i + 1) % entries], f"{what}: new{i}")
                 add(what, entries * nbytes / r / 1e9, "dd_read_gbps", mixed_total_gbps=2 * entries * nbytes / total / 1e9)
             shutil.rmtree(root, ignore_errors=True)
             save_partial()

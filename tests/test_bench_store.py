@@ -115,3 +115,24 @@ def test_partial_results_are_written_as_the_run_goes(tmp_path, monkeypatch):
         bench_store.main(_args(tmp_path))
     doc = _results(tmp_path)
     assert doc["meta"]["partial"] is True and doc["rows"] == [] and doc["meta"]["ceiling"]["dd_write_gbps"] > 0
+
+
+def test_read_while_write_puts_are_read_back(tmp_path, monkeypatch):
+    # the entries written beside the timed reads were never read back: a put storing wrong bytes
+    # left both read-while-write rows (and their mixed_total_gbps) standing
+    real_put = KVStore.put
+
+    def put(self, key, src, meta, *a, **k):
+        if key == "new1":
+            src = src.clone()
+            src[5] ^= 0xFF
+        return real_put(self, key, src, meta, *a, **k)
+
+    monkeypatch.setattr(KVStore, "put", put)
+    res = bench_store.run(directory=str(tmp_path / "d"), out_dir=str(tmp_path / "out"), tiny=True, plot=False)
+    methods = {r["method"] for r in res["rows"]}
+    assert not any(m.startswith("read-while-write") for m in methods) and "get[posix]" in methods
+    failed = res["meta"]["failed_variants"]
+    assert [f.split(":")[0] for f in failed] == ["read-while-write[read_priority=True]",
+                                                 "read-while-write[read_priority=False]"]
+    assert all("new1: read wrong bytes: 1 of" in f for f in failed)
