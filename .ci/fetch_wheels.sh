@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Download the wheels the GPU image lacks into ./.whl (git-ignored), for `.ci/gpu` on a machine
-# without network (Python 3.12, manylinux x86_64, CUDA 13). ~50 MB; the device tool carries it
+# without network (Python 3.12, manylinux x86_64, CUDA 13). ~44 MB; the device tool carries it
 # (`carry: [".whl"]`; .ci/gpu-env.sh installs every .whl/*.whl and fails when there are none).
 # .whl is emptied first: two versions of one package side by side stop the whole offline install.
 # Pinned to the versions the H100 runs of 2026-11-23 tested; bump them together, deliberately.
-# nvidia-cutlass: only its C++ headers (the CUDA backend's SM90 bulk path), installed --no-deps.
+# nvidia-cutlass: only its C++ headers (the CUDA backend's SM90 bulk path). Where nvcc is found, the
+# wheel (6.4 MB) is replaced by .whl/cutlass-include, the 48 headers (0.8 MB) the build reads, proven
+# whole by building the library against them (csrc/build.py --cutlass-subset); .ci/gpu-env.sh
+# points KVKERNELS_CUTLASS_INCLUDE there and checks them against the sources it runs. Re-run this
+# script after a change in csrc that includes another CUTLASS header.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pins=(kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 rapids-logger==0.3.0
@@ -19,10 +23,27 @@ python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:
 # setuptools >= 77 builds kvkernels itself (the SPDX license string): used by .ci/gpu-env.sh only when
 # the image's is older, so it is kept apart from the wheels installed for the tests
 python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d .whl/build setuptools==80.10.2
+cw=$(compgen -G ".whl/nvidia_cutlass-*.whl" | head -n 1 || :)
+if [ -z "$cw" ]; then
+  echo "fetch_wheels: ERROR: no nvidia_cutlass wheel in .whl" >&2; exit 1
+elif command -v nvcc >/dev/null || [ -x "${CUDA_HOME:-/nonexistent}/bin/nvcc" ]; then
+  ctmp=$(mktemp -d)
+  python3 -m zipfile -e "$cw" "$ctmp"
+  if python3 csrc/build.py --cutlass-subset "$ctmp/cutlass_library/source/include" .whl/cutlass-include; then
+    rm -f "$cw"
+  else
+    echo "fetch_wheels: WARNING: cutting the CUTLASS headers failed (above): the whole wheel is carried" >&2
+  fi
+  rm -rf "$ctmp"
+else
+  echo "fetch_wheels: no nvcc here: the whole CUTLASS wheel is carried (6.4 MB; with nvcc, only the headers the build reads)"
+fi
 ls -la .whl .whl/build
 n=$(find .whl -maxdepth 1 -type f -name '*.whl' | wc -l)
-if [ "$n" -ne "${#pins[@]}" ]; then
-  echo "fetch_wheels: ERROR: $n wheels in .whl for ${#pins[@]} pins" >&2; exit 1
+want=${#pins[@]}
+if [ -d .whl/cutlass-include ]; then want=$((want - 1)); fi
+if [ "$n" -ne "$want" ]; then
+  echo "fetch_wheels: ERROR: $n wheels in .whl for ${#pins[@]} pins (CUTLASS as headers: $([ -d .whl/cutlass-include ] && echo yes || echo no))" >&2; exit 1
 fi
 # what one device call carries: tracked + untracked-not-ignored files (+ shared/) + .whl, 64 MiB at most
 bytes_of() { { xargs -0 -r stat -c %s -- 2>/dev/null || :; } | awk '{s += $1} END {print s + 0}'; }

@@ -3,7 +3,8 @@
 # from .ci/fetch_wheels.sh; no network needed) into /tmp/kvk-site and kvkernels itself (editable,
 # without touching the image's torch/triton). Returns non-zero, with a "GPU CI env: ..." message, when
 # ./.whl holds no wheels (not fetched, or not carried: the device call needs `carry: [".whl"]`) or
-# their install fails: without them kvikio/nvCOMP/zstandard/CUTLASS are missing, their tests skip
+# their install fails, or when the carried CUTLASS headers (.whl/cutlass-include) miss one the sources
+# include: without them kvikio/nvCOMP/zstandard/CUTLASS are missing, their tests skip
 # and a run would pass green without having tested them. Opt-out: KVK_ALLOW_NO_WHEELS=1 (a dry run
 # without the wheels) turns both into a warning; the editable install must always succeed.
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -32,6 +33,16 @@ elif rm -rf /tmp/kvk-site && python3 -m pip install -q --no-index --no-deps --no
   echo "GPU CI env: installed $(compgen -G '.whl/*.whl' | wc -l) wheels from .whl into /tmp/kvk-site"
 else
   _kvk_no_wheels "pip install of .whl/*.whl into /tmp/kvk-site failed (pip's error above: two versions of one package? or this is not Python 3.12, which .ci/fetch_wheels.sh fetches for the GPU image)" || return 1
+fi
+# CUTLASS as the headers the build reads (.ci/fetch_wheels.sh cuts them from the wheel where it has
+# nvcc): checked against the sources here, so a csrc change that includes another header fails now,
+# with the fix named, rather than as a CUDA-backend build error inside the tests
+if [ -f .whl/cutlass-include/KVK_SUBSET ]; then
+  export KVKERNELS_CUTLASS_INCLUDE="$(pwd)/.whl/cutlass-include"
+  if python3 csrc/build.py --check-cutlass "$KVKERNELS_CUTLASS_INCLUDE"; then :; else
+    unset KVKERNELS_CUTLASS_INCLUDE  # (a dry run goes on with the nvidia-cutlass package, if any)
+    _kvk_no_wheels "the carried CUTLASS headers (.whl/cutlass-include, $(sed -n 2p .whl/cutlass-include/KVK_SUBSET)) fail the check above: re-run .ci/fetch_wheels.sh on this tree" || return 1
+  fi
 fi
 # (into the active Python: on a development machine, run a dry run from the tree its venv points to)
 # The build uses the image's setuptools (--no-build-isolation: no index here). pyproject.toml's SPDX

@@ -1,6 +1,7 @@
 """Build the CUDA backend (``libkvkernels_cuda.so``) with nvcc; no torch headers involved.
 
     python csrc/build.py OUT_DIR            # sm_80, sm_90, sm_90a
+    python csrc/build.py --cutlass-subset SRC DEST   # only the CUTLASS headers the build reads
     KVKERNELS_BUILD_CUDA=1 pip install .    # setup.py calls build() and ships the .so
 
 Warnings are errors (host and device). Returns the path of the library.
@@ -105,15 +106,23 @@ def cutlass_include() -> str | None:
     return inc if os.path.isfile(os.path.join(inc, "cute", "arch", "copy_sm90_tma.hpp")) else None
 
 
-def command(out: str, archs=ARCHS, extra=()) -> list[str]:
+def _nvcc_or_raise() -> str:
     exe = nvcc()
     if exe is None:
         raise RuntimeError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-    gen = []
-    for a in archs:
-        gen.append(f"-gencode=arch=compute_{a},code=sm_{a}")
+    return exe
+
+
+def _gencode(archs) -> list[str]:
+    gen = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     if "90" in archs:  # PTX too, so newer GPUs (sm_100, sm_120) JIT it instead of finding no code
         gen.append("-gencode=arch=compute_90,code=compute_90")
+    return gen
+
+
+def command(out: str, archs=ARCHS, extra=()) -> list[str]:
+    exe = _nvcc_or_raise()
+    gen = _gencode(archs)
     inc = cutlass_include()
     if inc is not None:  # -isystem: CUTLASS's own host warnings are not ours to fail on
         gen += ["-isystem", inc, "-DKVK_HAVE_CUTE=1"]
@@ -143,8 +152,92 @@ def build(out_dir: str, archs=ARCHS, verbose: bool = False, extra=(), lib_name: 
     return out
 
 
-if __name__ == "__main__":
+def cutlass_headers(inc: str, archs=ARCHS) -> list[str]:
+    """The CuTe / CUTLASS headers under ``inc`` that a build of the sources reads, as paths relative
+    to ``inc`` (``nvcc -M`` with the build's flags; on nvcc 13.0 its list is exactly the headers
+    that the whole three-target build opens, checked with strace). ``RuntimeError`` when nvcc
+    fails, e.g. on a header missing from ``inc``."""
+    cmd = [_nvcc_or_raise(), "-std=c++17", *_gencode(archs), "-isystem", inc, "-DKVK_HAVE_CUTE=1", "-M", *SOURCES]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"nvcc -M against {inc} failed ({r.returncode}):\n{r.stderr[-4000:]}")
+    import re
+
+    root = os.path.realpath(inc)
+    found = set()
+    # make syntax: "target : dep dep \<newline> dep", a space in a path written "\ "
+    for tok in re.split(r"(?<!\\)\s+", r.stdout.replace("\\\n", " ")):
+        path = os.path.realpath(tok.replace("\\ ", " "))
+        if path.startswith(root + os.sep):
+            found.add(os.path.relpath(path, root))
+    if "cute/arch/copy_sm90_tma.hpp" not in found:
+        raise RuntimeError(f"nvcc -M did not read {inc}/cute/arch/copy_sm90_tma.hpp: not the headers the build uses")
+    return sorted(found)
+
+
+SUBSET_MANIFEST = "KVK_SUBSET"
+
+
+def cutlass_subset(src: str, dest: str) -> list[str]:
+    """Copy into the new folder ``dest`` only the headers of the CUTLASS include folder ``src``
+    that the build reads (:func:`cutlass_headers`; with nvidia-cutlass 4.2: 47 files, 0.8 MB of
+    its 26 MB), plus ``cutlass/version.h`` (part of :func:`toolchain_key`), and prove the copy
+    whole by building the library against it. ``dest`` then works as ``KVKERNELS_CUTLASS_INCLUDE``
+    for these sources; ``dest/KVK_SUBSET`` names what it was cut from. .ci/fetch_wheels.sh carries
+    it to the GPU machine instead of the 6.4 MB wheel. Returns the files copied."""
+    if os.path.lexists(dest):
+        raise RuntimeError(f"{dest} exists: cutlass_subset makes a new folder")
+    files = cutlass_headers(src)
+    if os.path.isfile(os.path.join(src, "cutlass", "version.h")) and "cutlass/version.h" not in files:
+        files.append("cutlass/version.h")
+    tmp = dest + f".tmp.{os.getpid()}"
     try:
-        print(build(sys.argv[1] if len(sys.argv) > 1 else ".", verbose=True))
+        for rel in files:
+            os.makedirs(os.path.dirname(os.path.join(tmp, rel)), exist_ok=True)
+            shutil.copy2(os.path.join(src, rel), os.path.join(tmp, rel))
+        with open(os.path.join(tmp, SUBSET_MANIFEST), "w") as f:
+            f.write(f"cut from: {os.path.realpath(src)}\nsources: {source_key()}\nfiles: {len(files)}\n")
+            f.writelines(rel + "\n" for rel in files)
+        check = os.path.join(tmp, ".build-check")
+        old = os.environ.get("KVKERNELS_CUTLASS_INCLUDE")
+        os.environ["KVKERNELS_CUTLASS_INCLUDE"] = tmp
+        try:  # the whole build, every target, against the subset alone
+            build(check, lib_name="check.so")
+        finally:
+            if old is None:
+                del os.environ["KVKERNELS_CUTLASS_INCLUDE"]
+            else:
+                os.environ["KVKERNELS_CUTLASS_INCLUDE"] = old
+        shutil.rmtree(check)
+        os.rename(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return files
+
+
+USAGE = """usage: python csrc/build.py [OUT_DIR]            build the library into OUT_DIR (default .)
+       python csrc/build.py --cutlass-subset SRC DEST   copy SRC's headers the build reads into DEST
+       python csrc/build.py --check-cutlass INC         INC holds every CUTLASS header the build reads"""
+
+
+def main(argv: list[str]) -> int:
+    try:
+        if argv[:1] == ["--cutlass-subset"] and len(argv) == 3:
+            files = cutlass_subset(argv[1], argv[2])
+            size = sum(os.path.getsize(os.path.join(argv[2], f)) for f in files)
+            print(f"{argv[2]}: {len(files)} CUTLASS headers, {size / 1e6:.2f} MB (the library builds against them)")
+        elif argv[:1] == ["--check-cutlass"] and len(argv) == 2:
+            print(f"{argv[1]}: holds the {len(cutlass_headers(argv[1]))} CUTLASS headers the build reads")
+        elif len(argv) <= 1 and not (argv and argv[0].startswith("-")):
+            print(build(argv[0] if argv else ".", verbose=True))
+        else:
+            print(USAGE, file=sys.stderr)
+            return 2
     except RuntimeError as exc:
-        sys.exit(f"csrc/build.py: {exc}")
+        print(f"csrc/build.py: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -183,6 +183,37 @@ def test_cutlass_headers_found_where_required():
 
 
 @needs_nvcc
+@needs_nvcc
+@pytest.mark.skipif(build.cutlass_include() is None, reason="CUTLASS headers not installed")
+def test_cutlass_subset_is_what_the_build_reads_and_its_check_sees_a_missing_header(tmp_path, monkeypatch, capsys):
+    # .ci/fetch_wheels.sh carries these headers to the GPU machine instead of the 6.4 MB wheel; the
+    # cut proves itself by building every target against them, and .ci/gpu-env.sh's check must
+    # fail when a later source includes a header the cut does not hold
+    monkeypatch.delenv("KVKERNELS_CUTLASS_INCLUDE", raising=False)
+    src, sub = build.cutlass_include(), str(tmp_path / "sub")
+    files = build.cutlass_subset(src, sub)
+    assert "cute/arch/copy_sm90_tma.hpp" in files and "cutlass/arch/barrier.h" in files and "cutlass/version.h" in files
+    on_disk = sorted(os.path.relpath(os.path.join(d, f), sub) for d, _, fs in os.walk(sub) for f in fs)
+    assert on_disk == sorted(files + [build.SUBSET_MANIFEST])  # no build left behind
+    for rel in files:
+        with open(os.path.join(src, rel), "rb") as a, open(os.path.join(sub, rel), "rb") as b:
+            assert a.read() == b.read()
+    manifest = open(os.path.join(sub, build.SUBSET_MANIFEST)).read()
+    assert f"sources: {build.source_key()}" in manifest and f"files: {len(files)}" in manifest
+    read = build.cutlass_headers(src)  # version.h is copied for the toolchain key, not read by the build
+    assert build.cutlass_headers(sub) == read and set(files) == set(read) | {"cutlass/version.h"}
+    assert len(files) < 200  # a cut, not the 26 MB folder
+    assert build.main(["--check-cutlass", sub]) == 0
+    with pytest.raises(RuntimeError, match="exists"):
+        build.cutlass_subset(src, sub)
+    os.unlink(os.path.join(sub, "cutlass", "arch", "barrier.h"))
+    with pytest.raises(RuntimeError, match="barrier.h"):
+        build.cutlass_headers(sub)
+    assert build.main(["--check-cutlass", sub]) == 1 and "No such file" in capsys.readouterr().err
+    assert build.main(["--cutlass-subset", src]) == 2 and "usage" in capsys.readouterr().err
+    assert "KVKERNELS_CUTLASS_INCLUDE" not in os.environ  # the cut's own build set it back
+
+
 @pytest.mark.skipif(build.cutlass_include() is None, reason="CUTLASS headers not installed")
 def test_bulk_kernels_are_sm90_bulk_copies(tmp_path):
     # the sm_90 code of every bulk kernel loads with cp.async.bulk completing on an mbarrier, waits
