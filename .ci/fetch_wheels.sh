@@ -5,7 +5,7 @@
 # .whl is emptied first: two versions of one package side by side stop the whole offline install.
 # Pinned to the versions the H100 runs of 2026-11-23 tested; bump them together, deliberately.
 # nvidia-cutlass: only its C++ headers (the CUDA backend's SM90 bulk path). Where nvcc is found, the
-# wheel (6.4 MB) is replaced by .whl/cutlass-include, the 48 headers (0.8 MB) the build reads, proven
+# wheel (6.4 MB) is replaced by .whl/cutlass-include, the 47 headers the build reads (+ version.h, 0.8 MB), proven
 # whole by building the library against them (csrc/build.py --cutlass-subset); .ci/gpu-env.sh
 # points KVKERNELS_CUTLASS_INCLUDE there and checks them against the sources it runs. Re-run this
 # script after a change in csrc that includes another CUTLASS header.
