@@ -306,7 +306,8 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
                     _drop_tree(root)
                     t0 = time.perf_counter()
                     # the new entries hold other bytes than the old ones read beside them
-                    wf = [store.put(f"new{i}", srcs[(i + 1) % entries], emeta) for i in range(entries)]
+                    news = srcs[1:] + srcs[:1]
+                    wf = [store.put(f"new{i}", news[i], emeta) for i in range(entries)]
                     rf = [store.get(f"old{i}", out=outs[i]) for i in range(entries)]
                     for f in rf:
                         f.result()
@@ -319,10 +320,10 @@ def run(*, directory: str | None = None, blocks: int = 512, entries: int = 8, dd
                     # the writes timed beside the reads are read back too (not timed): a put that
                     # stored wrong bytes must not leave a mixed-throughput row standing
                     for i in range(entries):
-                        common.poison(outs[i], srcs[(i + 1) % entries])
+                        common.poison(outs[i], news[i])
                     for i, f in enumerate([store.get(f"new{i}", out=outs[i]) for i in range(entries)]):
                         f.result()
-                        _check(outs[i], srcs[(i + 1) % entries], f"{what}: new{i}")
+                        _check(outs[i], news[i], f"{what}: new{i}")
                 add(what, entries * nbytes / r / 1e9, "dd_read_gbps", mixed_total_gbps=2 * entries * nbytes / total / 1e9)
             shutil.rmtree(root, ignore_errors=True)
             save_partial()

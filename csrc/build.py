@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(HERE, "bindings", "capi.cu")]
 LIB = "libkvkernels_cuda.so"
 ARCHS = ("80", "90", "90a")
+TMA_HEADER = "cute/arch/copy_sm90_tma.hpp"  # what marks a folder as the CuTe / CUTLASS headers
 
 
 def nvcc() -> str | None:
@@ -70,7 +71,7 @@ def toolchain_key() -> str:
         inc = cutlass_include()
         parts.append(f"cutlass={inc}")
         if inc is not None:  # an in-place upgrade (pip install -U nvidia-cutlass) rewrites these
-            for h in ("cutlass/version.h", "cute/arch/copy_sm90_tma.hpp"):
+            for h in ("cutlass/version.h", TMA_HEADER):
                 try:
                     st = os.stat(os.path.join(inc, h))
                     parts.append(f"{h}:{st.st_size}:{st.st_mtime_ns}")
@@ -94,8 +95,8 @@ def cutlass_include() -> str | None:
     """Folder with the CuTe / CUTLASS headers, or None (see the module docstring)."""
     env = (os.environ.get("KVKERNELS_CUTLASS_INCLUDE") or "").strip()  # blank: unset, as every variable
     if env:
-        if not os.path.isfile(os.path.join(env, "cute", "arch", "copy_sm90_tma.hpp")):
-            raise RuntimeError(f"`KVKERNELS_CUTLASS_INCLUDE`: {env!r} holds no cute/arch/copy_sm90_tma.hpp")
+        if not os.path.isfile(os.path.join(env, TMA_HEADER)):
+            raise RuntimeError(f"`KVKERNELS_CUTLASS_INCLUDE`: {env!r} holds no {TMA_HEADER}")
         return env
     import importlib.util
 
@@ -103,7 +104,7 @@ def cutlass_include() -> str | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     inc = os.path.join(next(iter(spec.submodule_search_locations)), "source", "include")
-    return inc if os.path.isfile(os.path.join(inc, "cute", "arch", "copy_sm90_tma.hpp")) else None
+    return inc if os.path.isfile(os.path.join(inc, TMA_HEADER)) else None
 
 
 def _nvcc_or_raise() -> str:
@@ -120,25 +121,30 @@ def _gencode(archs) -> list[str]:
     return gen
 
 
-def command(out: str, archs=ARCHS, extra=()) -> list[str]:
+def _cute_flags(inc: str | None) -> list[str]:
+    # -isystem: CUTLASS's own host warnings are not ours to fail on
+    return [] if inc is None else ["-isystem", inc, "-DKVK_HAVE_CUTE=1"]
+
+
+def command(out: str, archs=ARCHS, extra=(), cutlass_inc: str | None = None) -> list[str]:
+    """The nvcc command line of a build; ``cutlass_inc``: the CUTLASS include folder to build
+    against (default: :func:`cutlass_include`'s)."""
     exe = _nvcc_or_raise()
-    gen = _gencode(archs)
-    inc = cutlass_include()
-    if inc is not None:  # -isystem: CUTLASS's own host warnings are not ours to fail on
-        gen += ["-isystem", inc, "-DKVK_HAVE_CUTE=1"]
+    gen = _gencode(archs) + _cute_flags(cutlass_inc if cutlass_inc is not None else cutlass_include())
     # --threads 0: the targets compile in parallel, one thread per core (25 -> 20 s on the 2-core
     # CPU host; every fresh GPU machine builds it once, in its first timed step)
     return [exe, "-O3", "-std=c++17", "-shared", "--threads", "0", "-Xcompiler", "-fPIC,-Wall,-Wextra,-Werror",
             "-Werror", "all-warnings", "-cudart", "shared", *gen, *extra, *SOURCES, "-o", out]
 
 
-def build(out_dir: str, archs=ARCHS, verbose: bool = False, extra=(), lib_name: str = LIB) -> str:
+def build(out_dir: str, archs=ARCHS, verbose: bool = False, extra=(), lib_name: str = LIB,
+          cutlass_inc: str | None = None) -> str:
     os.makedirs(out_dir, exist_ok=True)
     out = os.path.join(out_dir, lib_name)
     # unique per build, not per process: two threads (or two containers whose processes share a
     # pid and the cache folder) building at once must not write, then rename, the same file
     tmp = out + f".tmp.{os.getpid()}.{uuid.uuid4().hex}"
-    cmd = command(tmp, archs, extra)
+    cmd = command(tmp, archs, extra, cutlass_inc)
     try:
         r = subprocess.run(cmd, capture_output=True, text=True)
         if verbose or r.returncode:
@@ -157,7 +163,7 @@ def cutlass_headers(inc: str, archs=ARCHS) -> list[str]:
     to ``inc`` (``nvcc -M`` with the build's flags; on nvcc 13.0 its list is exactly the headers
     that the whole three-target build opens, checked with strace). ``RuntimeError`` when nvcc
     fails, e.g. on a header missing from ``inc``."""
-    cmd = [_nvcc_or_raise(), "-std=c++17", *_gencode(archs), "-isystem", inc, "-DKVK_HAVE_CUTE=1", "-M", *SOURCES]
+    cmd = [_nvcc_or_raise(), "-std=c++17", *_gencode(archs), *_cute_flags(inc), "-M", *SOURCES]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"nvcc -M against {inc} failed ({r.returncode}):\n{r.stderr[-4000:]}")
@@ -170,8 +176,8 @@ def cutlass_headers(inc: str, archs=ARCHS) -> list[str]:
         path = os.path.realpath(tok.replace("\\ ", " "))
         if path.startswith(root + os.sep):
             found.add(os.path.relpath(path, root))
-    if "cute/arch/copy_sm90_tma.hpp" not in found:
-        raise RuntimeError(f"nvcc -M did not read {inc}/cute/arch/copy_sm90_tma.hpp: not the headers the build uses")
+    if TMA_HEADER not in found:
+        raise RuntimeError(f"nvcc -M did not read {inc}/{TMA_HEADER}: not the headers the build uses")
     return sorted(found)
 
 
@@ -199,15 +205,7 @@ def cutlass_subset(src: str, dest: str) -> list[str]:
             f.write(f"cut from: {os.path.realpath(src)}\nsources: {source_key()}\nfiles: {len(files)}\n")
             f.writelines(rel + "\n" for rel in files)
         check = os.path.join(tmp, ".build-check")
-        old = os.environ.get("KVKERNELS_CUTLASS_INCLUDE")
-        os.environ["KVKERNELS_CUTLASS_INCLUDE"] = tmp
-        try:  # the whole build, every target, against the subset alone
-            build(check, lib_name="check.so")
-        finally:
-            if old is None:
-                del os.environ["KVKERNELS_CUTLASS_INCLUDE"]
-            else:
-                os.environ["KVKERNELS_CUTLASS_INCLUDE"] = old
+        build(check, lib_name="check.so", cutlass_inc=tmp)  # the whole build, every target, against the cut alone
         shutil.rmtree(check)
         os.rename(tmp, dest)
     finally:
