@@ -49,7 +49,7 @@ def test_concurrent_builds_into_one_folder_each_rename_a_complete_file(tmp_path,
     writer = ("import sys, time; f = open(sys.argv[1], 'wb'); f.write(b'a' * 1000); f.flush(); time.sleep(0.3); "
               "f.write(b'b' * 1000); f.close(); sys.exit(int(sys.argv[2]))")
     code = {"rc": "0"}
-    monkeypatch.setattr(build, "command", lambda out, archs=(), extra=(): [sys.executable, "-c", writer, out, code["rc"]])
+    monkeypatch.setattr(build, "command", lambda out, archs=(), extra=(), cutlass_inc=None: [sys.executable, "-c", writer, out, code["rc"]])
     sizes, errors = [], []
 
     def one():
