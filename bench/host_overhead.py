@@ -83,7 +83,9 @@ def run(calls: int = 3000) -> dict:
             mock.patch.object(backends, "cuda_ext_available", lambda: True), \
             mock.patch.object(backends, "resolve", lambda b, d, real=backends.resolve: real(b, torch.device("cuda", 0))), \
             mock.patch.object(torch.cuda, "current_device", lambda: 0), \
-            mock.patch.object(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0)):
+            mock.patch.object(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0)), \
+            mock.patch.object(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, create=True):
+        # (a CUDA build of torch has the raw-stream call _cuda uses, and it fails without a GPU)
         res["ops.gather[cuda] minus the C call"] = _median_us(
             lambda: ops.gather(lay, ids, out=out, layers=(3,), backend="cuda", max_ctas=16, validate=False), calls)
     big = make_cache("vllm-nhd", num_layers=32, num_blocks=512, block_size=16, num_heads=8, head_dim=128)

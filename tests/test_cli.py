@@ -14,6 +14,16 @@ from kvkernels import cli
 from kvtest import HAS_CUDA
 
 
+def _lmcache_or_skip(bench: str) -> None:
+    """``kvkernels bench lmcache`` refuses to start without lmcache (before its other checks); CI
+    installs it and sets KVKERNELS_REQUIRE_LMCACHE=1, so there the test runs."""
+    import importlib.util
+
+    if bench == "lmcache" and importlib.util.find_spec("lmcache") is None \
+            and os.environ.get("KVKERNELS_REQUIRE_LMCACHE") != "1":
+        pytest.skip("lmcache not installed (pip install 'kvkernels[lmcache]')")
+
+
 def test_info_json(capsys):
     assert cli.main(["info", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
@@ -440,10 +450,14 @@ def test_host_overhead_diagnostic_runs_and_restores_what_it_stubs():
     from kvkernels import _cuda, backends
     from kvkernels.bench import host_overhead
 
-    before = (_cuda._load, backends.cuda_ext_available, torch.cuda.current_stream)
+    def stubbed():
+        return (_cuda._load, backends.cuda_ext_available, torch.cuda.current_stream,
+                getattr(torch._C, "_cuda_getCurrentRawStream", None))
+
+    before = stubbed()
     res = host_overhead.run(calls=20)
     assert len(res) == 7 and all(v["median_us"] > 0 and v["mean_us"] > 0 for v in res.values())
-    assert (_cuda._load, backends.cuda_ext_available, torch.cuda.current_stream) == before
+    assert stubbed() == before
 
 
 # --- user-facing defects of the CLI and the bench entry points (review of the CLI) ---
@@ -527,6 +541,7 @@ def test_bench_store_dir_that_is_a_file_fails_cleanly(tmp_path, capsys):
 @pytest.mark.parametrize("bench", ["store", "compress", "gather", "pipeline", "lmcache", "micro", "resources"])
 def test_bench_out_that_cannot_take_results_fails_before_measuring(tmp_path, capsys, bench):
     # the results are written at the end of a run: a bad --out used to end a finished run in a traceback
+    _lmcache_or_skip(bench)
     f = tmp_path / "afile"
     f.write_text("data")
     with pytest.raises(SystemExit) as e:
@@ -600,6 +615,7 @@ def test_a_refused_bench_call_leaves_no_folder_behind(tmp_path, capsys, monkeypa
 
 @pytest.mark.parametrize("bench", ["store", "compress", "pipeline", "lmcache"])
 def test_bench_dir_from_the_environment_is_checked_like_dir(tmp_path, capsys, monkeypatch, bench):
+    _lmcache_or_skip(bench)
     f = tmp_path / "afile"
     f.write_text("data")
     monkeypatch.setenv("KVKERNELS_BENCH_DIR", str(f))
@@ -614,7 +630,9 @@ def test_bench_compress_says_which_codecs_it_cannot_run(tmp_path, capsys):
         pytest.skip("every codec may be available on a GPU")
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", "compress", "--tiny", "--no-plot", "--codecs", "ans", "--out", str(tmp_path / "o")])
-    assert e.value.code == 2 and "ans (needs nvCOMP, nvidia-nvcomp-cu13, on a GPU)" in capsys.readouterr().err
+    # (the wheel named is the one for torch's CUDA major: cu13 on a CPU build of torch)
+    want = "cu12" if (torch.version.cuda or "").startswith("12.") else "cu13"
+    assert e.value.code == 2 and f"ans (needs nvCOMP, nvidia-nvcomp-{want}, on a GPU)" in capsys.readouterr().err
     assert cli.main(["bench", "compress", "--tiny", "--no-plot", "--codecs", "ans", "zstd",
                      "--out", str(tmp_path / "o")]) == 0
     assert "# skipped (not available on cpu): ans (needs nvCOMP" in capsys.readouterr().out
@@ -814,8 +832,12 @@ def test_env_problems_lists_every_malformed_variable(monkeypatch):
 
 
 def test_bench_lmcache_chunks_follow_the_mode(monkeypatch):
+    import importlib.util
+
     from kvkernels.bench import bench_lmcache
 
+    real = importlib.util.find_spec  # the runs are stand-ins: lmcache itself is not needed
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "lmcache" else real(name, *a))
     calls = []
     for fn in ("run", "run_layerwise", "run_restore"):
         monkeypatch.setattr(bench_lmcache, fn, lambda _fn=fn, **kw: calls.append((_fn, kw["chunks"])) or [])

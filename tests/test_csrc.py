@@ -109,13 +109,14 @@ def test_setup_reads_build_cuda_like_every_boolean_variable(monkeypatch, raw, wa
 def test_bench_memcpy_baselines_compile(tmp_path):
     # the per-chunk cudaMemcpyAsync and cudaMemcpyBatchAsync baselines are built on the GPU machine
     # (torch.utils.cpp_extension); a compile error there costs device time, so compile them here
-    # against this machine's CUDA headers (host code only, nothing is run)
+    # against this machine's CUDA headers (host code only, nothing is run), in C++20 as
+    # cpp_extension builds it (torch 2.15's headers no longer compile as C++17)
     import sysconfig
 
     from torch.utils import cpp_extension
 
     inc = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
-    cmd = [build.nvcc(), "-std=c++17", "-Xcompiler", "-fsyntax-only", "-c", os.path.join(ROOT, "bench", "_memcpy_loop.cpp"),
+    cmd = [build.nvcc(), "-std=c++20", "-Xcompiler", "-fsyntax-only", "-c", os.path.join(ROOT, "bench", "_memcpy_loop.cpp"),
            *inc, "-DTORCH_EXTENSION_NAME=kvk_bench_memcpy", "-o", str(tmp_path / "x.o")]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -416,6 +417,8 @@ def emulated_cuda(emu_lib, monkeypatch):
     monkeypatch.setattr(backends, "resolve", lambda backend, device: "cuda" if backend == "cuda" else "torch")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
+    # a CUDA build of torch has the raw-stream call _cuda._raw_stream prefers, and it fails without a GPU
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda idx: 0, raising=False)
     try:
         kvkernels.check_errors()  # start from a zero counter (a failed test may leave counts)
     except ValueError:

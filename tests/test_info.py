@@ -12,7 +12,11 @@ info = importlib.import_module("kvkernels.info")  # (the package exports a funct
 
 @pytest.mark.parametrize("cuda,want", [("12.8", "cu12"), ("12", "cu12"), ("13.0", "cu13"), (None, "cu13"),
                                        ("", "cu13"), ("14.1", "cu13")])
-def test_the_hint_names_the_wheel_of_torchs_cuda_major(cuda, want):
+def test_the_hint_names_the_wheel_of_torchs_cuda_major(cuda, want, monkeypatch):
+    import torch
+
+    if cuda is None:  # None: torch's own CUDA version, here a CPU build's
+        monkeypatch.setattr(torch.version, "cuda", None)
     assert _wheels.suffix(cuda) == want
     h = _wheels.hint("kvikio", cuda)
     assert f"pip install kvikio-{want}" in h
