@@ -360,7 +360,8 @@ class PagedLayout:
         inner = (block_size - 1) * strides[1] + (num_heads - 1) * strides[2] + head_dim
         caps = []
         for t in layers:
-            caps.append((t.untyped_storage().nbytes() // t.element_size(), t.storage_offset()))  # elements, base
+            # elements, base (int(): torch 2.15's stubs type storage_offset() as int | SymInt)
+            caps.append((t.untyped_storage().nbytes() // t.element_size(), int(t.storage_offset())))
         nb = num_blocks
         if nb is None:
             # as many as fit in the smallest storage (every layer must have the same num_blocks)

@@ -607,7 +607,7 @@ def _check_aligned(buf: torch.Tensor, name: str) -> None:
           f"address {buf.data_ptr():#x}")
     # the kernels view the buffer as int32/fp32 (torch needs the offset in its storage to be a
     # multiple of 4 too: an aligned address on a storage that starts off-alignment is refused there)
-    check(buf.storage_offset() % 4 == 0, name, "a buffer at a multiple of 4 bytes from its storage's start for "
+    check(int(buf.storage_offset()) % 4 == 0, name, "a buffer at a multiple of 4 bytes from its storage's start for "
           "quant='fp8' (torch views it as fp32 scales)", f"storage offset {buf.storage_offset()}")
 
 
