@@ -19,6 +19,7 @@ logged at debug level.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 
@@ -35,24 +36,57 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# The oldest Triton the kernels run on (the `[triton]` extra's floor; torch >= 2.7 pins one). Triton
+# 3.2 (torch 2.6's) has no `tl.gather`, which one FP8 gather variant uses: its JIT walks the whole
+# kernel for dependencies, so every FP8 gather failed to compile there; and its interpreter ignores
+# a masked scalar `tl.atomic_add`'s mask (the invalid-id counter). Measured on 2026-11-25 with
+# triton 3.2.0 and 3.3.0 (README, "Tested versions").
+MIN_TRITON = (3, 3)
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    """``"3.3.0+git..."`` -> ``(3, 3, 0)``: the leading dotted integers."""
+    out = []
+    for part in v.split("+")[0].split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        out.append(int(digits))
+        if digits != part:
+            break
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=None)
 def _triton_import_error() -> str | None:
     try:
-        import triton  # noqa: F401
+        import triton
 
+        if _version_tuple(triton.__version__)[:2] < MIN_TRITON:
+            need = ".".join(map(str, MIN_TRITON))
+            return (f"triton {triton.__version__} is older than {need}, the oldest the kernels run on "
+                    f"(pip install 'triton>={need}'; torch >= 2.7 brings one)")
         from kvkernels import triton_ops  # noqa: F401
     except Exception as exc:  # pragma: no cover - depends on the machine
         return f"{type(exc).__name__}: {exc}"
     return None
 
 
+def triton_unavailable_reason(device: torch.device | None = None) -> str | None:
+    """Why the Triton kernels cannot run on ``device`` (None: they can)."""
+    why = _triton_import_error()
+    if why is not None:
+        return why
+    if device is None or device.type == "cuda":
+        return None if torch.cuda.is_available() or triton_interpret() else "no CUDA device"
+    if device.type == "cpu":
+        return None if triton_interpret() else "CPU tensors need TRITON_INTERPRET=1 set before triton is imported"
+    return f"no Triton kernels for {device.type} tensors"
+
+
 def triton_available(device: torch.device | None = None) -> bool:
     """True when the Triton kernels can run on ``device`` (CUDA, or CPU under the interpreter)."""
-    if _triton_import_error() is not None:
-        return False
-    if device is None or device.type == "cuda":
-        return torch.cuda.is_available() or triton_interpret()
-    return device.type == "cpu" and triton_interpret()
+    return triton_unavailable_reason(device) is None
 
 
 def cuda_ext_available() -> bool:
@@ -82,10 +116,7 @@ def resolve(backend: str, device: torch.device) -> str:
         log.debug("kvkernels: KVKERNELS_BACKEND=triton -> torch on %s (no TRITON_INTERPRET)", device)
         return "torch"
     if b == "triton" and not triton_available(device):
-        why = _triton_import_error() or (
-            "CPU tensors need TRITON_INTERPRET=1 set before triton is imported" if device.type == "cpu" else "no CUDA device"
-        )
-        raise RuntimeError(f"`backend`: 'triton' is not available on {device}: {why}")
+        raise RuntimeError(f"`backend`: 'triton' is not available on {device}: {triton_unavailable_reason(device) or 'unavailable'}")
     if b == "cuda" and not cuda_ext_available():
         from . import _cuda
 

@@ -58,6 +58,8 @@ def info() -> dict:
         "cuda": backends.cuda_ext_available(),
         "torch": True,
     }
+    if not d["backends"]["triton"]:
+        d["triton_status"] = backends.triton_unavailable_reason(dev)
     # what auto resolves to under KVKERNELS_BACKEND; a value that cannot run here (triton on a CPU
     # without TRITON_INTERPRET, cuda without the library) or is malformed is reported, not raised:
     # info is the command that diagnoses that configuration

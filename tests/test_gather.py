@@ -364,6 +364,33 @@ def test_env_backend_triton_on_cpu_without_the_interpreter_takes_torch(monkeypat
     assert torch.equal(kvkernels.gather(lay, [1]), expected_staging(lay, [1]))
 
 
+def test_a_triton_older_than_the_kernels_need_is_not_used(monkeypatch):
+    """Triton 3.2 (torch 2.6's) cannot compile the FP8 gather (no tl.gather) and its interpreter
+    miscounts invalid ids: kvkernels treats it as absent, with the reason, instead of failing
+    inside Triton on the first FP8 call."""
+    import triton
+
+    from kvkernels import backends
+
+    assert backends._version_tuple("3.3.0") == (3, 3, 0) and backends._version_tuple("3.10.1+git1a2b") == (3, 10, 1)
+    assert backends._version_tuple("3.4.0rc1") == (3, 4, 0) and backends._version_tuple("unknown") == ()
+    interpreted = backends.triton_available(torch.device("cuda"))  # here: a GPU, or the interpreter (CI)
+    monkeypatch.setattr(triton, "__version__", "3.2.0")
+    backends._triton_import_error.cache_clear()
+    try:
+        assert not backends.triton_available(torch.device("cpu")) and not backends.triton_available(torch.device("cuda"))
+        if interpreted:  # auto took triton for CUDA tensors; now the torch backend
+            assert backends.resolve("auto", torch.device("cuda")) == "torch"
+        with pytest.raises(RuntimeError, match=r"'triton' is not available on cpu: triton 3\.2\.0 is older than 3\.3, "
+                                               r".*pip install 'triton>=3\.3'"):
+            backends.resolve("triton", torch.device("cpu"))
+        assert kvkernels.info()["triton_status"].startswith("triton 3.2.0 is older than 3.3")
+    finally:
+        monkeypatch.undo()
+        backends._triton_import_error.cache_clear()
+    assert backends.triton_available(torch.device("cuda")) == interpreted
+
+
 def test_env_backend_and_bad_env(monkeypatch):
     lay = _lay()
     monkeypatch.setenv("KVKERNELS_BACKEND", "triton")

@@ -37,6 +37,21 @@ def test_the_extras_the_hints_name_exist():
         assert f"kvikio-{major}" in extras[extra] and f"nvidia-nvcomp-{major}" in extras[extra]
 
 
+def test_the_extras_triton_floor_is_the_one_the_backend_checks():
+    # an extra allowing an older triton than kvkernels.backends.MIN_TRITON installs one that the
+    # backend then refuses (triton 3.2 could not compile the FP8 gather)
+    import pathlib
+    import re
+
+    from kvkernels import backends
+
+    text = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    floors = re.findall(r'"triton>=([0-9.]+)"', text)
+    assert len(floors) == 4 and set(floors) == {".".join(map(str, backends.MIN_TRITON))}, floors
+    pins = re.findall(r'"triton==([0-9.]+)"', text)  # the test extra's pin, one that runs here
+    assert pins and all(backends._version_tuple(v) >= backends.MIN_TRITON for v in pins)
+
+
 @pytest.mark.parametrize("installed,want", [({"nvidia-nvcomp-cu12": "6.0.0.12"}, "6.0.0.12"),
                                             ({"nvidia-nvcomp-cu13": "6.0.1"}, "6.0.1"),
                                             ({"nvidia-nvcomp": "5.1"}, "5.1"), ({}, None)])
