@@ -630,8 +630,9 @@ def test_bench_compress_says_which_codecs_it_cannot_run(tmp_path, capsys):
         pytest.skip("every codec may be available on a GPU")
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", "compress", "--tiny", "--no-plot", "--codecs", "ans", "--out", str(tmp_path / "o")])
-    # (the wheel named is the one for torch's CUDA major: cu13 on a CPU build of torch)
-    want = "cu12" if (torch.version.cuda or "").startswith("12.") else "cu13"
+    from kvkernels import _wheels
+
+    want = _wheels.suffix()  # the wheel for torch's CUDA major (cu13 on a CPU build of torch)
     assert e.value.code == 2 and f"ans (needs nvCOMP, nvidia-nvcomp-{want}, on a GPU)" in capsys.readouterr().err
     assert cli.main(["bench", "compress", "--tiny", "--no-plot", "--codecs", "ans", "zstd",
                      "--out", str(tmp_path / "o")]) == 0

@@ -23,7 +23,8 @@ def test_the_hint_names_the_wheel_of_torchs_cuda_major(cuda, want, monkeypatch):
     assert ("'.[gpu-cu12]'" if want == "cu12" else "'.[gpu]'") in h
 
 
-def test_the_extras_the_hints_name_exist():
+def _extras() -> dict:
+    """pyproject.toml's optional dependencies."""
     import pathlib
 
     try:
@@ -31,8 +32,12 @@ def test_the_extras_the_hints_name_exist():
     except ImportError:  # Python 3.10 (requires-python >= 3.10): the same parser as a package
         tomllib = pytest.importorskip("tomli")
 
-    extras = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+    return tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
+
+
+def test_the_extras_the_hints_name_exist():
+    extras = _extras()
     for major, extra in (("cu13", "gpu"), ("cu12", "gpu-cu12")):
         assert f"kvikio-{major}" in extras[extra] and f"nvidia-nvcomp-{major}" in extras[extra]
 
@@ -42,17 +47,11 @@ def test_the_extras_triton_floor_is_the_one_the_backend_checks():
     # backend then refuses (triton 3.2 could not compile the FP8 gather); the test extra may ask
     # for more (the interpreter's results), never pin one (PyPI's torch pins its own triton: a
     # pin here made the README's test install unresolvable)
-    import pathlib
     import re
 
     from kvkernels import backends
 
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        tomllib = pytest.importorskip("tomli")
-    extras = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"]
+    extras = _extras()
     floors = {name: [re.fullmatch(r"triton>=([0-9.]+)", d) for d in deps if d.startswith("triton")]
               for name, deps in extras.items()}
     assert all(len(f) == 1 and f[0] for n, f in floors.items() if n in ("triton", "gpu", "gpu-cu12", "bench", "test"))
