@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import kvkernels
+from kvkernels.backends import _version_tuple
 from kvkernels.models import make_cache, random_fill_
 from kvkernels.quant import (
     dequantize_rows,
@@ -1221,7 +1222,7 @@ def test_the_wheel_ships_what_a_just_in_time_build_compiles_and_builds_without_s
     import zipfile
 
     setuptools = pytest.importorskip("setuptools")
-    if tuple(int(x) for x in setuptools.__version__.split(".")[:2]) < (77, 0):
+    if _version_tuple(setuptools.__version__)[:2] < (77, 0):
         pytest.skip(f"setuptools {setuptools.__version__}: the build needs >= 77 (torch >= 2.13 requires it)")
     src = tmp_path / "src"  # a copy: an in-tree build would leave build/ and egg-info in the checkout
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv*", ".whl", "build", "dist", "*.egg-info",
