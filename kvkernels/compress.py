@@ -90,8 +90,13 @@ ZSTD_LEVEL = 3
 # Skippable zstd frame carrying the frame table (docs/compress.md, "zstd region format").
 _SKIP_MAGIC = 0x184D2A50
 _TABLE_TAG = b"KVKZ"
-_TABLE_HEAD = struct.Struct("<II4sIIQI")  # skip magic, frame size, tag, version, chunk, raw, nframes
-_TABLE_VERSION = 1
+# skip magic, frame size, tag, version, chunk, raw, nframes, flags. Version 1 (before 2026-11-25)
+# had no flags word: it is still read, without the plane check (its frames do not say it: an entry
+# whose half is a multiple of the chunk is cut the same way as planes or as one payload).
+_TABLE_HEAD = struct.Struct("<II4sIIQII")
+_TABLE_HEAD_V1 = struct.Struct("<II4sIIQI")
+_TABLE_VERSION = 2
+_TABLE_PLANES = 1  # flags: the payload's entries are stored as byte planes (scheme "shuffle")
 
 # The kvkernels header in front of every nvCOMP native stream (ANS / GDeflate / LZ4; docs/compress.md,
 # "ANS / GDeflate / LZ4 region"). nvCOMP's own header records neither the length the stream was
@@ -130,6 +135,14 @@ def _check_fmt(fmt) -> None:
 
 
 # --------------------------------------------------------------------------------------- shuffle
+def _index(x, name: str) -> int:
+    """An integer argument that may be a numpy / torch integer (a size read from a header), not a
+    float, bool or string that ``int()`` would quietly turn into one."""
+    if isinstance(x, bool) or not hasattr(type(x), "__index__"):
+        fail(name, "an int", type(x).__name__, TypeError)
+    return int(x.__index__())
+
+
 def _check_planes(element_size: int, name: str = "byteshuffle") -> int:
     """Byte planes (``name``: the argument asking for them) exist for 16-bit elements only."""
     check(element_size == 2, name, "16-bit elements (bf16 / fp16 staging, element_size 2)",
@@ -178,7 +191,7 @@ def byteshuffle(payload: torch.Tensor, element_size: int, *, out: torch.Tensor |
         Plane ``p`` (``p = 0`` the most significant byte of every element) occupies
         ``out[p * n:(p + 1) * n]``.
     """
-    e = _check_planes(element_size)
+    e = _check_planes(_index(element_size, "element_size"), "element_size")
     _check_bytes(payload, "payload")
     check(payload.numel() % e == 0, "payload", f"a multiple of {e} bytes", payload.numel())
     n = payload.numel() // e
@@ -193,7 +206,7 @@ def byteshuffle(payload: torch.Tensor, element_size: int, *, out: torch.Tensor |
 
 def byteunshuffle(planes: torch.Tensor, element_size: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of :func:`byteshuffle`: ``[n * element_size]`` uint8 planes -> interleaved bytes."""
-    e = _check_planes(element_size)
+    e = _check_planes(_index(element_size, "element_size"), "element_size")
     _check_bytes(planes, "planes")
     check(planes.numel() % e == 0, "planes", f"a multiple of {e} bytes", planes.numel())
     n = planes.numel() // e
@@ -290,8 +303,9 @@ class CompressedStaging:
         as its payload.
         """
         _check_bytes(buf, "buf")  # contiguous too: nvCOMP takes the regions' addresses as spans
+        _check_fmt(fmt)
         codec = _check_codec(codec, allow_auto=False)
-        stored = tuple(int(s) for s in stored_nbytes)
+        stored = tuple(_index(s, f"stored_nbytes[{j}]") for j, s in enumerate(stored_nbytes))
         check(len(stored) == fmt.num_regions, "stored_nbytes", f"{fmt.num_regions} sizes", len(stored))
         n = fmt.payload_nbytes
         lo = 0 if n == 0 else 1  # an empty staging (no blocks) stores empty regions
@@ -453,10 +467,12 @@ def _frames(n: int, segments, chunk: int) -> list[tuple[int, int]]:
     return out
 
 
-def _frame_table(chunk: int, raw: int, frames: list[tuple[int, int]]) -> bytes:
-    """frames: ``[(stored, raw)]`` per frame, in payload order."""
+def _frame_table(chunk: int, raw: int, frames: list[tuple[int, int]], planes: bool) -> bytes:
+    """frames: ``[(stored, raw)]`` per frame, in payload order; ``planes``: the payload is byte
+    planes (recorded: a decoder told otherwise would return the planes as values, no error)."""
     body = _TABLE_HEAD.size - 8 + 8 * len(frames)
-    head = _TABLE_HEAD.pack(_SKIP_MAGIC, body, _TABLE_TAG, _TABLE_VERSION, chunk, raw, len(frames))
+    head = _TABLE_HEAD.pack(_SKIP_MAGIC, body, _TABLE_TAG, _TABLE_VERSION, chunk, raw, len(frames),
+                            _TABLE_PLANES if planes else 0)
     return head + struct.pack(f"<{2 * len(frames)}I", *[x for f in frames for x in f])
 
 
@@ -465,24 +481,38 @@ def _table_prefix(raw: int) -> int:
     return _TABLE_HEAD.size + 8 * (-(-raw // 4096) + 8)
 
 
-def _parse_table(prefix: bytes, stored: int, raw_expected: int, j: int) -> tuple[list[tuple[int, int]], int]:
-    """-> (``[(stored, raw)]`` per frame, offset of the first frame). ValueError when malformed."""
+def _parse_table(prefix: bytes, stored: int, raw_expected: int, j: int,
+                 planes: bool) -> tuple[list[tuple[int, int]], int]:
+    """-> (``[(stored, raw)]`` per frame, offset of the first frame). ValueError when malformed,
+    or when the table says the payload is (not) byte planes and ``planes`` says otherwise."""
     where = f"compressed region {j}"
-    if len(prefix) < _TABLE_HEAD.size:
+    if len(prefix) < _TABLE_HEAD_V1.size:
         raise ValueError(f"{where}: truncated ({stored} bytes, shorter than its frame table)")
-    magic, body, tag, version, chunk, raw, n = _TABLE_HEAD.unpack_from(prefix)
+    magic, body, tag, version, chunk, raw, n = _TABLE_HEAD_V1.unpack_from(prefix)
     if magic != _SKIP_MAGIC or tag != _TABLE_TAG:
         raise ValueError(f"{where}: not a kvkernels zstd region (bad frame-table magic); corrupted or wrong codec")
-    if version != _TABLE_VERSION:
-        raise ValueError(f"{where}: frame table version {version}, this kvkernels reads {_TABLE_VERSION}")
+    if version not in (1, _TABLE_VERSION):
+        raise ValueError(f"{where}: frame table version {version}, this kvkernels reads 1 and {_TABLE_VERSION}")
+    head = _TABLE_HEAD if version == _TABLE_VERSION else _TABLE_HEAD_V1
+    if len(prefix) < head.size:
+        raise ValueError(f"{where}: truncated ({stored} bytes, shorter than its frame table)")
     if raw != raw_expected:
         raise ValueError(f"{where}: decodes to {raw} bytes, the staging format expects {raw_expected}")
-    if chunk <= 0 or n > _table_prefix(raw) or body != _TABLE_HEAD.size - 8 + 8 * n:
+    if chunk <= 0 or n > (_table_prefix(raw) - _TABLE_HEAD.size) // 8 or body != head.size - 8 + 8 * n:
         raise ValueError(f"{where}: inconsistent frame table (chunk {chunk}, {n} frames for {raw} bytes)")
-    end = _TABLE_HEAD.size + 8 * n
+    if version == _TABLE_VERSION:
+        flags = head.unpack_from(prefix)[-1]
+        if flags & ~_TABLE_PLANES:
+            raise ValueError(f"{where}: unknown frame-table flags {flags:#x}; corrupted, or a newer kvkernels")
+        if bool(flags & _TABLE_PLANES) != planes:
+            have, want = ("byte planes", "element bytes") if flags & _TABLE_PLANES else ("element bytes",
+                                                                                         "byte planes")
+            raise ValueError(f"{where}: stored as {have}, being decoded as {want} (the byteshuffle / scheme "
+                             f"given to from_buffer differs from the encoder's)")
+    end = head.size + 8 * n
     if len(prefix) < end:
         raise ValueError(f"{where}: truncated inside its frame table")
-    flat = struct.unpack_from(f"<{2 * n}I", prefix, _TABLE_HEAD.size)
+    flat = struct.unpack_from(f"<{2 * n}I", prefix, head.size)
     frames = list(zip(flat[0::2], flat[1::2]))
     if sum(r for _, r in frames) != raw or any(not 0 < r <= chunk for _, r in frames):
         raise ValueError(f"{where}: inconsistent frame table (frame sizes do not cover {raw} bytes)")
@@ -562,7 +592,7 @@ def _check_nv_regions(regions: list[torch.Tensor], js: list[int], raw: int, code
 
 # ---------------------------------------------------------------------------------- CPU (zstd)
 def _zstd_compress_cpu(payloads: list[torch.Tensor], frames: list[tuple[int, int]], chunk: int,
-                       level: int) -> list[torch.Tensor]:
+                       level: int, planes: bool) -> list[torch.Tensor]:
     zstandard = _zstd()
     local = threading.local()
 
@@ -579,15 +609,15 @@ def _zstd_compress_cpu(payloads: list[torch.Tensor], frames: list[tuple[int, int
     out = []
     for p, futs in zip(payloads, jobs):
         blobs = [f.result() for f in futs]
-        blob = _frame_table(chunk, p.numel(), [(len(b), k) for b, (_, k) in zip(blobs, frames)]) + b"".join(blobs)
+        blob = _frame_table(chunk, p.numel(), [(len(b), k) for b, (_, k) in zip(blobs, frames)], planes) + b"".join(blobs)
         out.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
     return out
 
 
-def _zstd_decompress_cpu(region: torch.Tensor, raw: int, dst: torch.Tensor, j: int) -> None:
+def _zstd_decompress_cpu(region: torch.Tensor, raw: int, dst: torch.Tensor, j: int, planes: bool) -> None:
     zstandard = _zstd()
     data = region.contiguous().numpy().data.cast("B")
-    frames, off = _parse_table(bytes(data[: _table_prefix(raw)]), len(data), raw, j)
+    frames, off = _parse_table(bytes(data[: _table_prefix(raw)]), len(data), raw, j, planes)
     local = threading.local()
 
     def dec(frame, want: int) -> bytes:
@@ -754,7 +784,7 @@ def _gpu_compress(codec: str, fmt, stream, chunk: int, shuffled: bool, base: tor
                 ls = lens[j * nper:(j + 1) * nper]
                 st = starts[j * nper:(j + 1) * nper]
                 fr = [buf[a: a + ln] for a, ln in zip(st, ls)]
-                table = _frame_table(chunk, n, [(ln, fn) for ln, (_, fn) in zip(ls, frames)])
+                table = _frame_table(chunk, n, [(ln, fn) for ln, (_, fn) in zip(ls, frames)], shuffled)
                 t = torch.frombuffer(bytearray(table), dtype=torch.uint8).to(base.device)
                 out.append(torch.cat([t, *fr]))
         # the last region's concatenation is still queued on `s`: complete on return, on any
@@ -806,7 +836,7 @@ def _gpu_decompress(regions: list[torch.Tensor], codec: str, fmt, out: torch.Ten
             heads = [r[: _table_prefix(n)].cpu() for r in regions]  # host sync: the frame tables
             pieces, dst_offs, dst_sizes, where = [], [], [], []
             for j, (r, h) in enumerate(zip(regions, heads)):
-                frames, o = _parse_table(bytes(h.numpy()), r.numel(), n, names[j])
+                frames, o = _parse_table(bytes(h.numpy()), r.numel(), n, names[j], shuffled)
                 pos = 0
                 for f, (cz, rz) in enumerate(frames):
                     where.append(f"region {names[j]}, frame {f}")
@@ -956,7 +986,7 @@ def compress_regions(
         # machine that lacks nvCOMP
         with torch.cuda.stream(stream) if stream is not None else _nullctx():
             payloads = [p.cpu() for p in payloads]
-        stored = _zstd_compress_cpu(payloads, frames, chunk_nbytes, lvl)
+        stored = _zstd_compress_cpu(payloads, frames, chunk_nbytes, lvl, planes)
     elif c == "none":
         stored = payloads
         if byteshuffle and dev.type == "cuda":  # the planes were split on a stream: complete when this
@@ -971,7 +1001,7 @@ def compress_regions(
             stored = _gpu_compress(c, fmt, stream, chunk_nbytes, byteshuffle or staging_shuffled, base, offsets,
                                    frames, checksum)
     else:
-        stored = _zstd_compress_cpu(payloads, frames, chunk_nbytes, lvl)
+        stored = _zstd_compress_cpu(payloads, frames, chunk_nbytes, lvl, planes)
 
     regions, sizes = [], []
     for p, s in zip(payloads, stored):
@@ -981,6 +1011,28 @@ def compress_regions(
         sizes.append(int(s.numel()))
     return CompressedStaging(fmt, c, regions, tuple(sizes), (n,) * len(offsets), byteshuffle, chunk_nbytes,
                              staging_scheme=staging_scheme)
+
+
+def _check_scheme(cs: CompressedStaging) -> None:
+    """``cs``'s scheme fields against its format, before anything is decoded: a CompressedStaging
+    built by hand (it is a plain dataclass) with a scheme its bytes are not would decode without
+    an error into a staging that ``restore_scheme`` then scatters as something else."""
+    fmt = cs.fmt
+    check(isinstance(cs.byteshuffle, bool), "compressed.byteshuffle", "a bool", type(cs.byteshuffle).__name__,
+          TypeError)
+    if _is_fp8(fmt):
+        own = store_scheme(quant="fp8", granularity=fmt.granularity)
+        check(cs.staging_scheme == own, "compressed.staging_scheme", f"{own!r} for this FP8 staging format",
+              repr(cs.staging_scheme))
+        check(not cs.byteshuffle, "compressed.byteshuffle",
+              "False for an FP8 staging format (byte planes are for 16-bit elements)", True)
+        return
+    check(cs.staging_scheme in ("raw", "shuffle"), "compressed.staging_scheme",
+          "'raw' or 'shuffle' for this (not FP8) staging format", repr(cs.staging_scheme))
+    check(not (cs.byteshuffle and cs.staging_scheme == "shuffle"), "compressed.byteshuffle",
+          "False for a staging gathered with shuffle=True (planes of planes)", True)
+    if cs.scheme == "shuffle":  # planes of 16-bit elements only (compress_regions and from_buffer refuse others)
+        _check_planes(_esize(fmt), "compressed.byteshuffle" if cs.byteshuffle else "compressed.staging_scheme")
 
 
 @dataclass(frozen=True)
@@ -1060,13 +1112,15 @@ def decompress_regions(
         fail("compressed", "a kvkernels.compress.CompressedStaging", type(compressed).__name__, TypeError)
     cs = compressed
     fmt = cs.fmt
-    codec = _check_codec(cs.codec, allow_auto=False)
-    check(len(cs.regions) == fmt.num_regions == len(cs.stored_nbytes) == len(cs.raw_nbytes), "compressed",
-          f"{fmt.num_regions} regions with sizes", f"{len(cs.regions)} regions")
     _check_fmt(fmt)
-    if cs.byteshuffle:  # planes of 16-bit elements only (compress_regions and from_buffer refuse others)
-        _check_planes(_esize(fmt))
-    sel = normalize_layers(layers, max(fmt.layers) + 1, staged=fmt.layers)
+    codec = _check_codec(cs.codec, allow_auto=False)
+    check((len(cs.regions), len(cs.stored_nbytes), len(cs.raw_nbytes)) == (fmt.num_regions,) * 3, "compressed",
+          f"{fmt.num_regions} regions, stored sizes and raw sizes (the format's regions)",
+          f"{len(cs.regions)} regions, {len(cs.stored_nbytes)} stored and {len(cs.raw_nbytes)} raw sizes")
+    _check_scheme(cs)
+    # (a format without layers has no regions: nothing to select, nothing to decode)
+    sel = [] if not fmt.layers and layers is None else normalize_layers(layers, max(fmt.layers, default=-1) + 1,
+                                                                        staged=fmt.layers)
     idx = [fmt.region_index(l) for l in sel]
     ofmt = _OutFmt(fmt.region_nbytes, len(idx))
     n = fmt.payload_nbytes
@@ -1139,7 +1193,8 @@ def decompress_regions(
             host = tgt if dev.type == "cpu" else torch.empty(ofmt.nbytes, dtype=torch.uint8)
             for k, r in zip(comp_j, regs):
                 _zstd_decompress_cpu(r.cpu() if r.device.type != "cpu" else r, n,
-                                     host[k * ofmt.region_nbytes: k * ofmt.region_nbytes + n], idx[k])
+                                     host[k * ofmt.region_nbytes: k * ofmt.region_nbytes + n], idx[k],
+                                     cs.scheme == "shuffle")
             if host is not tgt:
                 for k in comp_j:
                     tgt[k * ofmt.region_nbytes: k * ofmt.region_nbytes + n].copy_(

@@ -175,7 +175,7 @@ class StagingFormat(RegionArithmetic):
 
     def with_layers(self, layers) -> "StagingFormat":
         """The same format restricted to a subset of its layers."""
-        sel = normalize_layers(layers, max(self.layers) + 1, staged=self.layers)
+        sel = normalize_layers(layers, max(self.layers, default=-1) + 1, staged=self.layers)
         return StagingFormat(sel, self.num_blocks, self.block_size, self.num_heads, self.head_dim, self.element_size, self.num_kv)
 
 

@@ -224,7 +224,8 @@ def test_decompress_refuses_planes_on_fp8_and_an_out_on_another_device():
     qfmt = QuantStagingFormat.for_layout(lay, len(ids))
     packed = compress_regions(q, qfmt, "zstd")
     forged = CompressedStaging(qfmt, "zstd", packed.regions, packed.stored_nbytes, packed.raw_nbytes, True,
-                               packed.chunk_nbytes)  # byteshuffle=True: compress_regions refuses it
+                               packed.chunk_nbytes, staging_scheme=packed.staging_scheme)  # compress_regions
+    # refuses byteshuffle=True for FP8
     with pytest.raises(ValueError, match="16-bit"):
         decompress_regions(forged)
     staging, fmt, _, _ = kv_like(SHAPES[1], torch.bfloat16)
@@ -253,8 +254,13 @@ def test_byteshuffle_definition():
     planes = byteshuffle(x, 2)
     assert planes.tolist() == x[1::2].tolist() + x[0::2].tolist()  # hi-byte plane, then lo-byte plane
     assert torch.equal(byteunshuffle(planes, 2), x)
-    with pytest.raises(ValueError, match="`byteshuffle`: expected 16-bit"):
+    with pytest.raises(ValueError, match="`element_size`: expected 16-bit"):
         byteshuffle(torch.randn(4).view(torch.uint8), 4)
+    for bad in (2.0, "2", True):  # not turned into 2 (range() would fail later, naming nothing)
+        with pytest.raises(TypeError, match="`element_size`: expected an int"):
+            byteshuffle(x, bad)
+        with pytest.raises(TypeError, match="`element_size`: expected an int"):
+            byteunshuffle(planes, bad)
 
 
 def test_byteshuffle_matches_quant_shuffle_staging():
@@ -667,7 +673,8 @@ def _with_region(packed, j, data):
     stored = list(packed.stored_nbytes)
     regions[j] = data
     stored[j] = data.numel()
-    return CompressedStaging(packed.fmt, packed.codec, regions, tuple(stored), packed.raw_nbytes, packed.byteshuffle)
+    return CompressedStaging(packed.fmt, packed.codec, regions, tuple(stored), packed.raw_nbytes, packed.byteshuffle,
+                             staging_scheme=packed.staging_scheme)
 
 
 @pytest.mark.parametrize("cut", [1, 100, 0.5, "table"])
@@ -1121,8 +1128,10 @@ def test_fp8_and_shuffled_staging_record_the_scheme_they_restore_with(tmp_path, 
             buf = torch.zeros(fmt.nbytes, dtype=torch.uint8)
             R = fmt.region_nbytes
             store.get(want, out=[buf[j * R: (j + 1) * R] for j in range(fmt.num_regions)]).result()
+            # scheme= (the header's): a shuffle entry decodes as stored (planes), which the frame
+            # table's plane flag requires since 2026-11-25 (a zstd region read as values is refused)
             back = decompress_regions(CompressedStaging.from_buffer(buf, fmt, [r.stored for r in h.regions],
-                                                                    h.meta.codec))
+                                                                    h.meta.codec, scheme=h.meta.scheme))
             a = make_cache("vllm-nhd", num_layers=2, num_blocks=8, block_size=4, num_heads=2, head_dim=64,
                            dtype=torch.bfloat16, fill="zero")
             b = make_cache("vllm-nhd", num_layers=2, num_blocks=8, block_size=4, num_heads=2, head_dim=64,
@@ -1250,7 +1259,7 @@ def _frames_of(region):
 
     b = bytes(region.numpy())
     head = _TABLE_HEAD.unpack_from(b)
-    nf = head[-1]
+    nf = head[6]  # (magic, body, tag, version, chunk, raw, nframes, flags)
     flat = struct.unpack_from(f"<{2 * nf}I", b, _TABLE_HEAD.size)
     off = _TABLE_HEAD.size + 8 * nf
     frames = []
@@ -1263,8 +1272,8 @@ def _frames_of(region):
 def _region_of(head, frames):
     from kvkernels.compress import _frame_table
 
-    chunk, raw = head[4], head[5]
-    blob = _frame_table(chunk, raw, [(len(f), r) for f, r in frames]) + b"".join(f for f, _ in frames)
+    chunk, raw, planes = head[4], head[5], bool(head[7] & 1)
+    blob = _frame_table(chunk, raw, [(len(f), r) for f, r in frames], planes) + b"".join(f for f, _ in frames)
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 
 
@@ -1331,3 +1340,127 @@ def test_restore_scheme_says_how_to_scatter_what_decompress_returns(how):
     with pytest.raises(ValueError, match="scheme"):
         CompressedStaging.from_buffer(torch.zeros(fmt.nbytes, dtype=torch.uint8), fmt, packed.stored_nbytes, "zstd",
                                       scheme="fp8-token")
+
+
+# ------------------------------------------- review fixes (2026-11-25, 31st session): what decode trusts
+def _rewrap(packed, **kw):
+    """``packed`` rebuilt field by field with some fields changed (CompressedStaging is a plain
+    dataclass: a caller can build one with any fields)."""
+    f = dict(fmt=packed.fmt, codec=packed.codec, regions=packed.regions, stored_nbytes=packed.stored_nbytes,
+             raw_nbytes=packed.raw_nbytes, byteshuffle=packed.byteshuffle, chunk_nbytes=packed.chunk_nbytes,
+             staging_scheme=packed.staging_scheme)
+    f.update(kw)
+    return CompressedStaging(**f)
+
+
+@pytest.mark.parametrize("planes", ["byteshuffle", "gathered"])
+def test_a_zstd_entry_read_back_with_the_wrong_plane_setting_is_refused(planes):
+    """The zstd frame table records whether the payload is byte planes (as the nvCOMP codecs'
+    header does): a region read back with the wrong ``byteshuffle`` / ``scheme`` was decoded
+    without an error into planes taken for values (or values "unshuffled"), which a scatter
+    would then write into the cache. Entries here are 2 x 16 KiB, so their planes are cut into
+    frames exactly as the whole payload is: only the recorded flag can tell."""
+    from kvkernels.quant import gather_quant
+
+    staging, fmt, lay, ids = kv_like((8, 16, 4, 64, 2), torch.bfloat16)  # entry 8*16*4*64*2 = 64 KiB
+    if planes == "byteshuffle":
+        packed = compress_regions(staging, fmt, "zstd", byteshuffle=True, chunk_nbytes=4096)
+    else:
+        packed = compress_regions(gather_quant(lay, ids, shuffle=True, backend="torch"), fmt, "zstd",
+                                  staging_shuffled=True, chunk_nbytes=4096)
+    plain = compress_regions(staging, fmt, "zstd", chunk_nbytes=4096)
+    assert any(s < fmt.payload_nbytes for s in packed.stored_nbytes + plain.stored_nbytes)  # zstd frames
+    buf = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+    for j, r in enumerate(packed.regions):
+        buf[j * fmt.region_nbytes: j * fmt.region_nbytes + r.numel()] = r
+    with pytest.raises(ValueError, match="stored as byte planes, being decoded as element bytes"):
+        decompress_regions(CompressedStaging.from_buffer(buf, fmt, packed.stored_nbytes, "zstd"))
+    right = CompressedStaging.from_buffer(buf, fmt, packed.stored_nbytes, "zstd",
+                                          byteshuffle=planes == "byteshuffle", scheme="shuffle")
+    want = staging if planes == "byteshuffle" else gather_quant(lay, ids, shuffle=True, backend="torch")
+    assert torch.equal(decompress_regions(right), want[: fmt.nbytes])
+    pbuf = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+    for j, r in enumerate(plain.regions):
+        pbuf[j * fmt.region_nbytes: j * fmt.region_nbytes + r.numel()] = r
+    for kw in ({"byteshuffle": True}, {"scheme": "shuffle"}):
+        with pytest.raises(ValueError, match="stored as element bytes, being decoded as byte planes"):
+            decompress_regions(CompressedStaging.from_buffer(pbuf, fmt, plain.stored_nbytes, "zstd", **kw))
+
+
+def test_a_version_1_zstd_frame_table_is_still_read_and_unknown_flags_are_refused():
+    """Regions written before the table had its flags word (version 1, 32 bytes) decode as
+    before; a version-2 table with a flag this kvkernels does not know is an error."""
+    from kvkernels.compress import _SKIP_MAGIC, _TABLE_HEAD, _TABLE_TAG
+
+    staging, fmt, _, _ = kv_like(SHAPES[3], torch.bfloat16)
+    packed = compress_regions(staging, fmt, "zstd", byteshuffle=True, chunk_nbytes=4096)
+    j = next(k for k, s in enumerate(packed.stored_nbytes) if s < fmt.payload_nbytes)
+    head, frames = _frames_of(packed.regions[j])
+    magic, _, tag, version, chunk, raw, nf, flags = head
+    assert (magic, tag, version, flags) == (_SKIP_MAGIC, _TABLE_TAG, 2, 1)
+    v1 = struct.pack("<II4sIIQI", magic, 24 + 8 * nf, tag, 1, chunk, raw, nf)
+    v1 += struct.pack(f"<{2 * nf}I", *[x for f, r in frames for x in (len(f), r)]) + b"".join(f for f, _ in frames)
+    old = _with_region(packed, j, torch.frombuffer(bytearray(v1), dtype=torch.uint8))
+    assert torch.equal(decompress_regions(old), staging[: fmt.nbytes])
+    b = bytearray(packed.regions[j].numpy().tobytes())
+    struct.pack_into("<I", b, _TABLE_HEAD.size - 4, 3)  # planes + an unknown bit
+    with pytest.raises(ValueError, match=f"compressed region {j}: unknown frame-table flags 0x3"):
+        decompress_regions(_with_region(packed, j, torch.frombuffer(b, dtype=torch.uint8)))
+
+
+def test_decode_refuses_scheme_fields_that_do_not_fit_the_format():
+    """A CompressedStaging built by hand with a scheme its format cannot have decoded without an
+    error, and restore_scheme then named the wrong scatter (an FP8 entry rebuilt without its
+    staging_scheme scattered as raw bytes)."""
+    from kvkernels.quant import QuantStagingFormat, gather_quant
+
+    _, _, lay, ids = kv_like(SHAPES[1], torch.bfloat16)
+    qfmt = QuantStagingFormat.for_layout(lay, len(ids))
+    fp8 = compress_regions(gather_quant(lay, ids, quant="fp8", backend="torch"), qfmt, "zstd")
+    assert fp8.staging_scheme == "fp8-token"
+    for scheme in ("raw", "fp8-block", "shuffle"):
+        with pytest.raises(ValueError, match="`compressed.staging_scheme`: expected 'fp8-token' for this FP8"):
+            decompress_regions(_rewrap(fp8, staging_scheme=scheme))
+    staging, fmt, _, _ = kv_like(SHAPES[1], torch.bfloat16)
+    raw = compress_regions(staging, fmt, "zstd")
+    with pytest.raises(ValueError, match="`compressed.staging_scheme`: expected 'raw' or 'shuffle'"):
+        decompress_regions(_rewrap(raw, staging_scheme="fp8-token"))
+    with pytest.raises(ValueError, match="`compressed.byteshuffle`: expected False for a staging gathered"):
+        decompress_regions(_rewrap(raw, byteshuffle=True, staging_scheme="shuffle"))
+    with pytest.raises(TypeError, match="`compressed.byteshuffle`: expected a bool"):
+        decompress_regions(_rewrap(raw, byteshuffle=1))
+    s32, f32, _, _ = kv_like(SHAPES[1], torch.float32)
+    with pytest.raises(ValueError, match="`compressed.staging_scheme`: expected 16-bit"):
+        decompress_regions(_rewrap(compress_regions(s32, f32, "zstd"), staging_scheme="shuffle"))
+    assert torch.equal(decompress_regions(_rewrap(raw)), staging[: fmt.nbytes])  # the fields as written
+
+
+def test_from_buffer_and_decode_name_the_bad_argument():
+    staging, fmt, _, _ = kv_like(SHAPES[1], torch.bfloat16)
+    packed = compress_regions(staging, fmt, "zstd")
+    buf = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+    for j, r in enumerate(packed.regions):
+        buf[j * fmt.region_nbytes: j * fmt.region_nbytes + r.numel()] = r
+    sizes = list(packed.stored_nbytes)
+    with pytest.raises(TypeError, match="`fmt`: expected a kvkernels.StagingFormat"):
+        CompressedStaging.from_buffer(buf, "fmt", sizes, "zstd")
+    with pytest.raises(TypeError, match="`fmt`: expected a kvkernels.StagingFormat"):
+        decompress_regions(_rewrap(packed, fmt="fmt"))
+    for bad in (sizes[0] + 0.5, str(sizes[0]), True):  # int() would have taken them (100.9 -> 100)
+        with pytest.raises(TypeError, match=r"`stored_nbytes\[0\]`: expected an int"):
+            CompressedStaging.from_buffer(buf, fmt, [bad] + sizes[1:], "zstd")
+    import numpy as np
+
+    ok = CompressedStaging.from_buffer(buf, fmt, [np.int64(s) for s in sizes], "zstd")  # a header's integers
+    assert torch.equal(decompress_regions(ok), staging[: fmt.nbytes])
+    with pytest.raises(ValueError, match=r"3 regions, stored sizes and raw sizes .* got 3 regions, 2 stored and 3 raw"):
+        decompress_regions(_rewrap(packed, stored_nbytes=packed.stored_nbytes[:2]))
+
+
+def test_a_format_without_layers_decodes_to_nothing():
+    """``StagingFormat(layers=())`` compressed to no regions and then failed to decode with
+    ``max() arg is an empty sequence``."""
+    fmt = kvkernels.StagingFormat((), 4, 16, 2, 64, 2)
+    packed = compress_regions(torch.zeros(0, dtype=torch.uint8), fmt, "zstd")
+    assert packed.regions == [] and fmt.nbytes == 0
+    assert decompress_regions(packed).numel() == 0
