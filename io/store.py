@@ -101,6 +101,7 @@ class _Entry:
     readers: int = 0
     seq: int = 0  # the rename that put this file at `path` (recovery numbers what it finds too)
     doomed: str | None = None  # dropped while being read: "" = unlink, ".corrupt" = rename, when the last reader leaves
+    held: int = 0  # its bytes in KVStore._read_held: dropped while read, its file still on disk
 
 
 @dataclass
@@ -384,26 +385,36 @@ class KVStore:
                                    else config.io_inflight_bytes())
         seen: dict[tuple[int, int], str] = {}
         created: list[str] = []  # folders this call made, top down: their names need a parent fsync
-        for p in self.paths:
-            missing = []
-            d = p
-            while not os.path.isdir(d) and os.path.dirname(d) != d:
-                missing.append(d)
-                d = os.path.dirname(d)
-            if os.path.exists(p) and not os.path.isdir(p):
-                raise NotADirectoryError(errno.ENOTDIR, f"`paths`: {p!r} is not a directory", p)
-            try:
-                os.makedirs(p, exist_ok=True)
-                st = os.stat(p)
-            except OSError as exc:  # the same OSError subclass (by errno), naming the argument
-                raise OSError(exc.errno, f"`paths`: cannot use {p!r} as a store directory: "
-                                         f"{exc.strerror or exc}", exc.filename) from exc
-            created += [m for m in reversed(missing) if m not in created]
-            # the same folder twice (or through a link) would make recovery see every file twice and
-            # delete it as its own duplicate
-            check((st.st_dev, st.st_ino) not in seen, "paths", "distinct directories",
-                  f"{p!r} is the same directory as {seen.get((st.st_dev, st.st_ino))!r}")
-            seen[(st.st_dev, st.st_ino)] = p
+        try:
+            for p in self.paths:
+                missing = []
+                d = p
+                while not os.path.isdir(d) and os.path.dirname(d) != d:
+                    missing.append(d)
+                    d = os.path.dirname(d)
+                if os.path.exists(p) and not os.path.isdir(p):
+                    raise NotADirectoryError(errno.ENOTDIR, f"`paths`: {p!r} is not a directory", p)
+                created += [m for m in reversed(missing) if m not in created]  # (before: a partial makedirs)
+                try:
+                    os.makedirs(p, exist_ok=True)
+                    st = os.stat(p)
+                except OSError as exc:  # the same OSError subclass (by errno), naming the argument
+                    raise OSError(exc.errno, f"`paths`: cannot use {p!r} as a store directory: "
+                                             f"{exc.strerror or exc}", exc.filename) from exc
+                # the same folder twice (or through a link) would make recovery see every file twice and
+                # delete it as its own duplicate
+                check((st.st_dev, st.st_ino) not in seen, "paths", "distinct directories",
+                      f"{p!r} is the same directory as {seen.get((st.st_dev, st.st_ino))!r}")
+                seen[(st.st_dev, st.st_ino)] = p
+        except BaseException:
+            # a refused store leaves nothing behind: the folders this call made go again (empty
+            # ones only: rmdir; [new, new] made `new` and then refused it)
+            for d in reversed(created):
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    pass
+            raise
         if self.fsync:  # a put acknowledged as durable must not lose the folder it lives in
             for d in created:
                 _fsync_dir(os.path.dirname(d))
@@ -432,6 +443,10 @@ class KVStore:
         # bytes of those files: still on disk, so still counted by room checks (else other puts
         # wrote into room not yet freed: 1.25-1.43x capacity on disk with slow unlinks)
         self._pending_unlink = 0
+        # bytes of files whose entries left the index while being read (deleted when the last
+        # reader finishes): still on disk, so room checks count them too (else puts overshot the
+        # capacity by the entries evicted under a read: 1.33x with one slow get, 2026-11-25)
+        self._read_held = 0
         # digests renamed into place but not yet visible (directory fsync pending): a drop of their
         # older version must not unlink or rename the path, which already holds the new file
         self._publishing: dict[bytes, int] = {}
@@ -829,6 +844,7 @@ class KVStore:
             old.doomed = None
         elif old.readers:
             old.doomed = ""
+            self._hold_for_readers(old)
         else:
             self._unlink(old.path)
 
@@ -878,11 +894,18 @@ class KVStore:
             def others_pending() -> int:  # files other calls are deleting (this call's go before its write)
                 return self._pending_unlink - sum(n for _, n in doomed)
 
+            # strict: files of entries evicted while being read count (they stay until the reads
+            # end) and entries being read are not evicted (that frees nothing now). When that
+            # cannot make room, the rule before 2026-11-25: entries being read may be evicted and
+            # their files overshoot the capacity until the reads end. Never a wait for a read: a
+            # put waiting in the only I/O worker for a read queued behind it would wait for ever
+            strict = True
+
             def fits(freed: int = 0, pending: bool = True) -> bool:
                 cur = self._index.get(exclude)
                 mine = cur.nbytes if cur is not None and exclude not in self._credits else 0
                 assert self.capacity_bytes is not None  # (_make_room returned already without a capacity)
-                held = self._used + (others_pending() if pending else 0)
+                held = self._used + (others_pending() if pending else 0) + (self._read_held if strict else 0)
                 return held + self._reserved - self._credit - mine - freed + need <= self.capacity_bytes
 
             def wait_for_room() -> None:
@@ -904,6 +927,8 @@ class KVStore:
                     if digest == exclude or digest in self._credits:
                         continue
                     ent = self._index[digest]
+                    if strict and ent.readers:
+                        continue
                     victims.append(digest)
                     freed += ent.nbytes
                     if fits(freed):
@@ -912,6 +937,8 @@ class KVStore:
                     for digest in victims:
                         self._drop(digest, defer=doomed)
                         self._stats["evictions"] += 1
+                elif strict and (self._read_held or any(self._index[d].readers for d in self._lru)):
+                    strict = False  # only reads in progress stand in the way: the old rule
                 elif self._reserved or others_pending() > 0:
                     # only puts in flight (one fails, or its entry becomes evictable) or deletes
                     # under way could make room: wait for one, evicting nothing yet
@@ -983,9 +1010,18 @@ class KVStore:
             self._uncredit(digest)
             if ent.readers:
                 ent.doomed = rename_to or ""
+                if self._owns_file(digest, ent):
+                    self._hold_for_readers(ent)
             elif self._owns_file(digest, ent):
                 self._unlink_entry(digest, ent, rename_to, defer)
             return True
+
+    def _hold_for_readers(self, ent: "_Entry") -> None:
+        """``ent`` left the index while being read (lock held): its file stays until the last
+        reader finishes, and its bytes count against the capacity until then."""
+        if not ent.held:
+            ent.held = ent.nbytes
+            self._read_held += ent.nbytes
 
     def _owns_file(self, digest: bytes, ent: "_Entry") -> bool:
         """The file at ent.path is still ent's own (no later rename replaced it; lock held)."""
@@ -1048,10 +1084,12 @@ class KVStore:
 
     # ------------------------------------------------------------------ get
     def header(self, key) -> Header | None:
-        """The stored header of ``key`` (stored sizes, scheme, codec), or None."""
+        """The stored header of ``key`` (stored sizes, scheme, codec), or None (also once the
+        store is closed: its index is stale, the folder may be another store's)."""
         self._check_process()
+        digest = key_digest(key)
         with self._lock:
-            ent = self._index.get(key_digest(key))
+            ent = None if self._closed else self._index.get(digest)
             return ent.header if ent else None
 
     def get(self, key, out=None, layers=None, *, expect: Header | None = None) -> Future:
@@ -1234,6 +1272,10 @@ class KVStore:
         try:
             with self._lock:  # the file is no longer read: a deferred drop may unlink it now
                 ent.readers -= 1
+                if ent.readers == 0 and ent.held:  # (an unlink deferred below counts them again)
+                    self._read_held -= ent.held
+                    ent.held = 0
+                    self._room.notify_all()
                 if ent.readers == 0 and ent.doomed is not None:
                     # unless a newer version of the key lives (or is being published) at the same path
                     digest = ent.header.digest
@@ -1340,10 +1382,12 @@ class KVStore:
             key_digest(key)  # raises the calls' own TypeError
 
     def contains(self, key) -> bool:
-        """True when ``key`` has a complete entry (no I/O)."""
+        """True when ``key`` has a complete entry (no I/O); False once the store is closed (a
+        closed store answers as an empty one: ``header`` None, ``pin`` / ``unpin`` False)."""
         self._check_process()
+        digest = key_digest(key)
         with self._lock:
-            return key_digest(key) in self._index
+            return not self._closed and digest in self._index
 
     def remove(self, key, *, expect: Header | None = None) -> bool:
         """Delete ``key``'s entry (pinned or not: an explicit remove wins); False if absent.
@@ -1385,7 +1429,7 @@ class KVStore:
         self._check_process()
         digest = key_digest(key)
         with self._lock:
-            if digest not in self._index:
+            if self._closed or digest not in self._index:
                 return False
             self._pins[digest] = self._pins.get(digest, 0) + 1
             self._lru.pop(digest, None)
@@ -1396,7 +1440,7 @@ class KVStore:
         self._check_process()
         digest = key_digest(key)
         with self._lock:
-            n = self._pins.get(digest, 0)
+            n = 0 if self._closed else self._pins.get(digest, 0)
             if n == 0:
                 return False
             if n == 1:
@@ -1410,8 +1454,9 @@ class KVStore:
     def pin_count(self, key) -> int:
         """Current number of pins on ``key`` (0 when unpinned or absent)."""
         self._check_process()
+        digest = key_digest(key)
         with self._lock:
-            return self._pins.get(key_digest(key), 0)
+            return 0 if self._closed else self._pins.get(digest, 0)
 
     def stats(self) -> dict:
         self._check_process()
@@ -1423,7 +1468,7 @@ class KVStore:
         return d
 
     def __len__(self) -> int:
-        return len(self._index)
+        return 0 if self._closed else len(self._index)
 
     def close(self) -> None:
         """Finish queued work, stop the workers, release the folders. Idempotent; a call that was

@@ -753,6 +753,83 @@ def test_files_on_disk_stay_within_capacity_while_evicted_files_are_deleted(tmp_
         assert store._pending_unlink == 0 and store._unlinking == {}
 
 
+def _entry_bytes(root) -> int:
+    return sum(os.path.getsize(f) for f in files(root) if ".kvk" in os.path.basename(f))
+
+
+def _hold_reads(monkeypatch, store, paths):
+    """Reads of ``paths`` wait for the returned event (set it to let them finish)."""
+    release, real = threading.Event(), store.engine.read_into
+    entered = threading.Semaphore(0)
+
+    def read_into(path, pieces):
+        if path in paths:
+            entered.release()
+            release.wait(20)
+        return real(path, pieces)
+
+    monkeypatch.setattr(store.engine, "read_into", read_into)
+    return release, entered
+
+
+def test_an_entry_evicted_while_it_is_read_counts_against_the_capacity_until_the_read_ends(tmp_path, monkeypatch):
+    """Found by review (2026-11-25): an entry evicted while a get read it stayed on disk until
+    the read ended, uncounted, and later puts filled its room (1.33x the capacity with one slow
+    get). Its bytes count now, and an entry being read is not a victim while another is."""
+    _, buf, meta = staged()
+    size = 4096 + buf.numel()
+    with KVStore(tmp_path, capacity_bytes=3 * size, io_threads=2, fsync=False) as store:
+        for k in "ABC":
+            store.put(k, buf, meta).result()
+        release, entered = _hold_reads(monkeypatch, store, {store._index[key_digest("A")].path})
+        g = store.get("A")  # A: the most recently used, and being read
+        assert entered.acquire(timeout=10)
+        for k in "DEF":  # D evicts B, E evicts C, F evicts D (not A: its read frees nothing now)
+            store.put(k, buf, meta).result(timeout=20)
+            assert _entry_bytes(tmp_path) <= 3 * size
+        assert [k for k in "ABCDEFG" if store.contains(k)] == ["A", "E", "F"]
+        store.remove("A")  # removed while read: the file stays, and counts
+        assert os.path.exists(store._path_for(key_digest("A"))) and store._read_held == size
+        store.put("G", buf, meta).result(timeout=20)  # evicts E rather than overshoot
+        assert _entry_bytes(tmp_path) <= 3 * size and [k for k in "ABCDEFG" if store.contains(k)] == ["F", "G"]
+        release.set()
+        assert torch.equal(g.result(timeout=20), buf)  # the read finished on its file
+        assert store._read_held == 0 and _entry_bytes(tmp_path) == 2 * size
+        assert store.stats()["evictions"] == 4
+
+
+def test_a_put_never_waits_for_a_read_and_overshoots_only_for_entries_being_read(tmp_path, monkeypatch):
+    """When every evictable entry is being read, the put evicts one anyway (the rule before):
+    its file overshoots the capacity until the read ends. It does not wait for the read: with
+    one I/O worker the put runs in it and the read is queued behind it."""
+    _, buf, meta = staged()
+    size = 4096 + buf.numel()
+    with KVStore(tmp_path, capacity_bytes=2 * size, io_threads=1, fsync=False) as store:
+        for k in "AB":
+            store.put(k, buf, meta).result()
+        release, entered = _hold_reads(monkeypatch, store, {store._index[key_digest("A")].path})
+        go, real_room = threading.Event(), store._make_room
+        in_put = threading.Event()
+
+        def make_room(need, exclude):
+            in_put.set()
+            assert go.wait(20)
+            return real_room(need, exclude)
+
+        monkeypatch.setattr(store, "_make_room", make_room)
+        put = store.put("C", buf, meta)  # in the only worker, before its room check
+        assert in_put.wait(10)
+        gets = [store.get(k) for k in "AB"]  # both being read (queued behind the put)
+        go.set()
+        put.result(timeout=20)  # no wait for the reads: they cannot run before it
+        assert entered.acquire(timeout=10)  # A's read (evicted: A was the oldest) is under way
+        assert _entry_bytes(tmp_path) == 3 * size and store._read_held == size  # A's file, until its read
+        release.set()
+        assert all(torch.equal(g.result(timeout=20), buf) for g in gets)
+        assert store._read_held == 0 and _entry_bytes(tmp_path) == 2 * size
+        assert [k for k in "ABC" if store.contains(k)] == ["B", "C"]
+
+
 def test_an_interrupted_deferred_delete_still_frees_its_path(tmp_path, monkeypatch):
     # a Ctrl-C in the lock acquire after a remove's delete left the path pending for good: a
     # later put of the key never committed and close() never returned
@@ -2241,6 +2318,37 @@ def test_a_closed_store_refuses_remove_and_get(tmp_path):
             with pytest.raises(RuntimeError, match="KVStore is closed"):
                 call()
         assert torch.equal(new.get("k").result(timeout=10), buf)
+
+
+def test_a_closed_store_answers_as_an_empty_one(tmp_path):
+    """Found by review (2026-11-25): after close() `contains`, `header` and `pin` answered from
+    the stale index, so a key the store that took the folder next had removed still showed, and
+    pinned. They answer as an empty store now (a late call from a shutting-down integration is a
+    miss, not an error); a bad key is still a TypeError."""
+    _, buf, meta = staged()
+    old = KVStore(tmp_path)
+    old.put("k", buf, meta).result()
+    assert old.pin("k")
+    old.close()
+    with KVStore(tmp_path) as new:
+        assert new.remove("k")
+        assert not old.contains("k") and old.header("k") is None and not old.pin("k") and not old.unpin("k")
+        assert old.pin_count("k") == 0 and len(old) == 0
+        with pytest.raises(TypeError):
+            old.contains(3.5)
+
+
+def test_a_refused_store_leaves_no_folder_behind(tmp_path):
+    """Found by review (2026-11-25): the distinct-directories check ran after the folders were
+    made, so KVStore([new, new]) raised and left `new/` (and its missing parents) on disk."""
+    new = tmp_path / "a" / "b" / "new"
+    with pytest.raises(ValueError, match="distinct directories"):
+        KVStore([new, new])
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "keep").mkdir()
+    with pytest.raises(ValueError, match="distinct directories"):
+        KVStore([tmp_path / "keep", tmp_path / "x" / "y", tmp_path / "keep"])
+    assert os.listdir(tmp_path) == ["keep"]  # folders that were there stay
 
 
 def _gate_headers(store, monkeypatch):
