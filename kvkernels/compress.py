@@ -1166,13 +1166,14 @@ def decompress_regions(
         nv = [j for j in idx if int(cs.stored_nbytes[j]) != n]
         checksummed = _check_nv_regions([cs.regions[j] for j in nv], nv, n, codec, _esize(fmt),
                                         cs.scheme == "shuffle", stream)
-    if codec in _GPU_ONLY and (dev.type != "cuda" or not torch.cuda.is_available()):
+    raw_j = [k for k, j in enumerate(idx) if int(cs.stored_nbytes[j]) == n or codec == "none"]
+    comp_j = [k for k, j in enumerate(idx) if k not in set(raw_j)]
+    # (regions stored raw, because they did not compress, are copied out on any machine)
+    if comp_j and codec in _GPU_ONLY and (dev.type != "cuda" or not torch.cuda.is_available()):
         raise RuntimeError(f"{'ANS' if codec == 'ans' else codec} needs nvCOMP on a GPU; use zstd for portable files")
 
     # Decode into a scratch buffer laid out like `out` when shuffled (planes -> bytes after).
     tgt = out if not cs.byteshuffle else torch.empty(ofmt.nbytes, dtype=torch.uint8, device=dev)
-    raw_j = [k for k, j in enumerate(idx) if int(cs.stored_nbytes[j]) == n or codec == "none"]
-    comp_j = [k for k, j in enumerate(idx) if k not in set(raw_j)]
     if comp_j:
         regs = [cs.regions[idx[k]] for k in comp_j]
         if dev.type == "cuda" and codec != "none" and (codec in _GPU_ONLY or (

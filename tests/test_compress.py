@@ -475,6 +475,13 @@ def test_gpu_codec_without_gpu(codec):
     fake = _nv_staging(fmt, codec, _nv_regions(fmt, codec, [100] * fmt.num_regions))
     with pytest.raises(RuntimeError, match="needs nvCOMP on a GPU"):
         decompress_regions(fake, device="cpu")
+    # regions that did not compress are stored raw (stored == payload): no nvCOMP needed to read
+    # them (a GPU-written entry of incompressible data, restored on a CPU machine); until
+    # 2026-11-25 the missing GPU was an error before the regions were looked at
+    n = fmt.payload_nbytes
+    raw = _nv_staging(fmt, codec, [staging[j * fmt.region_nbytes: j * fmt.region_nbytes + n].clone()
+                                   for j in range(fmt.num_regions)])
+    assert torch.equal(decompress_regions(raw, device="cpu")[: fmt.nbytes], staging[: fmt.nbytes])
 
 
 def test_nv_header_round_trip():
