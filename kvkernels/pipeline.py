@@ -462,6 +462,19 @@ class PinnedPool:
         with self._lock:
             return max((sz for _, sz in self._free), default=0)
 
+    def largest_free_with(self, regions: list[tuple[int, int]]) -> int:
+        """The largest region ``alloc`` could return once ``regions`` (``(offset, nbytes)``, as
+        given to :meth:`free`) were freed too; nothing is freed."""
+        with self._lock:
+            spans = sorted(self._free + [(o, _round_up(max(n, 1), REGION_ALIGN)) for o, n in regions])
+        best, start, end = 0, None, None
+        for off, sz in spans:
+            if start is None or off != end:
+                start = off
+            end = off + sz
+            best = max(best, end - start)
+        return best
+
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.buffer[offset : offset + nbytes]
 
@@ -668,6 +681,9 @@ class LayerPipeline:
         self._batch_ids: tuple[tuple[torch.Tensor, ...] | None, torch.Tensor] | None = None
         # (last layer's event, [(entry, what a failure reports; None: already reported)])
         self._pending_loads: list[tuple[torch.cuda.Event | _NullEvent, list]] = []
+        # the current restore's item in _pending_loads once its last layer is issued (None before):
+        # a failure after that (the tail of _finish_issuing_loads) marks it failed, never a second item
+        self._loads_pending: tuple[torch.cuda.Event | _NullEvent, list] | None = None
         self._load_cat: torch.Tensor | None = None  # the restores' destination ids concatenated when they share a slot
         # destination ids of loads that failed: device tensors (read back when asked for, the
         # latest FAILED_LOADS_KEPT) and host ids (folded into a set: at most the cache's blocks)
@@ -1554,6 +1570,7 @@ class LayerPipeline:
                     self._note_load_error(key, hk if hk is not None else given)
                 raise
         self._loads = []
+        self._loads_pending = None
         self._load_events = {}
         self._next_load_layer = 0
         self._last_waited = -1
@@ -1706,6 +1723,18 @@ class LayerPipeline:
         :meth:`get_finished` like a finished restore's."""
         loads, self._loads, self._load_cat, self._load_batch = self._loads, [], None, None
         self._next_load_layer = self.layout.num_layers
+        queued, self._loads_pending = self._loads_pending, None
+        if queued is not None and any(item is queued for item in self._pending_loads):
+            # every layer was issued and the completion is queued already (what failed came after:
+            # ordering the streams): report them failed through that item, whose event keeps the
+            # entries in use until their copies are done. A second item decremented `users` twice
+            # (in use for ever) and reported the keys failed and then loaded
+            entries = queued[1]
+            for i, (ent, err) in enumerate(entries):
+                if err is not None:
+                    self._note_load_error(ent.key, err)
+                    entries[i] = (ent, None)
+            return
         if not loads:
             return
         for ent, *_, err in loads:
@@ -1755,7 +1784,8 @@ class LayerPipeline:
             # evictable, their pool regions and gates untouched) until get_finished sees it
             ev = self._event()
             ev.record(done_on if self.cuda else None)
-            self._pending_loads.append((ev, [(ent, err) for ent, _, _, err in self._loads]))
+            self._loads_pending = (ev, [(ent, err) for ent, _, _, err in self._loads])
+            self._pending_loads.append(self._loads_pending)
         else:
             ev = self._layer_loaded[layer]
             self._record(ev, done_on)
@@ -1989,16 +2019,25 @@ class LayerPipeline:
         return off
 
     def _evict_for(self, nbytes: int) -> None:
-        """Free finished entries (oldest first) until ``nbytes`` could fit."""
+        """Free finished entries (oldest first) until ``nbytes`` could fit — none when freeing
+        all of them would not make one piece that large (an entry larger than the pool, or
+        entries in use splitting it): a save that cannot fit anyway emptied the host cache."""
         need = _round_up(max(nbytes, 1), REGION_ALIGN)
         with self._lock:
-            for key in list(self.entries):
-                if self.pool.largest_free >= need:  # one piece must fit, not the sum of the pieces
-                    return
-                ent = self.entries[key]
+            if self.pool.largest_free >= need:  # one piece must fit, not the sum of the pieces
+                return
+            victims: list[Hashable] = []
+            regions: list[tuple[int, int]] = []
+            for key, ent in self.entries.items():
                 if ent.state in ("saved", "ready", "failed") and not self._in_use(ent):
-                    del self.entries[key]
-                    self._release(ent)
+                    victims.append(key)
+                    regions.append((ent.offset, ent.fmt.nbytes))
+                    if self.pool.largest_free_with(regions) >= need:
+                        break
+            else:
+                return
+            for key in victims:
+                self._release(self.entries.pop(key))
 
     def evict(self, key) -> bool:
         """Drop ``key``'s host copy (not its SSD copy). False if absent or in use."""
@@ -2018,6 +2057,11 @@ class LayerPipeline:
             if self._close_done:
                 return
             self._closed = True  # first: a prefetch racing close() is refused, not left half-submitted
+            if self._loads and self._next_load_layer < self.layout.num_layers:
+                # a restore whose last layers were never issued (get_finished does not issue them
+                # after close): reported failed, as a save left part way is, not left unreported
+                # with its entry in use
+                self._fail_loads()
             self._io_reads.shutdown(wait=True)
             with self._io_cv:
                 self._io_cv.notify_all()

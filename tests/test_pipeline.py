@@ -851,6 +851,82 @@ def test_eviction_frees_until_one_piece_fits():
         assert not pipe.failed_saves and "big" in pipe.entries and "y" not in pipe.entries
 
 
+def test_a_save_that_cannot_fit_evicts_nothing():
+    """Found by review (2026-11-25): eviction freed finished entries until one piece fit without
+    asking first whether it could: a save larger than the whole pool (a long request) emptied the
+    host cache and failed anyway, and so did one that entries in use split the pool against."""
+    lay = cache()
+    one = _one_entry_bytes(lay, 2)
+    with LayerPipeline(lay, host_bytes=4 * one) as pipe:
+        run_step_saves(pipe, {k: ids([2 * i, 2 * i + 1]) for i, k in enumerate("abc")})
+        drain(pipe)
+        assert _one_entry_bytes(lay, 20) > pipe.pool.nbytes
+        run_step_saves(pipe, {"long": ids(list(range(20)))})
+        drain(pipe)
+        assert pipe.take_failed_saves() == {"long"} and sorted(pipe.entries) == ["a", "b", "c"]
+        run_step_saves(pipe, {"d": ids([6, 7])})  # fills the pool: a b c d, one unit each
+        drain(pipe)
+        expect = snapshot(lay, [2, 3])
+        pipe.start_load({"b": ids([30, 31])})  # b in use (until get_finished reports it) at unit 1
+        for layer in range(L):
+            pipe.wait_for_layer_load(layer)
+        assert pipe.entries["b"].offset == one and pipe.entries["b"].users == 1
+        # 3 units: the pool holds 4, but b splits it into 1 + 2 — no eviction can make room
+        run_step_saves(pipe, {"x": ids(list(range(8, 14)))})
+        assert pipe.take_failed_saves() == {"x"} and sorted(pipe.entries) == ["a", "b", "c", "d"]
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert drain(pipe)[1] == {"b"}
+        assert_blocks_hold(lay, [30, 31], expect)
+        run_step_saves(pipe, {"y": ids(list(range(8, 14)))})  # b no longer in use: the oldest make room
+        drain(pipe)
+        assert not pipe.failed_saves and "y" in pipe.entries
+
+
+def test_a_failure_after_an_asynchronous_restore_was_issued_reports_it_once_as_failed(monkeypatch):
+    """Found by review (2026-11-25): start_load(asynchronous=True) issues every layer, which queues
+    the completion; a runtime call failing after that (ordering the streams) made start_load's
+    handler queue a second completion: the key was reported failed and then loaded, and the
+    entry's users went to -1 (in use for ever, never evictable)."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        run_step_saves(pipe, {"a": ids([1, 2])})
+        drain(pipe)
+        real = pipe._record
+
+        def record(ev, stream):
+            if ev is pipe._finished_off:
+                raise RuntimeError("cudaEventRecord failed (injected)")
+            return real(ev, stream)
+
+        monkeypatch.setattr(pipe, "_record", record)
+        with pytest.raises(RuntimeError, match="injected"):
+            pipe.start_load({"a": [20, 21]}, asynchronous=True)
+        monkeypatch.setattr(pipe, "_record", real)
+        assert pipe.take_failed_loads() == {"a"} and pipe.get_block_ids_with_load_errors() == {20, 21}
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert drain(pipe)[1] == set()  # never reported loaded
+        assert pipe.entries["a"].users == 0 and pipe.evict("a")
+
+
+def test_close_reports_a_restore_whose_last_layers_were_never_issued():
+    """Found by review (2026-11-25): a restore waited only for its first layer and then closed
+    was never reported (get_finished does not issue layers after close): neither loaded nor
+    failed, its blocks holding some layers, its entry in use. close() reports it failed, as a
+    save left part way is."""
+    lay = cache()
+    pipe = LayerPipeline(lay, host_bytes=1 << 20, prefetch_depth=1)
+    run_step_saves(pipe, {"a": ids([1, 2])})
+    drain(pipe)
+    pipe.start_load({"a": [10, 11]})
+    pipe.wait_for_layer_load(0)
+    assert pipe._next_load_layer < L
+    pipe.close()
+    assert pipe.take_failed_loads() == {"a"} and pipe.get_block_ids_with_load_errors() == {10, 11}
+    assert drain(pipe)[1] == set() and pipe.entries["a"].users == 0
+
+
 def test_start_load_with_a_bad_key_changes_nothing():
     lay = cache()
     with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
