@@ -1368,6 +1368,9 @@ class LayerPipeline:
             if ent is not None:  # a failed earlier read: its pool region goes back before the retry
                 del self.entries[key]
                 self._drop(ent)  # (freed once nothing uses it: _in_use checks its copies' event)
+            # the gates first: a pinned allocation that fails (host memory short) after the pool
+            # region was taken would have lost the region
+            gates = torch.zeros(num_layers, dtype=torch.int32, pin_memory=self._gpu_gates)
             off = self._alloc_host(fmt.nbytes)
             if off is None:
                 fail("host_bytes", f"room for {fmt.nbytes} more bytes in the host pool", f"{self.pool.free_bytes} free")
@@ -1377,8 +1380,7 @@ class LayerPipeline:
             done: Future = Future()
             done.set_running_or_notify_cancel()
             ent = HostEntry(key=key, fmt=fmt, offset=off, buf=self.pool.view(off, fmt.nbytes), state="loading",
-                            gate=torch.zeros(num_layers, dtype=torch.int32, pin_memory=self._gpu_gates),
-                            layer_read=[threading.Event() for _ in range(num_layers)], read_future=done)
+                            gate=gates, layer_read=[threading.Event() for _ in range(num_layers)], read_future=done)
             self.entries[key] = ent
         assert ent.gate is not None  # (made just above, as its layer_read)
         gate = ent.gate.numpy()  # plain stores from the reading thread

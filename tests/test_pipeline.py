@@ -768,6 +768,27 @@ def test_prefetch_retry_after_a_failed_read_gives_the_region_back():
         assert free - pipe.pool.free_bytes == -(-ent.fmt.nbytes // 4096) * 4096  # one region, not three
 
 
+def test_a_prefetch_whose_gate_allocation_fails_keeps_no_pool_region(monkeypatch):
+    """From review (2026-11-25): the gates (pinned on a GPU) were allocated after the pool region
+    was taken; a failing allocation (host memory short) lost the region for good."""
+    import kvkernels.pipeline as pl
+
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20, store=_FailingStore()) as pipe:
+        free, real = pipe.pool.free_bytes, torch.zeros
+
+        def zeros(*a, **k):
+            if k.get("dtype") is torch.int32 and "pin_memory" in k:  # the gates
+                raise RuntimeError("CUDA error: out of memory (injected)")
+            return real(*a, **k)
+
+        monkeypatch.setattr(pl.torch, "zeros", zeros)
+        with pytest.raises(RuntimeError, match="injected"):
+            pipe.prefetch("k", num_blocks=2)
+        monkeypatch.setattr(pl.torch, "zeros", real)
+        assert pipe.pool.free_bytes == free and "k" not in pipe.entries
+
+
 def test_restored_entry_stays_in_use_until_get_finished_reports_it():
     # the H2D copies of a restore may run after start_load / wait_for_layer_load return: the
     # entry's pool region must not be evicted and reused before get_finished saw them complete
