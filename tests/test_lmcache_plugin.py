@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -1722,3 +1723,78 @@ def test_chunks_of_many_token_counts_keep_a_bounded_staging_pool(tmp_path):
         assert held == io.bufs.held
     finally:
         store.close()
+
+
+# ------------------------------------------------ review fixes (2026-11-25, 31st session)
+def test_a_prefetch_cancelled_while_its_reads_run_frees_its_chunks_only_after_them(mgr, monkeypatch):
+    """Found by review: a batched_get_non_blocking task cancelled while its reads ran (a timeout
+    around the prefetch) gave its MemoryObjs back to LMCache at once; the reads then wrote the
+    stored chunk into memory LMCache had handed to another user. They go back once the reads
+    are done now (LMCache 0.5.6 itself never cancels this task)."""
+    p = mgr.plugin
+    obj, _ = mgr.chunk(7)
+    mgr.put([_key(7)], [obj])
+    pool = mgr.cpu.memory_allocator.pin_allocator
+    active = pool.num_active_allocations
+    started, release, finished = threading.Event(), threading.Event(), threading.Event()
+    real_start, real_finish = p.io.start_read, p._finish_read
+
+    def slow_start(*a, **k):  # a slow disk: the read is issued once released
+        started.set()
+        assert release.wait(20)
+        return real_start(*a, **k)
+
+    def finish(*a, **k):
+        try:
+            return real_finish(*a, **k)
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(p.io, "start_read", slow_start)
+    monkeypatch.setattr(p, "_finish_read", finish)
+    fut = asyncio.run_coroutine_threadsafe(p.batched_get_non_blocking("req-x", [_key(7)]), mgr.sm.loop)
+    assert started.wait(20)
+    fut.cancel()
+    deadline = time.time() + 10
+    while not fut.cancelled() and time.time() < deadline:
+        time.sleep(0.01)
+    assert fut.cancelled() and pool.num_active_allocations == active + 1  # still held for the read
+    # LMCache hands out other memory meanwhile: the read cannot land in it
+    new = mgr.sm.allocate(torch.Size([2, L, T, H * D]), torch.bfloat16, MemoryFormat.KV_2LTD)
+    new.tensor.zero_()
+    release.set()
+    assert finished.wait(20)
+    mgr.run(asyncio.sleep(0.05))  # the loop runs the read's done-callback
+    assert not bool(new.tensor.ne(0).any())  # (it held the stored chunk's bytes before the fix)
+    new.ref_count_down()
+    assert pool.num_active_allocations == active  # the cancelled read's object went back after it
+
+
+def test_a_prefetch_counts_a_key_gone_since_its_lookup_as_a_miss(mgr):
+    """Found by review: the prefetch path counted nothing for a key whose entry was gone (or
+    unreadable) when it ran, where batched_get_blocking counts a miss."""
+    p = mgr.plugin
+    keys = [_key(40 + i) for i in range(3)]
+    mgr.put(keys, [mgr.chunk(40 + i)[0] for i in range(3)])
+    assert mgr.run(p.batched_async_contains("req", keys, pin=True)) == 3
+    p.remove(keys[1])
+    s0 = p.stats()
+    got = mgr.run(p.batched_get_non_blocking("req", keys))
+    assert len(got) == 1
+    for o in got:
+        o.ref_count_down()
+    s1 = p.stats()
+    assert (s1["gets"] - s0["gets"], s1["hits"] - s0["hits"], s1["misses"] - s0["misses"]) == (3, 1, 1)
+
+
+def test_extra_config_takes_pathlib_paths(tmp_path):
+    """Found by review: lmcache_extra_config(Path(...)) raised "'PosixPath' object is not
+    iterable", and [Path(...)] was refused as not a directory."""
+    from pathlib import Path
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert lmcache_extra_config(a)["kvkernels.paths"] == str(a)
+    assert lmcache_extra_config([a, str(b)])["kvkernels.paths"] == [str(a), str(b)]
+    assert parse_extra_config({"kvkernels.paths": Path(a)}).paths == (str(a),)
+    with pytest.raises(PluginConfigError, match="`kvkernels.paths`: expected a directory or a list"):
+        lmcache_extra_config(3)

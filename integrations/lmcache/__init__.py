@@ -15,6 +15,8 @@ Tested with ``lmcache==0.5.6`` (the plugin API moves between minor versions).
 
 from __future__ import annotations
 
+import os
+
 from .config import CLASS_NAME, KEYS, MODULE_PATH, PLUGIN_NAME, PluginConfigError, PluginSettings, parse_extra_config
 from .convert import ChunkShape, chunk_to_staging, staging_to_chunk
 
@@ -25,6 +27,18 @@ __all__ = ["KVKernelsBackend", "key_string", "PluginConfigError", "PluginSetting
 TESTED_LMCACHE = "0.5.6"
 
 
+def _path_text(paths):
+    """``paths`` as LMCache's config holds them: a string or a list of strings (``pathlib.Path``
+    items turned into their text; anything else is left for ``parse_extra_config`` to refuse)."""
+    one = lambda p: os.fspath(p) if isinstance(p, os.PathLike) else p  # noqa: E731
+    if isinstance(paths, (str, os.PathLike)):
+        return one(paths)
+    try:
+        return [one(p) for p in paths]
+    except TypeError:  # not iterable: refused below, naming the key
+        return paths
+
+
 def lmcache_extra_config(paths, **kvkernels_keys) -> dict:
     """The ``extra_config`` entries that enable the plugin (add ``storage_plugins: [kvkernels]``).
 
@@ -33,7 +47,7 @@ def lmcache_extra_config(paths, **kvkernels_keys) -> dict:
     """
     out = {f"storage_plugin.{PLUGIN_NAME}.module_path": MODULE_PATH,
            f"storage_plugin.{PLUGIN_NAME}.class_name": CLASS_NAME,
-           "kvkernels.paths": paths if isinstance(paths, str) else list(paths)}
+           "kvkernels.paths": _path_text(paths)}
     out.update({f"kvkernels.{k}": v for k, v in kvkernels_keys.items()})
     parse_extra_config(out)  # fail here, not in LMCache's launcher
     return out

@@ -101,6 +101,28 @@ def key_string(key) -> str:
     return "lmcache/2:" + json.dumps(fields, separators=(",", ":"), ensure_ascii=False)
 
 
+
+def _when_done(fut, fn) -> None:
+    """``fn(fut)`` once the executor job behind ``fut`` is done — now when there is none or it is
+    done already. Its outcome is retrieved (no "exception was never retrieved" for a job whose
+    waiter was cancelled)."""
+    if fut is None or fut.done():
+        fn(fut)
+        return
+
+    def done(f):
+        if not f.cancelled():
+            f.exception()
+        fn(f)
+
+    fut.add_done_callback(done)
+
+
+def _free_result(fut) -> None:
+    """Give back the MemoryObj an abandoned allocation returned (if any)."""
+    if fut is not None and not fut.cancelled() and fut.exception() is None and fut.result() is not None:
+        fut.result().ref_count_down()
+
 class KVKernelsBackend(StoragePluginInterface):
     """LMCache storage plugin: chunks stored as layer-addressable, checksummed kvkernels entries.
 
@@ -669,6 +691,7 @@ class KVKernelsBackend(StoragePluginInterface):
                     no_room = no_room or obj is None
                 except ValueError as exc:
                     log.warning("kvkernels LMCache plugin: %s unreadable: %s", ks, exc)
+                    self._count("misses")
             else:
                 self._count("misses")
             objs.append(obj)
@@ -709,21 +732,26 @@ class KVKernelsBackend(StoragePluginInterface):
             no_room = False
             for key, ks in zip(keys, kss):
                 header = self.store.header(ks)
-                if header is None:
+                if header is None:  # (gone since the lookup) a miss, as batched_get_blocking counts it
+                    self._count("misses")
                     break
                 try:
                     shape, mfmt = self._read_shape(key, header)
-                except ValueError:
+                except ValueError as exc:
+                    log.warning("kvkernels LMCache plugin: %s unreadable: %s", ks, exc)
+                    self._count("misses")
                     break
                 obj = self._allocate(shape, mfmt, busy_loop=False, count=not sync)  # never spin on the event loop
                 if obj is None and sync and not self._closed:
                     # the synchronous layer-wise retrieve must get every chunk: wait a little for
                     # room, on a plugin thread (the event loop keeps running)
+                    waiting = loop.run_in_executor(self._read_pool, self._allocate_patiently, shape, mfmt)
                     try:
-                        obj = await loop.run_in_executor(self._read_pool, self._allocate_patiently, shape, mfmt)
-                    except BaseException:  # the plugin closed meanwhile: give back what was allocated
-                        for o in objs:
+                        obj = await asyncio.shield(waiting)
+                    except BaseException:  # the plugin closed meanwhile, or this task was cancelled:
+                        for o in objs:  # give back what was allocated (no read into them yet)
                             o.ref_count_down()
+                        _when_done(waiting, _free_result)  # and what the allocation still returns
                         raise
                     if obj is not None and self._closed:
                         obj.ref_count_down()
@@ -735,13 +763,18 @@ class KVKernelsBackend(StoragePluginInterface):
                     break
                 objs.append(obj)
                 orders.append(shape.order)
+            reading = None
             try:
                 if self._closed:
                     raise RuntimeError("KVKernelsBackend is closed")
-                ok = await loop.run_in_executor(self._read_pool, self._read_many, kss[: len(objs)], objs, orders)
+                reading = loop.run_in_executor(self._read_pool, self._read_many, kss[: len(objs)], objs, orders)
+                ok = await asyncio.shield(reading)
             except BaseException as exc:  # e.g. the plugin closed while this get waited: nothing leaks
-                for o in objs:
-                    o.ref_count_down()
+                # the objects go back to LMCache's pool once nothing writes into them: a task cancelled
+                # while its reads run (a timeout around the prefetch) freed them at once, and the
+                # reads then wrote into memory LMCache had handed to another chunk
+                held = list(objs)
+                _when_done(reading, lambda _: [o.ref_count_down() for o in held])
                 if sync or not isinstance(exc, Exception):
                     raise
                 # a prefetch: LMCache's done-callback would fail on an exception and never answer

@@ -149,6 +149,9 @@ def parse_extra_config(extra: dict | None) -> PluginSettings:
     raw = get("paths")
     if raw is None:
         raise _err("paths", "a directory or a list of directories (required)", raw)
+    # (a pathlib.Path from Python code: its text, as a YAML config would give it)
+    fs = lambda p: os.fspath(p) if isinstance(p, os.PathLike) and isinstance(os.fspath(p), str) else p  # noqa: E731
+    raw = fs(raw) if not isinstance(raw, (list, tuple)) else type(raw)(fs(p) for p in raw)
     if isinstance(raw, str):
         paths = [p.strip() for p in raw.split(",") if p.strip()]
     elif isinstance(raw, (list, tuple)) and all(isinstance(p, str) for p in raw):
