@@ -40,6 +40,8 @@ import struct
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from kvkernels._validate import check, check_int, fail
 from kvkernels.staging import REGION_ALIGN, StagingFormat
 
@@ -152,6 +154,15 @@ class EntryMeta:
               f"{self.fmt.nbytes} bytes ({len(self.layers)} regions of {self.fmt.region_nbytes})")
         for name in ("dtype", "scheme", "codec"):
             _ascii(getattr(self, name), f"meta.{name}")
+        # what the stored bytes are: a restore follows it (scatter_quant(scheme=...)); "fp8" (the
+        # quant= name) was written without a word and refused only at restore, its granularity lost
+        from kvkernels.quant import STORE_SCHEMES  # (here: kvkernels.quant imports the ops, which import this)
+
+        check(self.scheme in STORE_SCHEMES, "meta.scheme", f"one of {STORE_SCHEMES}", repr(self.scheme))
+        dt = getattr(torch, self.dtype, None)  # (a name that is not a torch dtype is the caller's own)
+        if isinstance(dt, torch.dtype):
+            check(dt.itemsize == self.element_size, "meta.element_size",
+                  f"{dt.itemsize}, the size of meta.dtype {self.dtype!r}", self.element_size)
         return self
 
 

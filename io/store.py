@@ -663,6 +663,11 @@ class KVStore:
             check(staging.numel() >= fmt.nbytes, "staging", f"at least {fmt.nbytes} bytes", staging.numel())
             check(meta.codec == "none", "meta.codec", "'none' for a single staging buffer (pass per-region buffers)",
                   meta.codec)
+            # an FP8 staging's regions are not at the raw format's offsets: a buffer at least the raw
+            # size (a reused scratch buffer) was cut there and stored wrong, without an error
+            check(not meta.scheme.startswith("fp8"), "staging",
+                  f"per-region buffers for scheme {meta.scheme!r} (an FP8 staging's regions are not at the raw "
+                  "format's offsets)", "a single buffer")
             pieces = [[staging[: fmt.nbytes]]]
         nbytes = sum(t.numel() for segs in pieces for t in segs)
         self._acquire_inflight(nbytes)

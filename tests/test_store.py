@@ -2561,3 +2561,25 @@ def test_a_put_interrupted_while_waiting_its_turn_passes_the_turn_on(tmp_path, m
         t.join()
         store._release_inflight(2)
         assert store._inflight == 0 and not store._tickets_abandoned
+
+
+def test_entry_meta_refuses_a_scheme_or_dtype_its_bytes_cannot_be(tmp_path):
+    """Found by review (2026-11-25): any short ASCII scheme was accepted, so scheme="fp8" (the
+    quant= name) was written without a word and refused only at restore, its granularity lost;
+    a dtype contradicting element_size too. An FP8 staging passed as one buffer (at least the
+    raw size: a reused scratch buffer) was cut at the raw format's offsets and stored wrong."""
+    import dataclasses
+
+    lay, buf, meta = staged()
+    with KVStore(tmp_path) as store:
+        for bad, match in ((dict(scheme="fp8"), r"`meta.scheme`: expected one of \('raw', 'shuffle', 'fp8-token'"),
+                           (dict(dtype="bfloat16", element_size=4), r"`meta.element_size`: expected 2, the size of"),
+                           (dict(dtype="float32"), r"`meta.element_size`: expected 4, the size of")):
+            with pytest.raises(ValueError, match=match):
+                store.put("k", buf, dataclasses.replace(meta, **bad))
+        with pytest.raises(ValueError, match=r"`staging`: expected per-region buffers for scheme 'fp8-token'"):
+            store.put("k", buf, dataclasses.replace(meta, scheme="fp8-token"))
+        assert not store.contains("k") and files(tmp_path) == []
+        opaque = dataclasses.replace(meta, dtype="fp8_e4m3+scales")  # not a torch dtype: the caller's own name
+        store.put("k", buf, opaque).result()
+        assert store.header("k").meta.dtype == "fp8_e4m3+scales"
