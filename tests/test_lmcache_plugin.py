@@ -143,6 +143,10 @@ def test_created_by_lmcache_launcher_from_config(tmp_path):
     ({"kvkernels.paths": "/tmp/x", "kvkernels.quant": "fp8", "kvkernels.compression": "zstd",
       "kvkernels.byteshuffle": True}, "kvkernels.byteshuffle"),
     ({"kvkernels.paths": "/tmp/x", "kvkernels.inplace_io": "sometimes"}, "kvkernels.inplace_io"),
+    # (review, 2026-11-25: taken and did nothing, as byteshuffle without a codec would)
+    ({"kvkernels.paths": "/tmp/x", "kvkernels.quant_granularity": "block"}, "kvkernels.quant_granularity"),
+    ({"kvkernels.paths": "/tmp/x", "kvkernels.quant": "none", "kvkernels.quant_granularity": "block"},
+     "kvkernels.quant_granularity"),
 ])
 def test_bad_config_names_the_key(extra, key):
     with pytest.raises(PluginConfigError, match=key.replace(".", r"\.")):

@@ -194,4 +194,7 @@ def parse_extra_config(extra: dict | None) -> PluginSettings:
         raise _err("byteshuffle", f"false with `{PREFIX}quant`: fp8 (one-byte codes have no byte planes)", True)
     if kw.get("byteshuffle") and kw.get("compression", "none") == "none":
         raise _err("byteshuffle", f"false unless `{PREFIX}compression` is a codec", True)
+    if kw.get("quant_granularity") == "block" and kw.get("quant", "none") == "none":
+        # (it was taken and did nothing: the chunks were stored raw)
+        raise _err("quant_granularity", f"'token' or unset unless `{PREFIX}quant` is fp8", "block")
     return PluginSettings(**kw)
