@@ -161,6 +161,28 @@ def test_flip_a_region_byte_gives_corrupt_error_then_miss(tmp_path, engine):
     assert files(tmp_path) == [path + ".corrupt"]
 
 
+def test_damaged_files_renamed_aside_are_reported_at_open(tmp_path, caplog):
+    """From review (2026-11-25): the *.corrupt files a get renames aside were never counted,
+    listed or said again: on a failing disk they pile up outside capacity_bytes unnoticed. The
+    store still never deletes them (they are the evidence); an open reports them."""
+    _, buf, meta = staged()
+    with KVStore(tmp_path) as store:
+        h = store.put("k", buf, meta).result()
+        (path,) = files(tmp_path)
+        with open(path, "r+b") as f:
+            f.seek(h.regions[0].offset)
+            f.write(b"\xff" * 8)
+        with pytest.raises(CorruptEntryError):
+            store.get("k").result()
+        assert store.recovery["corrupt_files"] == 0
+    size = os.path.getsize(path + ".corrupt")
+    with caplog.at_level(logging.WARNING, logger="kvkernels.io.store"), KVStore(tmp_path) as store:
+        assert (store.recovery["corrupt_files"], store.recovery["corrupt_bytes"]) == (1, size)
+        assert store.stats()["bytes_used"] == 0 and len(store) == 0
+    assert any("renamed *.corrupt" in r.getMessage() for r in caplog.records)
+    assert files(tmp_path) == [path + ".corrupt"]
+
+
 def test_flip_a_header_byte_is_skipped_and_reported_on_open(tmp_path, caplog):
     _, buf, meta = staged()
     with KVStore(tmp_path) as store:
