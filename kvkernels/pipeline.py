@@ -2063,7 +2063,10 @@ class LayerPipeline:
                 # a restore whose last layers were never issued (get_finished does not issue them
                 # after close): reported failed, as a save left part way is, not left unreported
                 # with its entry in use
-                self._fail_loads()
+                try:
+                    self._fail_loads()
+                except Exception:  # noqa: BLE001 - close() must still drain and release the pool
+                    log.exception("kvkernels: reporting an unfinished restore at close() failed")
             self._io_reads.shutdown(wait=True)
             with self._io_cv:
                 self._io_cv.notify_all()
