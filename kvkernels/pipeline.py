@@ -1468,14 +1468,16 @@ class LayerPipeline:
                     self._reads_inflight -= 1
                     self._io_cv.notify_all()
                 with self._lock:
-                    if self.entries.get(key) is ent:
+                    mine = self.entries.get(key) is ent  # else a save of the key replaced it: dropped there
+                    if mine:
                         del self.entries[key]
                     ent.state, ent.error = "failed", "LayerPipeline is closed"
                     gate[:] = GATE_FAILED
                     assert ent.layer_read is not None  # (made with the entry, above)
                     for e in ent.layer_read:
                         e.set()
-                    self._drop(ent)  # (a restore may have taken the entry while it waited: freed after it)
+                    if mine:  # (dropped twice, its region was freed twice: two entries could get it)
+                        self._drop(ent)  # (a restore may have taken the entry while it waited: freed after it)
                 return False
 
         with self._lock:

@@ -789,6 +789,30 @@ def test_a_prefetch_whose_gate_allocation_fails_keeps_no_pool_region(monkeypatch
         assert pipe.pool.free_bytes == free and "k" not in pipe.entries
 
 
+def test_a_prefetch_refused_at_close_after_a_save_replaced_it_frees_its_region_once(monkeypatch):
+    """From review (2026-11-25): a prefetch whose read could not be queued any more (close() had
+    shut the readers down) dropped its entry even when a save of the key had replaced it meanwhile
+    (the save parks the old entry until nothing uses it, then frees it): the region was freed
+    twice, and two later entries could be given the same memory."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20, store=_SlowStore(delay=0)) as pipe:
+        def submit(*a, **k):  # a save of the key lands first, then the readers are found shut down
+            run_step_saves(pipe, {"k": ids([1, 2])})
+            raise RuntimeError("cannot schedule new futures after shutdown")
+
+        monkeypatch.setattr(pipe._io_reads, "submit", submit)
+        with pytest.raises(Exception):
+            pipe.prefetch("k", num_blocks=2).result(timeout=10)
+        monkeypatch.undo()
+        t0 = time.time()
+        while pipe.entries["k"].state != "saved" and time.time() - t0 < 20:
+            pipe.get_finished()  # (its SSD copy is written on a thread) and reaps the replaced entry
+            time.sleep(0.01)
+        region = -(-StagingFormat.for_layout(lay, 2).nbytes // 4096) * 4096
+        assert list(pipe.entries) == ["k"] and pipe.entries["k"].state == "saved"
+        assert pipe.pool.free_bytes == pipe.pool.nbytes - region and not pipe._orphans
+
+
 def test_restored_entry_stays_in_use_until_get_finished_reports_it():
     # the H2D copies of a restore may run after start_load / wait_for_layer_load return: the
     # entry's pool region must not be evicted and reused before get_finished saw them complete
