@@ -1125,3 +1125,95 @@ for i in range(12):
 
     with KVStore(tmp_path / "kv") as store:
         assert len(store) == 12
+
+
+# ------------------------------------------------ review fixes (2026-11-25, 31st session)
+def test_a_multi_group_object_does_not_load_into_a_buffer_of_another_layout(l1, adapter):
+    """Found by review: a multi-group object (stored as opaque bytes) recorded only its size, so
+    a bf16 one loaded "successfully" into an fp16 buffer of the same size: bits taken for other
+    values. Its layout is part of the entry now (a hash of its groups' shapes and dtypes)."""
+    shapes = [torch.Size([2, L, T, H * D]), torch.Size([3, 5])]
+    bf16 = MemoryLayoutDesc(shapes=shapes, dtypes=[torch.bfloat16, torch.float32])
+    fp16 = MemoryLayoutDesc(shapes=shapes, dtypes=[torch.float16, torch.float32])
+    src = l1.alloc(1, bf16, seed=1)
+    assert _store(adapter, [_key(1)], src).is_successful()
+    assert _load(adapter, [_key(1)], l1.alloc(1, fp16, fill=0)) == []
+    assert adapter.report_status()["counters"]["load_mismatch"] == 1
+    dst = l1.alloc(1, bf16, fill=0)
+    assert _load(adapter, [_key(1)], dst) == [0] and bytes_equal(_bytes(dst[0]), _bytes(src[0]))
+
+
+def test_a_key_held_in_another_layout_is_replaced_by_a_store(l1, tmp_path):
+    """Found by review: an entry of another layout under a key (kept from a run with another KV
+    dtype) made every store of the key a success of 0 bytes that wrote nothing, and every load a
+    mismatch, until the store evicted it. A store replaces it now."""
+    fp16 = MemoryLayoutDesc(shapes=[torch.Size([2, L, T, H * D])], dtypes=[torch.float16])
+    a = _make(l1, tmp_path / "kv")
+    assert _store(a, [_key(7)], l1.alloc(1, KV, seed=1)).is_successful()  # run 1: bf16
+    a.close()
+    a = _make(l1, tmp_path / "kv")  # run 2: fp16
+    try:
+        src = l1.alloc(1, fp16, seed=2)
+        r = _store(a, [_key(7)], src)
+        assert r.is_successful() and r.bytes_transferred() == src[0].get_size()
+        dst = l1.alloc(1, fp16, fill=0)
+        assert _load(a, [_key(7)], dst) == [0] and bytes_equal(_bytes(dst[0]), _bytes(src[0]))
+        assert _store(a, [_key(7)], src).bytes_transferred() == 0  # the same layout now: present
+        c = a.report_status()["counters"]
+        assert (c["stored"], c["store_present"], c["load_mismatch"]) == (1, 1, 0)
+    finally:
+        a.close()
+
+
+def test_a_write_that_fails_after_its_rename_leaves_no_readable_entry(l1, tmp_path, monkeypatch):
+    """Found by review: a put failing after its rename (an EIO syncing the directory, fsync on)
+    was reported failed and never told to LMCache, yet the entry stayed: lookups hit and loads
+    succeeded while LMCache's usage never counted it. It is removed now."""
+    import errno
+
+    import kvkernels.io.store as store_mod
+
+    a = _make(l1, tmp_path / "kv", fsync=True)
+    try:
+        real, calls = store_mod._fsync_dir, []
+
+        def fsync_dir(d):
+            calls.append(d)
+            if len(calls) > 1:  # the shard folder's parent first, then the rename's directory
+                raise OSError(errno.EIO, "injected EIO")
+            real(d)
+
+        monkeypatch.setattr(store_mod, "_fsync_dir", fsync_dir)
+        a.store._shards_synced.clear()
+        r = _store(a, [_key(9)], l1.alloc(1, seed=3))
+        monkeypatch.setattr(store_mod, "_fsync_dir", real)
+        assert not r.is_successful() and len(calls) >= 2
+        assert a.get_usage().total_bytes_used == 0 and _lookup(a, [_key(9)]) == []
+        assert not a.store.contains(object_key_string(_key(9)))
+    finally:
+        a.close()
+
+
+def test_a_constructor_failing_after_the_store_opened_leaves_nothing_open(l1, tmp_path, monkeypatch):
+    """Found by review: an adapter whose third event fd could not be made (EMFILE) left its store
+    open (the folder locked: a retry in the same process was refused) and two event fds."""
+    import errno
+
+    import kvkernels.integrations.lmcache.l2_adapter as mod
+
+    real, n = mod.create_event_notifier, [0]
+
+    def flaky():
+        n[0] += 1
+        if n[0] == 3:
+            raise OSError(errno.EMFILE, "Too many open files (injected)")
+        return real()
+
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    before = fds()
+    monkeypatch.setattr(mod, "create_event_notifier", flaky)
+    with pytest.raises(OSError, match="injected"):
+        _make(l1, tmp_path / "kv")
+    monkeypatch.setattr(mod, "create_event_notifier", real)
+    assert fds() == before
+    _make(l1, tmp_path / "kv").close()  # the folder is free again

@@ -43,6 +43,10 @@ from .convert import ChunkShape, chunk_layout, chunk_to_staging, staging_to_chun
 __all__ = ["BufferPool", "ChunkIO", "PendingRead", "shape_of_header", "fp8_granularity", "FP8_SOURCE_DTYPES",
            "run_windowed"]
 
+#: an entry's dtype field for an opaque object's bytes: this prefix and a hash of its layout
+OPAQUE_DTYPE_PREFIX = "obj:"
+
+
 def fp8_granularity(scheme: str) -> Optional[str]:
     """``"token"``/``"block"`` for FP8 entries (scheme ``fp8-token``/``fp8-block``), else None.
     (FP8 applies to the chunk dtypes in ``FP8_SOURCE_DTYPES``; 8-bit chunks are stored as they are.)"""
@@ -53,7 +57,8 @@ def fp8_granularity(scheme: str) -> Optional[str]:
 def shape_of_header(header) -> ChunkShape:
     """The chunk shape an entry decodes into; ``ValueError`` for entries that are not one chunk."""
     m = header.meta
-    dtype = getattr(torch, m.dtype, None)
+    # (an opaque object of the L2 adapter: its bytes, its layout's hash in the dtype field)
+    dtype = torch.uint8 if m.dtype.startswith(OPAQUE_DTYPE_PREFIX) else getattr(torch, m.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"stored dtype {m.dtype!r} is not a torch dtype")
     if m.num_blocks != 1 or m.num_kv not in (1, 2) or tuple(m.layers) != tuple(range(m.num_layers)):

@@ -43,6 +43,7 @@ built-in adapters):
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import threading
@@ -63,7 +64,7 @@ from lmcache.v1.platform import create_event_notifier
 from kvkernels.io.store import close_before_stores_at_exit
 from kvkernels.quant import store_scheme
 
-from .chunk_io import ChunkIO, run_windowed
+from .chunk_io import OPAQUE_DTYPE_PREFIX, ChunkIO, run_windowed
 from .config import KEYS, PREFIX, PluginConfigError, PluginSettings, environment_error, parse_extra_config
 from .convert import ChunkShape
 
@@ -204,6 +205,15 @@ class _Plan:
     nbytes: int  # logical bytes of the object
 
 
+def _opaque_layout(shapes, dtypes) -> str:
+    """An opaque object's layout as a store entry's dtype (at most 16 ASCII characters): ``uint8``
+    when the object does not say, else ``obj:`` and a hash of its groups' shapes and dtypes."""
+    if not shapes and not dtypes:
+        return "uint8"
+    desc = repr(([tuple(int(x) for x in sh) for sh in shapes], [str(d) for d in dtypes]))
+    return OPAQUE_DTYPE_PREFIX + hashlib.blake2b(desc.encode(), digest_size=6).hexdigest()
+
+
 def _meta_key(m) -> tuple:
     """The fields of an EntryMeta that must match between an entry and a destination buffer (the
     hidden size, not its split into heads: that only shapes FP8 scales, and decoding follows the
@@ -262,6 +272,27 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                 raise L2AdapterConfigError(f"kvkernels L2 adapter: {exc}") from exc
             raise L2AdapterConfigError(f"kvkernels L2 adapter: cannot open the store at `adapter_params.paths`="
                                        f"{list(settings.paths)}: {type(exc).__name__}: {exc}") from exc
+        try:
+            self._init_after_store(settings)
+        except BaseException:
+            # nothing of a refused adapter stays open: its event fds, pools and the store (whose
+            # folder lock made a retry in the same process fail: "store folder ... in use")
+            for name in ("_store_pool", "_load_pool", "_lock_pool"):
+                pool = getattr(self, name, None)
+                if pool is not None:
+                    pool.shutdown(wait=False)
+            for name in ("_store_efd", "_lookup_efd", "_load_efd"):
+                efd = getattr(self, name, None)
+                if efd is not None:
+                    try:
+                        efd.close()
+                    except Exception:  # noqa: BLE001 - the constructor's own error is the one raised
+                        pass
+            self.store.close()
+            raise
+
+    def _init_after_store(self, settings) -> None:
+        """The rest of the constructor, once the store is open (undone by it on failure)."""
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
@@ -386,9 +417,12 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                 return _Plan(meta, cs, size)
         if size <= 0:
             raise ValueError("empty memory object")
-        # any other object: its bytes as a one-layer [1, 1, size, 1] uint8 "chunk"
+        # any other object: its bytes as a one-layer [1, 1, size, 1] uint8 "chunk". Its layout (the
+        # shapes and dtypes of its groups) is recorded in the entry's dtype field, so a load into a
+        # buffer of another layout of the same size is a mismatch, not bits taken for other values
         meta = EntryMeta(layers=(0,), num_blocks=1, block_size=size, num_heads=1, head_dim=1, element_size=1,
-                         num_kv=1, num_layers=1, dtype="uint8", scheme="raw", codec=s.compression)
+                         num_kv=1, num_layers=1, dtype=_opaque_layout(shapes, dtypes), scheme="raw",
+                         codec=s.compression)
         return _Plan(meta, ChunkShape(1, 1, size, 1, 1, torch.uint8), size)
 
     @staticmethod
@@ -444,11 +478,15 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                         followed.append((ks, other))
                         continue
                     assert mine is not None  # (claimed above: no other write of ks)
-                    if self.store.contains(ks):
+                    plan = self._plan(obj)
+                    held = self.store.header(ks)
+                    if held is not None and _meta_key(held.meta) == _meta_key(plan.meta):
                         self._count("store_present")
                         self._release(ks, mine)
                         continue
-                    plan = self._plan(obj)
+                    # (an entry of another layout under the key, e.g. kept from a run with another KV
+                    # dtype, is replaced: skipped as present, it made every store of the key a
+                    # success of 0 bytes and every load a mismatch)
                     # the task completes only when every write is done: the objects stay valid
                     fut, _holds = self.io.put(ks, self._chunk_view(obj, plan), plan.shape, plan.meta)
                     pending.append((key, ks, fut, plan.nbytes, mine))
@@ -474,6 +512,12 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                 ok, err = False, exc
                 self._count("store_errors")
                 log.warning("kvkernels L2 adapter: write of %s failed: %s: %s", ks, type(exc).__name__, exc)
+                # a put that failed after its rename (the directory sync) leaves a readable entry
+                # LMCache is never told of (lookups hit, its usage never counts it): removed
+                try:
+                    self.store.remove(ks)
+                except Exception:  # noqa: BLE001 - a closed store: nothing more to do
+                    pass
             finally:
                 self._release(ks, mine, err)
         # after this task's own writes ended (a task waiting here never holds up one waiting for it)
