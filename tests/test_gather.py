@@ -364,6 +364,23 @@ def test_env_backend_triton_on_cpu_without_the_interpreter_takes_torch(monkeypat
     assert torch.equal(kvkernels.gather(lay, [1]), expected_staging(lay, [1]))
 
 
+@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("On", True), ("YES", True), ("0", False),
+                                       ("false", False), ("", False), ("2", False)])
+def test_triton_interpret_is_read_as_triton_reads_it(monkeypatch, value, on):
+    """Found by review (2026-11-25): only "1" counted, so TRITON_INTERPRET=true ran Triton's
+    interpreter while kvkernels refused CPU tensors for want of it."""
+    from kvkernels import backends
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert backends.triton_interpret() is on
+    try:
+        import triton.knobs as knobs  # the source of truth, where this triton has it
+    except ImportError:
+        return
+    if hasattr(knobs, "getenv_bool"):
+        assert knobs.getenv_bool("TRITON_INTERPRET", False) is on
+
+
 def test_a_triton_older_than_the_kernels_need_is_not_used(monkeypatch):
     """Triton 3.2 (torch 2.6's) cannot compile the FP8 gather (no tl.gather) and its interpreter
     miscounts invalid ids: kvkernels treats it as absent, with the reason, instead of failing
