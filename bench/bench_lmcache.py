@@ -379,7 +379,7 @@ class _DD:
 
 
 @contextlib.contextmanager
-def _session(directory, reps: int, shape):
+def _session(directory, reps: int, shape, tiny: bool):
     """A fresh ``kvk-bench-lmcache-*`` folder inside ``directory`` (default ``KVKERNELS_BENCH_DIR``,
     else the system temp dir; removed afterwards, nothing else in ``directory`` is touched),
     LMCache's event loop on a thread, run metadata, and a list the caller fills with benches (all
@@ -387,7 +387,7 @@ def _session(directory, reps: int, shape):
     directory = common.fresh_bench_dir(directory, "kvk-bench-lmcache-", "bench lmcache")
     logging.getLogger("lmcache").setLevel(logging.WARNING)
     L, T, H, D, _ = shape
-    meta = common.env_record()
+    meta = common.env_record(tiny=tiny)  # (a tiny run's file said nothing of it: it read as a measurement)
     try:
         meta["lmcache"] = md.version("lmcache")
     except md.PackageNotFoundError:  # pragma: no cover
@@ -469,7 +469,7 @@ def run(*, directory=None, chunks=32, reps=3, out_dir="bench_results", tiny=Fals
     shape = (layers, tokens, heads, head_dim, torch.bfloat16)
     ceiling = None
     _start()
-    with _session(directory, reps, shape) as (directory, loop, meta, benches):
+    with _session(directory, reps, shape, tiny) as (directory, loop, meta, benches):
         meta["gds"] = "skipped: LMCache's GdsBackend needs CUDA and cuFile" if not torch.cuda.is_available() else \
             "not measured by this script yet"
         if not torch.cuda.is_available():
@@ -584,7 +584,7 @@ def _run_mode(mode: str, stem: str, columns, make, step, *, directory, chunks, r
         chunks, reps = tiny_chunks, 1
         print(f"[bench] tiny sizes: {chunks} chunks, 1 rep (--chunks / --reps do not apply)", flush=True)
     _start()
-    with _session(directory, reps, shape) as (directory, loop, meta, benches):
+    with _session(directory, reps, shape, tiny) as (directory, loop, meta, benches):
         meta["mode"] = mode
         _build(benches, backends, make, directory, shape, chunks, reps, loop)
         _rounds(benches, reps, step)

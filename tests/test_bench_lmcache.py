@@ -39,6 +39,7 @@ def test_plugin_read_that_writes_nothing_drops_its_rows(tmp_path, monkeypatch, m
     assert [r["backend"] for r in rows] == ["LocalDiskBackend"]
     saved, meta = _results(tmp_path / "out", MODES[mode][0])
     assert [r["backend"] for r in saved] == ["LocalDiskBackend"]
+    assert meta["tiny"] is True  # (review, 2026-11-25: not recorded, a smoke run's file read as a measurement)
     assert [v.split(":")[0] for v in meta["failed_variants"]] == ["kvkernels"]
     assert "came back wrong or missing" in meta["failed_variants"][0]
 
