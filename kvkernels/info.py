@@ -64,6 +64,9 @@ def info() -> dict:
     # without TRITON_INTERPRET, cuda without the library) or is malformed is reported, not raised:
     # info is the command that diagnoses that configuration
     d["backend_auto"] = _field(lambda: backends.resolve("auto", dev))
+    # every malformed KVKERNELS_* value (what `demo` and `bench` refuse to start with); info
+    # reported only KVKERNELS_BACKEND's
+    d["env_problems"] = config.env_problems()
     if d["backends"]["cuda"]:
         from . import _cuda
 

@@ -2,6 +2,7 @@
 
 import importlib
 import importlib.metadata as md
+import os
 
 import pytest
 
@@ -79,3 +80,16 @@ def test_info_reports_the_versions_through_either_wheel(monkeypatch):
     monkeypatch.setattr(_wheels, "version", lambda base: {"kvikio": "26.10.0", "nvidia-nvcomp": "6.0.0.12"}[base])
     d = info.info()
     assert d["kvikio"] == "26.10.0" and d["nvcomp"] == "6.0.0.12"
+
+
+def test_info_reports_every_malformed_variable(monkeypatch):
+    """Found by review (2026-11-25): `kvkernels info` said nothing of malformed KVKERNELS_*
+    values other than KVKERNELS_BACKEND, which `demo` and every `bench` refuse to start with."""
+    for name in list(os.environ):
+        if name.startswith("KVKERNELS_"):
+            monkeypatch.delenv(name)
+    assert info.info()["env_problems"] == []
+    monkeypatch.setenv("KVKERNELS_MAX_CTAS", "abc")
+    monkeypatch.setenv("KVKERNELS_IO_THREADS", "0")
+    got = info.info()["env_problems"]
+    assert len(got) == 2 and any("KVKERNELS_MAX_CTAS" in m for m in got) and any("KVKERNELS_IO_THREADS" in m for m in got)
