@@ -1768,7 +1768,9 @@ def test_a_prefetch_cancelled_while_its_reads_run_frees_its_chunks_only_after_th
     new.tensor.zero_()
     release.set()
     assert finished.wait(20)
-    mgr.run(asyncio.sleep(0.05))  # the loop runs the read's done-callback
+    deadline = time.time() + 20  # the loop runs the read's done-callback, which gives the object back
+    while pool.num_active_allocations > active + 1 and time.time() < deadline:
+        time.sleep(0.01)
     assert not bool(new.tensor.ne(0).any())  # (it held the stored chunk's bytes before the fix)
     new.ref_count_down()
     assert pool.num_active_allocations == active  # the cancelled read's object went back after it
