@@ -1209,7 +1209,15 @@ def test_a_constructor_failing_after_the_store_opened_leaves_nothing_open(l1, tm
             raise OSError(errno.EMFILE, "Too many open files (injected)")
         return real()
 
-    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    def fds() -> int:  # open event fds (others may come and go on other threads meanwhile)
+        n = 0
+        for f in os.listdir("/proc/self/fd"):
+            try:
+                n += "eventfd" in os.readlink(f"/proc/self/fd/{f}")
+            except OSError:
+                pass
+        return n
+
     before = fds()
     monkeypatch.setattr(mod, "create_event_notifier", flaky)
     with pytest.raises(OSError, match="injected"):
