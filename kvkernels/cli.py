@@ -288,7 +288,7 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="kvkernels", description="Fast KV-cache offload kernels.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    pi = sub.add_parser("info", help="versions, GPU, backends, I/O engines, nvCOMP")
+    pi = sub.add_parser("info", help="versions, GPU, backends, I/O engines, nvCOMP, malformed KVKERNELS_* values")
     pi.add_argument("--json", action="store_true")
     pd = sub.add_parser("demo", help="cache -> gather -> (store) -> scatter into other blocks -> verify")
     pd.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
