@@ -7,6 +7,7 @@ No ``assert`` on user input: it vanishes under ``python -O``.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, NoReturn
 
 import torch
@@ -77,6 +78,18 @@ def check_int(x: Any, name: str, *, lo: int | None = None, hi: int | None = None
     if hi is not None and x > hi:
         fail(name, f"an int <= {hi}", x)
     return x
+
+
+def check_index(x: Any, name: str, *, lo: int | None = None, hi: int | None = None) -> int:
+    """:func:`check_int` for integer-like values too (numpy / torch integers, e.g. a size read
+    from a header), never a bool, float or string that ``int()`` would quietly turn into one."""
+    if isinstance(x, bool):
+        fail(name, "an int", "bool", TypeError)
+    try:
+        x = operator.index(x)
+    except TypeError:
+        fail(name, "an int", type(x).__name__, TypeError)
+    return check_int(x, name, lo=lo, hi=hi)
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:

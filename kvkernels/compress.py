@@ -59,7 +59,7 @@ from typing import TypeGuard
 import torch
 
 from . import config
-from ._validate import check, check_int, check_tensor, describe, fail, same_device
+from ._validate import check, check_index, check_int, check_tensor, describe, fail, same_device
 from .quant import QuantStagingFormat, store_scheme
 from .staging import StagingFormat, normalize_layers
 
@@ -135,14 +135,6 @@ def _check_fmt(fmt) -> None:
 
 
 # --------------------------------------------------------------------------------------- shuffle
-def _index(x, name: str) -> int:
-    """An integer argument that may be a numpy / torch integer (a size read from a header), not a
-    float, bool or string that ``int()`` would quietly turn into one."""
-    if isinstance(x, bool) or not hasattr(type(x), "__index__"):
-        fail(name, "an int", type(x).__name__, TypeError)
-    return int(x.__index__())
-
-
 def _check_planes(element_size: int, name: str = "byteshuffle") -> int:
     """Byte planes (``name``: the argument asking for them) exist for 16-bit elements only."""
     check(element_size == 2, name, "16-bit elements (bf16 / fp16 staging, element_size 2)",
@@ -191,7 +183,7 @@ def byteshuffle(payload: torch.Tensor, element_size: int, *, out: torch.Tensor |
         Plane ``p`` (``p = 0`` the most significant byte of every element) occupies
         ``out[p * n:(p + 1) * n]``.
     """
-    e = _check_planes(_index(element_size, "element_size"), "element_size")
+    e = _check_planes(check_index(element_size, "element_size"), "element_size")
     _check_bytes(payload, "payload")
     check(payload.numel() % e == 0, "payload", f"a multiple of {e} bytes", payload.numel())
     n = payload.numel() // e
@@ -206,7 +198,7 @@ def byteshuffle(payload: torch.Tensor, element_size: int, *, out: torch.Tensor |
 
 def byteunshuffle(planes: torch.Tensor, element_size: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of :func:`byteshuffle`: ``[n * element_size]`` uint8 planes -> interleaved bytes."""
-    e = _check_planes(_index(element_size, "element_size"), "element_size")
+    e = _check_planes(check_index(element_size, "element_size"), "element_size")
     _check_bytes(planes, "planes")
     check(planes.numel() % e == 0, "planes", f"a multiple of {e} bytes", planes.numel())
     n = planes.numel() // e
@@ -305,7 +297,7 @@ class CompressedStaging:
         _check_bytes(buf, "buf")  # contiguous too: nvCOMP takes the regions' addresses as spans
         _check_fmt(fmt)
         codec = _check_codec(codec, allow_auto=False)
-        stored = tuple(_index(s, f"stored_nbytes[{j}]") for j, s in enumerate(stored_nbytes))
+        stored = tuple(check_index(s, f"stored_nbytes[{j}]") for j, s in enumerate(stored_nbytes))
         check(len(stored) == fmt.num_regions, "stored_nbytes", f"{fmt.num_regions} sizes", len(stored))
         n = fmt.payload_nbytes
         lo = 0 if n == 0 else 1  # an empty staging (no blocks) stores empty regions

@@ -6,12 +6,11 @@ Shapes are per tensor-parallel rank (``llama3-70b-tp8`` holds 1 of 8 KV heads).
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, replace
 
 import torch
 
-from ._validate import check, check_int, fail
+from ._validate import check, check_index, fail
 from .layout import PagedLayout
 
 __all__ = ["ModelShape", "MODELS", "get_model", "LAYOUTS", "make_cache", "random_fill_"]
@@ -19,13 +18,7 @@ __all__ = ["ModelShape", "MODELS", "get_model", "LAYOUTS", "make_cache", "random
 
 def _count(v, name: str) -> int:
     """A size >= 1 for these helpers: an int or anything integer-like (numpy ints), not a bool."""
-    if isinstance(v, bool):
-        fail(name, "an int", "bool", TypeError)
-    try:
-        v = operator.index(v)
-    except TypeError:
-        fail(name, "an int", type(v).__name__, TypeError)
-    return check_int(v, name, lo=1)
+    return check_index(v, name, lo=1)
 
 
 @dataclass(frozen=True)

@@ -779,8 +779,20 @@ def _entry_bytes(root) -> int:
     return sum(os.path.getsize(f) for f in files(root) if ".kvk" in os.path.basename(f))
 
 
-def _hold_reads(monkeypatch, store, paths):
-    """Reads of ``paths`` wait for the returned event (set it to let them finish)."""
+def _full_store(tmp_path, keys: str, **kw):
+    """A store whose capacity is ``len(keys)`` entries, holding them (oldest first); its entry
+    buffer and one entry's file size."""
+    _, buf, meta = staged()
+    size = 4096 + buf.numel()
+    store = KVStore(tmp_path, capacity_bytes=len(keys) * size, fsync=False, **kw)
+    for k in keys:
+        store.put(k, buf, meta).result()
+    return store, buf, meta, size
+
+
+def _hold_reads(monkeypatch, store, keys):
+    """Reads of the files of ``keys`` wait for the returned event (set it to let them finish)."""
+    paths = {store._index[key_digest(k)].path for k in keys}
     release, real = threading.Event(), store.engine.read_into
     entered = threading.Semaphore(0)
 
@@ -798,12 +810,9 @@ def test_an_entry_evicted_while_it_is_read_counts_against_the_capacity_until_the
     """Found by review (2026-11-25): an entry evicted while a get read it stayed on disk until
     the read ended, uncounted, and later puts filled its room (1.33x the capacity with one slow
     get). Its bytes count now, and an entry being read is not a victim while another is."""
-    _, buf, meta = staged()
-    size = 4096 + buf.numel()
-    with KVStore(tmp_path, capacity_bytes=3 * size, io_threads=2, fsync=False) as store:
-        for k in "ABC":
-            store.put(k, buf, meta).result()
-        release, entered = _hold_reads(monkeypatch, store, {store._index[key_digest("A")].path})
+    store, buf, meta, size = _full_store(tmp_path, "ABC", io_threads=2)
+    with store:
+        release, entered = _hold_reads(monkeypatch, store, "A")
         g = store.get("A")  # A: the most recently used, and being read
         assert entered.acquire(timeout=10)
         for k in "DEF":  # D evicts B, E evicts C, F evicts D (not A: its read frees nothing now)
@@ -824,12 +833,9 @@ def test_a_put_never_waits_for_a_read_and_overshoots_only_for_entries_being_read
     """When every evictable entry is being read, the put evicts one anyway (the rule before):
     its file overshoots the capacity until the read ends. It does not wait for the read: with
     one I/O worker the put runs in it and the read is queued behind it."""
-    _, buf, meta = staged()
-    size = 4096 + buf.numel()
-    with KVStore(tmp_path, capacity_bytes=2 * size, io_threads=1, fsync=False) as store:
-        for k in "AB":
-            store.put(k, buf, meta).result()
-        release, entered = _hold_reads(monkeypatch, store, {store._index[key_digest("A")].path})
+    store, buf, meta, size = _full_store(tmp_path, "AB", io_threads=1)
+    with store:
+        release, entered = _hold_reads(monkeypatch, store, "A")
         go, real_room = threading.Event(), store._make_room
         in_put = threading.Event()
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 
-from .config import CLASS_NAME, KEYS, MODULE_PATH, PLUGIN_NAME, PluginConfigError, PluginSettings, parse_extra_config
+from .config import (CLASS_NAME, KEYS, MODULE_PATH, PLUGIN_NAME, PluginConfigError, PluginSettings, parse_extra_config,
+                     path_text)
 from .convert import ChunkShape, chunk_to_staging, staging_to_chunk
 
 __all__ = ["KVKernelsBackend", "key_string", "PluginConfigError", "PluginSettings", "parse_extra_config",
@@ -25,18 +26,6 @@ __all__ = ["KVKernelsBackend", "key_string", "PluginConfigError", "PluginSetting
            "MODULE_PATH", "CLASS_NAME", "TESTED_LMCACHE", "KVKernelsL2Adapter", "KVKernelsL2AdapterConfig"]
 
 TESTED_LMCACHE = "0.5.6"
-
-
-def _path_text(paths):
-    """``paths`` as LMCache's config holds them: a string or a list of strings (``pathlib.Path``
-    items turned into their text; anything else is left for ``parse_extra_config`` to refuse)."""
-    one = lambda p: os.fspath(p) if isinstance(p, os.PathLike) else p  # noqa: E731
-    if isinstance(paths, (str, os.PathLike)):
-        return one(paths)
-    try:
-        return [one(p) for p in paths]
-    except TypeError:  # not iterable: refused below, naming the key
-        return paths
 
 
 def lmcache_extra_config(paths, **kvkernels_keys) -> dict:
@@ -47,7 +36,8 @@ def lmcache_extra_config(paths, **kvkernels_keys) -> dict:
     """
     out = {f"storage_plugin.{PLUGIN_NAME}.module_path": MODULE_PATH,
            f"storage_plugin.{PLUGIN_NAME}.class_name": CLASS_NAME,
-           "kvkernels.paths": _path_text(paths)}
+           "kvkernels.paths": path_text(paths if isinstance(paths, (str, os.PathLike)) or not
+                                        hasattr(paths, "__iter__") else list(paths))}
     out.update({f"kvkernels.{k}": v for k, v in kvkernels_keys.items()})
     parse_extra_config(out)  # fail here, not in LMCache's launcher
     return out

@@ -101,7 +101,6 @@ def key_string(key) -> str:
     return "lmcache/2:" + json.dumps(fields, separators=(",", ":"), ensure_ascii=False)
 
 
-
 def _when_done(fut, fn) -> None:
     """``fn(fut)`` once the executor job behind ``fut`` is done — now when there is none or it is
     done already. Its outcome is retrieved (no "exception was never retrieved" for a job whose
@@ -122,6 +121,7 @@ def _free_result(fut) -> None:
     """Give back the MemoryObj an abandoned allocation returned (if any)."""
     if fut is not None and not fut.cancelled() and fut.exception() is None and fut.result() is not None:
         fut.result().ref_count_down()
+
 
 class KVKernelsBackend(StoragePluginInterface):
     """LMCache storage plugin: chunks stored as layer-addressable, checksummed kvkernels entries.

@@ -127,6 +127,14 @@ class PluginSettings:
         return [os.path.join(p, sub) for p in self.paths]
 
 
+def path_text(paths):
+    """``pathlib.Path`` values (from Python code) as the text a YAML config would hold: a path,
+    or each item of a list or tuple (a list then); anything else unchanged, for the caller to
+    refuse."""
+    one = lambda p: os.fspath(p) if isinstance(p, os.PathLike) else p  # noqa: E731
+    return [one(p) for p in paths] if isinstance(paths, (list, tuple)) else one(paths)
+
+
 def parse_extra_config(extra: dict | None) -> PluginSettings:
     """Read the ``kvkernels.*`` keys of an LMCache ``extra_config`` dict.
 
@@ -149,9 +157,7 @@ def parse_extra_config(extra: dict | None) -> PluginSettings:
     raw = get("paths")
     if raw is None:
         raise _err("paths", "a directory or a list of directories (required)", raw)
-    # (a pathlib.Path from Python code: its text, as a YAML config would give it)
-    fs = lambda p: os.fspath(p) if isinstance(p, os.PathLike) and isinstance(os.fspath(p), str) else p  # noqa: E731
-    raw = fs(raw) if not isinstance(raw, (list, tuple)) else type(raw)(fs(p) for p in raw)
+    raw = path_text(raw)
     if isinstance(raw, str):
         paths = [p.strip() for p in raw.split(",") if p.strip()]
     elif isinstance(raw, (list, tuple)) and all(isinstance(p, str) for p in raw):
