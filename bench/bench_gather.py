@@ -22,8 +22,9 @@ Every row's bytes are checked after its timed calls: one more call into a destin
 overwritten with the complement of the expected bytes, compared with the torch backend's (the
 per-chunk copies: each chunk's bytes in memory order). A variant that fails its check, or
 raises, has its rows dropped and is named in the results' ``failed_variants`` (exit code 3); one
-the machine cannot run (no CUDA backend, no bulk path for the layout, no
-``cudaMemcpyBatchAsync``, chunks that are not one run of bytes) in ``skipped_variants``. The
+the machine cannot run (no GPU; Triton on a CPU without ``TRITON_INTERPRET``; no CUDA backend, no
+bulk path for the layout, no ``cudaMemcpyBatchAsync``, chunks that are not one run of bytes) in
+``skipped_variants``. The
 ``kvk-gather[...]`` / ``kvk-scatter[...]`` rows without ``ctas=`` use every SM (``max_ctas=0``
 named: ``KVKERNELS_MAX_CTAS`` does not change them); the meta's ``kvkernels_env`` lists the
 ``KVKERNELS_*`` settings of the run.
@@ -192,7 +193,11 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
         return torch.stack(regions)
 
     backends = [backend]
-    if cuda:
+    if backend == "torch":  # a CPU run without the interpreter: the torch backend's rows stand in
+        _skip(f"{case} kvk-*[triton]", "no GPU, and TRITON_INTERPRET is off (set it to run the Triton kernels on CPU)")
+    if not cuda:
+        _skip(f"{case} kvk-*[cuda]", "no GPU (the CUDA C++ backend runs on CUDA devices only)")
+    else:
         from kvkernels import _cuda
 
         if _cuda.available():  # the compiled backend beside Triton (issue: CUDA C++ backend)
@@ -246,6 +251,7 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
         add("torch-index_select", common.time_ms(index_select_all, device=device), 2 * payload, "d2d_gbps")
         check_gather("torch-index_select", index_select_all, out, payload=True)
     if not cuda:
+        _skip(f"{case} memcpy-*, kvk-zero-copy-d2h, kvk-gather+d2h", "no GPU (copies to pinned host memory)")
         return rows
     ext = _memcpy_ext() if _dense_chunk(lay) else None
     if not _dense_chunk(lay):
@@ -360,6 +366,21 @@ def _quant_rows(lay, ids, dst_ids, payload, base, peaks, device, backends) -> li
 
 
 FIRST = ["llama3-70b-tp8", "deepseek-v3-mla", "llama3-8b"]
+TINY_SIZES = (32, 8)  # (pool, blocks) of a --tiny run
+QUICK_BLOCKS = 512  # --quick gathers at most this many blocks
+
+
+def sizes(pool: int, blocks: int, *, tiny: bool = False, quick: bool = False) -> tuple[int, int]:
+    """The (pool, blocks) a run uses: fixed for ``tiny``, ``blocks`` capped for ``quick``;
+    ``ValueError`` when more blocks than the pool holds would be gathered (checked after those
+    adjustments: ``--quick --pool 1000`` gathers 512 of 1,000 blocks, and ``--tiny`` ignores both)."""
+    if tiny:
+        return TINY_SIZES
+    if quick:
+        blocks = min(blocks, QUICK_BLOCKS)
+    if blocks > pool:
+        raise ValueError(f"--blocks ({blocks}{', capped by --quick' if quick else ''}) must be <= --pool ({pool})")
+    return pool, blocks
 
 
 def run(*, models=None, layouts=("nhd", "hnd"), pool=4096, blocks=2048, out_dir="bench_results", quick=False,
@@ -367,13 +388,12 @@ def run(*, models=None, layouts=("nhd", "hnd"), pool=4096, blocks=2048, out_dir=
     device, tiny, meta = common.start(tiny, peak_nbytes)
     peaks = meta["peaks"]
     _VARIANTS.clear()
+    pool, blocks = sizes(pool, blocks, tiny=tiny, quick=quick)
     if tiny:
         models = models or ["smollm2-135m"]
-        pool, blocks = 32, 8
         print(f"[bench] tiny sizes: pool {pool}, {blocks} blocks (--pool / --blocks do not apply)")
     elif quick:
         models = models or ["llama3-8b", "deepseek-v3-mla"]
-        blocks = min(blocks, 512)
     # the shapes with open targets first (4 KB chunks, MLA), so a time-capped run still has them
     models = models or sorted(MODELS, key=lambda m: (m not in FIRST, FIRST.index(m) if m in FIRST else 0))
     rows: list[dict] = []
@@ -404,12 +424,14 @@ def main(argv=None, prog: str | None = None) -> int:
     p.add_argument("--pool", type=common.positive_int, default=4096, help="blocks in the cache pool")
     p.add_argument("--blocks", type=common.positive_int, default=2048, help="random distinct blocks gathered")
     p.add_argument("--out", default="bench_results", help=common.OUT_HELP)
-    p.add_argument("--quick", action="store_true", help="two models, 512 blocks (CI smoke)")
+    p.add_argument("--quick", action="store_true", help=f"two models, at most {QUICK_BLOCKS} blocks (CI smoke)")
     p.add_argument("--tiny", action="store_true", help="tiny CPU-sized run")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
-    if a.blocks > a.pool:
-        p.error(f"--blocks ({a.blocks}) must be <= --pool ({a.pool})")
+    try:
+        sizes(a.pool, a.blocks, tiny=a.tiny, quick=a.quick)
+    except ValueError as exc:
+        p.error(str(exc))
     common.bench_paths(p, out=a.out)
     _VARIANTS.clear()  # this call's failures only (run() clears them too)
     run(models=a.models, layouts=a.layouts, pool=a.pool, blocks=a.blocks, out_dir=a.out, quick=a.quick,

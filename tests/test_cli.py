@@ -95,6 +95,47 @@ def test_bench_gather_tiny(tmp_path):
     data = json.loads((tmp_path / "gather.json").read_text())
     assert data["meta"]["peaks"]["d2d_gbps"] > 0 and data["meta"]["torch"] == torch.__version__
     assert (tmp_path / "gather.csv").read_text().startswith("# {")
+    if not torch.cuda.is_available():  # the rows a CPU cannot run are listed, not silently absent
+        skipped = data["meta"]["skipped_variants"]
+        for case in {f"{r['model']}/{r['layout']}" for r in res["rows"]}:
+            assert any(v.startswith(f"{case} kvk-*[cuda]: no GPU") for v in skipped)
+            assert any(v.startswith(f"{case} memcpy-*, kvk-zero-copy-d2h, kvk-gather+d2h: no GPU") for v in skipped)
+
+
+def test_bench_gather_on_cpu_without_the_interpreter_lists_the_triton_rows_skipped(monkeypatch):
+    import kvkernels.backends
+    from kvkernels.bench import bench_gather
+
+    monkeypatch.setattr(kvkernels.backends, "triton_interpret", lambda: False)
+    bench_gather._VARIANTS.clear()
+    rows = bench_gather.bench_case("smollm2-135m", "nhd", pool=8, blocks=2, device=torch.device("cpu"),
+                                   peaks={"d2d_gbps": 1.0}, layers=1, heads=1, block_size=4, baselines=False)
+    assert {r["method"] for r in rows if r["method"].startswith("kvk-gather[")} == {"kvk-gather[torch]"}
+    assert any(v.startswith("smollm2-135m/nhd kvk-*[triton]: no GPU, and TRITON_INTERPRET is off")
+               for v in bench_gather._VARIANTS.skipped)
+    bench_gather._VARIANTS.clear()
+
+
+def test_bench_gather_checks_blocks_against_the_pool_after_tiny_and_quick(tmp_path, capsys, monkeypatch):
+    """--quick caps the blocks at 512 and --tiny fixes both sizes: the check was made on the
+    values given, so ``--quick --pool 1000`` (512 of 1,000 blocks) and ``--tiny --pool 4`` were
+    refused, and on a GPU ``run(quick=True, pool=300)`` went on to gather 512 of 300 blocks (a CPU
+    run is tiny whatever it is asked)."""
+    from kvkernels.bench import bench_gather
+
+    assert bench_gather.sizes(1000, 2048, quick=True) == (1000, 512)
+    assert bench_gather.sizes(4, 2048, tiny=True) == bench_gather.TINY_SIZES
+    with pytest.raises(ValueError, match=r"--blocks \(512, capped by --quick\) must be <= --pool \(300\)"):
+        bench_gather.sizes(300, 2048, quick=True)
+    seen = []
+    monkeypatch.setattr(bench_gather, "run", lambda **kw: seen.append((kw["pool"], kw["blocks"], kw["tiny"])))
+    out = str(tmp_path / "o")
+    assert bench_gather.main(["--tiny", "--pool", "4", "--out", out]) == 0
+    assert bench_gather.main(["--quick", "--pool", "1000", "--out", out]) == 0
+    assert seen == [(4, 2048, True), (1000, 2048, False)]  # (run() applies the sizes)
+    with pytest.raises(SystemExit) as e:
+        bench_gather.main(["--quick", "--pool", "300", "--out", out])
+    assert e.value.code == 2 and "--blocks (512, capped by --quick) must be <= --pool (300)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("broken", ["gather", "scatter", "gather_quant", "scatter_quant"])
