@@ -40,8 +40,19 @@ import kvkernels
 from kvkernels import _wheels
 from kvkernels.compress import available_codecs, compress_regions, decompress_regions
 
-DEFAULT_SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench_results",
-                              "real_kv_smollm2.pt")
+SAMPLE_NAME = "real_kv_smollm2.pt"
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, when run from one
+
+
+def default_sample(out_dir: str = "bench_results", checkout: str | None = None) -> str:
+    """The sample used without ``--sample``: the committed one of a source checkout
+    (``bench_results/real_kv_smollm2.pt`` beside ``pyproject.toml``); from an installed wheel
+    (where this file's folder is ``site-packages/kvkernels/``, which holds no sample and is no
+    place to write one) ``<out_dir>/real_kv_smollm2.pt``, made there on first use."""
+    checkout = _CHECKOUT if checkout is None else checkout
+    if os.path.isfile(os.path.join(checkout, "pyproject.toml")) and os.path.isdir(os.path.join(checkout, "bench")):
+        return os.path.join(checkout, "bench_results", SAMPLE_NAME)
+    return os.path.join(out_dir, SAMPLE_NAME)
 
 
 def synthetic(num_blocks: int = 8, layers: int = 4, heads: int = 3, head_dim: int = 64, seed: int = 0):
@@ -77,12 +88,12 @@ def _real_kv():
     return real_kv
 
 
-def load_input(sample: str | None, tiny: bool):
+def load_input(sample: str | None, tiny: bool, out_dir: str = "bench_results"):
     if tiny:
         print("[bench] tiny: a small synthetic input" + (f" (--sample {sample} does not apply)" if sample else ""),
               flush=True)
         return synthetic(), "synthetic-tiny"
-    path = sample or DEFAULT_SAMPLE
+    path = sample or default_sample(out_dir)
     real_kv = _real_kv()
     if not os.path.exists(path):
         real_kv.dump_sample(path)
@@ -137,7 +148,7 @@ def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool
         raise ValueError(f"`reps`: expected a positive integer, got {reps}")
     _VARIANTS.clear()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    (staging, fmt, dtype), name = load_input(sample, tiny)
+    (staging, fmt, dtype), name = load_input(sample, tiny, out_dir)
     staging = staging.to(device)
     have = [c for c in available_codecs(device) if c != "none"]
     asked = list(codecs) if codecs else None
@@ -380,7 +391,8 @@ def _ver(dist: str):
 
 def main(argv=None, prog: str | None = None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    p.add_argument("--sample", default=None, help=f"real-KV sample (default {DEFAULT_SAMPLE}; made if missing)")
+    p.add_argument("--sample", default=None, help="real-KV sample (default: bench_results/" + SAMPLE_NAME + " of the "
+                   "source checkout; from an installed wheel <--out>/" + SAMPLE_NAME + "; made if missing)")
     p.add_argument("--out", default="bench_results", help=common.OUT_HELP)
     p.add_argument("--codecs", nargs="+", choices=["ans", "zstd", "gdeflate", "lz4"])
     p.add_argument("--reps", type=common.positive_int, default=5)
@@ -393,7 +405,7 @@ def main(argv=None, prog: str | None = None) -> int:
         if not any(c in have for c in a.codecs):
             p.error(f"argument --codecs: none of {a.codecs} is available on {dev} (available: {list(have)}; "
                     f"{unavailable(a.codecs)})")
-    path = a.sample or DEFAULT_SAMPLE
+    path = a.sample or default_sample(a.out)
     if not a.tiny and not os.path.exists(path):  # made by running SmolLM2: say what that needs now
         missing = _real_kv().missing_for_model()
         if missing:

@@ -186,3 +186,24 @@ def test_codecs_left_out_are_named_in_the_meta(tmp_path, monkeypatch, capsys):
         assert [s.split(":")[0] for s in meta["skipped_variants"]] == ["ans", "lz4"]
         assert "needs nvCOMP" in meta["skipped_variants"][0]
     assert "# skipped (not available on cpu): ans, lz4 (need nvCOMP" in capsys.readouterr().out
+
+
+def test_the_default_sample_is_the_checkouts_or_made_under_out_from_a_wheel(tmp_path, monkeypatch):
+    """From an installed wheel this module's grandparent is ``site-packages/kvkernels``: the
+    default sample pointed there (no sample ships in the wheel), and a missing one was then
+    written into site-packages."""
+    import os
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(bc.__file__)))
+    assert bc.default_sample("anywhere") == os.path.join(repo, "bench_results", bc.SAMPLE_NAME)  # this checkout
+    wheel = tmp_path / "site-packages" / "kvkernels"
+    (wheel / "bench").mkdir(parents=True)
+    out = str(tmp_path / "o")
+    assert bc.default_sample(out, checkout=str(wheel)) == os.path.join(out, bc.SAMPLE_NAME)
+    made = []
+    monkeypatch.setattr(bc, "_CHECKOUT", str(wheel))
+    monkeypatch.setattr(bc, "_real_kv", lambda: types.SimpleNamespace(
+        dump_sample=made.append, load_sample=lambda path: bc.synthetic()))
+    _, name = bc.load_input(None, False, out)
+    assert made == [os.path.join(out, bc.SAMPLE_NAME)] and name == bc.SAMPLE_NAME
+    assert not any(p.is_file() for p in wheel.rglob("*"))
