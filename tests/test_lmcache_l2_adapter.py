@@ -1225,3 +1225,28 @@ def test_a_constructor_failing_after_the_store_opened_leaves_nothing_open(l1, tm
     monkeypatch.setattr(mod, "create_event_notifier", real)
     assert fds() == before
     _make(l1, tmp_path / "kv").close()  # the folder is free again
+
+
+def test_a_load_finishes_into_the_view_its_read_started_with(adapter, l1, monkeypatch):
+    """The chunk view was made twice, at the read's start and at its finish; the second time
+    outside try_finish, so an exception there failed the whole task and abandoned its reads
+    still in flight (their buffers written after the task reported)."""
+    keys = [_key(40 + i) for i in range(3)]
+    src = l1.alloc(3, KV, seed=40)
+    refs = [_bytes(o) for o in src]
+    assert _store(adapter, keys, src).is_successful()
+    made = []
+    real = adapter._chunk_view
+
+    def view_once(obj, plan):
+        if id(obj) in made:
+            raise RuntimeError("the chunk view was made again")
+        made.append(id(obj))
+        return real(obj, plan)
+
+    monkeypatch.setattr(adapter, "_chunk_view", view_once)
+    dst = l1.alloc(3, KV, fill=0xAB)
+    assert _load(adapter, keys, dst) == [0, 1, 2]
+    assert all(bytes_equal(_bytes(o), ref) for o, ref in zip(dst, refs))
+    assert adapter.counters["load_errors"] == 0
+    _unlock_and_settle(adapter, keys)

@@ -709,14 +709,17 @@ class KVKernelsL2Adapter(L2AdapterInterface):
             log.warning("kvkernels L2 adapter: %s holds %s, the load buffer is %s: not loaded", ks,
                         _meta_key(header.meta), _meta_key(plan.meta))
             return None
-        pending = self.io.start_read(ks, self._chunk_view(obj, plan))
+        out = self._chunk_view(obj, plan)
+        pending = self.io.start_read(ks, out)
         if pending is None:  # removed between header() and here
             self._count("load_misses")
             return None
-        return SimpleNamespace(future=pending.future, ks=ks, plan=plan, pending=pending)
+        # the view the read started with is the one it finishes into: made again at the finish,
+        # an exception there (outside try_finish) abandoned this read and the task's other reads
+        return SimpleNamespace(future=pending.future, ks=ks, plan=plan, pending=pending, out=out)
 
-    def _finish_read(self, started, obj) -> bool:
-        outcome, exc = self.io.try_finish(started.pending, self._chunk_view(obj, started.plan))
+    def _finish_read(self, started) -> bool:
+        outcome, exc = self.io.try_finish(started.pending, started.out)
         if outcome != "ok":
             self._count({"missing": "load_misses", "corrupt": "corrupt"}.get(outcome, "load_errors"))
         if outcome == "corrupt":
@@ -742,7 +745,7 @@ class KVKernelsL2Adapter(L2AdapterInterface):
                     return None
 
             def finish(j, st):
-                if self._finish_read(st, objects[j]):
+                if self._finish_read(st):
                     bitmap.set(j)
                     loaded.append(keys[j])
 
