@@ -182,6 +182,19 @@ class Header:
     regions: tuple[RegionInfo, ...]
     created_ns: int = field(default=0)
 
+    def __post_init__(self) -> None:
+        # the fixed part packs the digest as 16 bytes: struct padded a shorter one with zeros and
+        # cut a longer one, so the file's key check then failed for a header that packed fine
+        check(isinstance(self.digest, bytes) and len(self.digest) == 16, "digest",
+              "16 bytes (kvkernels.io.key_digest of the key)",
+              f"{len(self.digest)} bytes" if isinstance(self.digest, bytes) else type(self.digest).__name__)
+        check(isinstance(self.meta, EntryMeta), "meta", "an EntryMeta", type(self.meta).__name__, TypeError)
+        check(isinstance(self.regions, tuple) and 0 < len(self.regions) <= MAX_REGIONS
+              and all(isinstance(r, RegionInfo) for r in self.regions), "regions",
+              f"a tuple of 1 to {MAX_REGIONS} RegionInfo", repr(self.regions)[:80])
+        check(isinstance(self.created_ns, int) and 0 <= self.created_ns < 1 << 64, "created_ns",
+              "an integer in [0, 2**64)", repr(self.created_ns))
+
     @property
     def nbytes(self) -> int:
         """Header size on disk."""

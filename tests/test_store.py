@@ -1851,6 +1851,20 @@ def test_random_bytes_never_parse_as_a_header(data):
         Header.unpack(data)
 
 
+@pytest.mark.parametrize("kw, name", [({"digest": b"\x01" * 15}, "digest"), ({"digest": b"\x01" * 17}, "digest"),
+                                      ({"digest": "k" * 16}, "digest"), ({"regions": ()}, "regions"),
+                                      ({"created_ns": -1}, "created_ns"), ({"created_ns": 1 << 64}, "created_ns")])
+def test_a_header_that_would_pack_into_another_header_is_refused(kw, name):
+    """struct padded a short digest with zeros and cut a long one: the header packed, then read
+    back with another digest (the entry's key check failed); a header without regions packed
+    and could not be read back; a created_ns out of the u64 raised struct.error."""
+    _, _, meta = staged()
+    args = dict(digest=b"\x01" * 16, meta=meta, regions=Header.layout_regions(meta, [meta.fmt.region_nbytes] * L, [1, 2, 3]))
+    assert Header.unpack(Header(**args).pack()).digest == args["digest"]
+    with pytest.raises((ValueError, TypeError), match=f"`{name}`"):
+        Header(**{**args, **kw})
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.integers(0, 4095), st.integers(1, 255))
 def test_any_single_byte_flip_in_a_header_is_detected(pos, bit):
