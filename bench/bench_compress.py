@@ -151,7 +151,7 @@ def run(*, sample: str | None = None, out_dir: str = "bench_results", tiny: bool
     (staging, fmt, dtype), name = load_input(sample, tiny, out_dir)
     staging = staging.to(device)
     have = [c for c in available_codecs(device) if c != "none"]
-    asked = list(codecs) if codecs else None
+    asked = common.distinct(codecs) if codecs else None
     codecs = [c for c in (asked or ["ans", "zstd", "gdeflate", "lz4"]) if c in have]
     left_out = [c for c in (asked or ["ans", "zstd", "gdeflate", "lz4"]) if c not in have]
     if left_out:  # said, not silently dropped, with what each one needs

@@ -389,6 +389,7 @@ def run(*, models=None, layouts=("nhd", "hnd"), pool=4096, blocks=2048, out_dir=
     peaks = meta["peaks"]
     _VARIANTS.clear()
     pool, blocks = sizes(pool, blocks, tiny=tiny, quick=quick)
+    models, layouts = common.distinct(models), common.distinct(layouts)
     if tiny:
         models = models or ["smollm2-135m"]
         print(f"[bench] tiny sizes: pool {pool}, {blocks} blocks (--pool / --blocks do not apply)")

@@ -936,6 +936,7 @@ def run(*, models=("llama3-8b",), seqs=(4096, 8192), block_sizes=(16, 2), out_di
     rows: list[dict] = []
     tl_box: dict = {}
     _VARIANTS.clear()
+    models, seqs, block_sizes = common.distinct(models), common.distinct(seqs), common.distinct(block_sizes)
     if tiny:
         print("[bench] tiny: one smollm2-135m case, 64 tokens, block size 16 (--models / --seqs / --block-sizes "
               "do not apply)")

@@ -27,6 +27,12 @@ from kvkernels import config
 _T0 = time.perf_counter()
 
 
+def distinct(values):
+    """``values`` in their order, each once (None stays None): a list flag given a value twice
+    (``--layouts nhd nhd``) measured it twice and wrote rows with the same key and other numbers."""
+    return None if values is None else list(dict.fromkeys(values))
+
+
 def positive_int(text: str) -> int:
     """argparse ``type=`` for counts and sizes (``--reps``, ``--chunks``, ``--blocks``, ...): an
     integer >= 1. Zero or a negative count is meaningless to every bench (``--reps 0`` used to

@@ -27,7 +27,7 @@ backend's kernel beside it; every row also carries ``default_vs_torch_bytes_diff
 default kernel's own payload bytes against the torch reference's (must be 0: else every variant
 was compared with wrong bytes; the exit code is 3 then too). GPU only:
 
-    python bench/fp8_tuning.py [--models llama3-8b llama3-70b-tp8 deepseek-v3-mla] [--out DIR]
+    python bench/fp8_tuning.py [--models llama3-8b llama3-70b-tp8 deepseek-v3-mla] [--pool 4096] [--blocks 2048] [--out DIR]
     python bench/fp8_tuning.py --ncu-target     # one launch per kernel, model, granularity (.ci/gpu-bench ncu)
 """
 
@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - run as a script
     import common  # type: ignore
 
 from kvkernels import StagingFormat
-from kvkernels.models import get_model, make_cache
+from kvkernels.models import MODELS, get_model, make_cache
 from kvkernels.quant import QuantStagingFormat, gather_quant
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -66,6 +66,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fma2,tail_fix,maxnreg=72": {"FMA_DIV": 2, "tail_fix": 2, "maxnreg": 72},
     "fma2,items=4,tail_fix": {"FMA_DIV": 2, "items": 4, "tail_fix": 2},
 }
+
+
+def check_sizes(models, pool: int, blocks: int) -> list:
+    """``models`` each once, after checking every argument before anything is measured (an unknown
+    model failed after the ones before it had run; more blocks than the pool launched a format for
+    ``blocks`` blocks with ``pool`` ids)."""
+    models = list(dict.fromkeys(models))
+    for m in models:
+        get_model(m)  # ValueError naming the registry
+    if not (isinstance(pool, int) and isinstance(blocks, int) and 1 <= blocks <= pool):
+        raise ValueError(f"`blocks`: expected 1 <= blocks <= pool ({pool}), got {blocks}")
+    return models
 
 
 def _case(model: str, pool: int, blocks: int, device):
@@ -89,6 +101,7 @@ def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_r
     kernels under ``TRITON_INTERPRET=1`` at tiny sizes, for the tests only — no measurement)."""
     from kvkernels.triton_ops.quant_gather import quant_gather_triton
 
+    models = check_sizes(models, pool, blocks)
     device = torch.device(device)
     peaks = common.measure_peaks(device, 1 << 30 if device.type == "cuda" else 1 << 20)
     peak = peaks["d2d_gbps"]
@@ -154,7 +167,7 @@ def run(models, *, pool: int = 4096, blocks: int = 2048, out_dir: str = "bench_r
         # written after every model: a run cut off by a time cap keeps the finished ones (the
         # variants grew from 6 to 13 in the twelfth session); before the cache is freed, whose
         # empty_cache raises after a sticky CUDA error
-        common.write_results(rows, meta, out_dir, "fp8_tuning")
+        common.write_results(rows, {**meta, "partial": True}, out_dir, "fp8_tuning")
         lay = ids = ref = out = torch_ref = None  # type: ignore[assignment]  # noqa: F841 - frees the cache before the next model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -174,6 +187,7 @@ def ncu_target(models, *, pool: int = 4096, blocks: int = 2048,
     from kvkernels._cuda import quant_gather_cuda
     from kvkernels.triton_ops.quant_gather import quant_gather_triton
 
+    models = check_sizes(models, pool, blocks)
     device = torch.device(device)
     launches = failed = 0
     for m in models:
@@ -201,20 +215,29 @@ def ncu_target(models, *, pool: int = 4096, blocks: int = 2048,
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", default=["llama3-8b", "llama3-70b-tp8", "deepseek-v3-mla"])
-    p.add_argument("--blocks", type=common.positive_int, default=2048)
+    p.add_argument("--models", nargs="+", default=["llama3-8b", "llama3-70b-tp8", "deepseek-v3-mla"],
+                   choices=sorted(MODELS))
+    p.add_argument("--pool", type=common.positive_int, default=4096, help="blocks in the cache pool")
+    p.add_argument("--blocks", type=common.positive_int, default=2048, help="random distinct blocks gathered")
     p.add_argument("--out", default="bench_results", help=common.OUT_HELP)
     p.add_argument("--ncu-target", action="store_true",
                    help="only launch each FP8 gather once per model and granularity (for ncu; .ci/gpu-bench ncu)")
     a = p.parse_args(argv)
+    try:
+        check_sizes(a.models, a.pool, a.blocks)
+    except ValueError as exc:
+        p.error(str(exc).replace("`blocks`", "argument --blocks"))
+    if not a.ncu_target:  # checked before minutes of measuring (it was at the first write)
+        common.check_dir(p, a.out, "argument --out")
     if not torch.cuda.is_available():
         print("fp8_tuning: needs a GPU", file=sys.stderr)
         return 2
     if a.ncu_target:
-        n, failed = ncu_target(a.models, blocks=a.blocks)
+        n, failed = ncu_target(a.models, pool=a.pool, blocks=a.blocks)
         print(f"[ncu-target] {n} launches, {failed} failed")
         return 3 if failed else 0
-    rows = run(a.models, blocks=a.blocks, out_dir=a.out)
+    common.bench_paths(p, out=a.out)
+    rows = run(a.models, pool=a.pool, blocks=a.blocks, out_dir=a.out)
     # a variant that raised (one illegal access poisons the context: every later row errors) or
     # wrote other bytes than the default kernel (itself checked against torch's cast by the tests) fails the run, so a wrapper's rc says so
     errors = sum(1 for r in rows if r.get("error"))

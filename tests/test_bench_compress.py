@@ -207,3 +207,15 @@ def test_the_default_sample_is_the_checkouts_or_made_under_out_from_a_wheel(tmp_
     _, name = bc.load_input(None, False, out)
     assert made == [os.path.join(out, bc.SAMPLE_NAME)] and name == bc.SAMPLE_NAME
     assert not any(p.is_file() for p in wheel.rglob("*"))
+
+
+def test_a_codec_named_twice_is_measured_once(tmp_path, monkeypatch):
+    """``--codecs zstd zstd`` measured zstd twice: rows with the same method and other numbers."""
+    monkeypatch.setenv("KVKERNELS_BENCH_DIR", str(tmp_path / "scratch"))
+    assert bc.main(["--tiny", "--no-plot", "--reps", "1", "--codecs", "zstd", "zstd", "--out", str(tmp_path / "o")]) == 0
+    for stem in ("compress", "compress_ssd"):
+        methods, _ = _results(tmp_path, stem)
+        assert methods and len(methods) == len(set(methods)), methods
+    from kvkernels.bench import common
+
+    assert common.distinct(["nhd", "hnd", "nhd"]) == ["nhd", "hnd"] and common.distinct(None) is None

@@ -1126,6 +1126,29 @@ def test_fp8_tuning_ncu_target_launches_each_fp8_gather_once(capsys):
     assert out.count("smollm2-135m chunk") == n and "token triton" in out and "block triton" in out
 
 
+def test_fp8_tuning_checks_its_arguments_before_measuring(tmp_path, monkeypatch, capsys):
+    """An unknown model failed after the models before it had been measured, more blocks than the
+    pool launched a format for that many blocks with fewer ids, and an --out that cannot be
+    written lost the run at its first write."""
+    from kvkernels.bench import fp8_tuning
+
+    monkeypatch.setattr(fp8_tuning.common, "measure_peaks", lambda *a, **k: pytest.fail("measured before the checks"))
+    with pytest.raises(ValueError, match="`model`"):
+        fp8_tuning.run(["smollm2-135m", "llama-typo"], pool=8, blocks=4, out_dir=str(tmp_path), device="cpu")
+    with pytest.raises(ValueError, match=r"1 <= blocks <= pool \(8\), got 12"):
+        fp8_tuning.run(["smollm2-135m"], pool=8, blocks=12, out_dir=str(tmp_path), device="cpu")
+    with pytest.raises(ValueError, match="got 12"):
+        fp8_tuning.ncu_target(["smollm2-135m"], pool=8, blocks=12, device="cpu")
+    assert fp8_tuning.check_sizes(["llama3-8b", "llama3-8b"], 8, 4) == ["llama3-8b"]
+    for argv, says in ((["--models", "llama-typo"], "argument --models: invalid choice"),
+                       (["--pool", "8", "--blocks", "12"], "argument --blocks: expected 1 <= blocks <= pool (8)"),
+                       (["--out", "/dev/null/x"], "argument --out")):
+        with pytest.raises(SystemExit) as e:
+            fp8_tuning.main(argv)
+        assert e.value.code == 2 and says in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("wrong_default", [False, True])
 def test_fp8_tuning_checks_its_reference_kernel_against_torch(tmp_path, monkeypatch, wrong_default):
     """Every variant's bytes are compared with the default kernel's: a wrong default made them all
@@ -1147,8 +1170,13 @@ def test_fp8_tuning_checks_its_reference_kernel_against_torch(tmp_path, monkeypa
             out[0] ^= 1
 
         monkeypatch.setattr(qg, "quant_gather_triton", off_by_one)
+    writes = []
+    real_write = fp8_tuning.common.write_results
+    monkeypatch.setattr(fp8_tuning.common, "write_results",
+                        lambda rows, meta, *a, **k: (writes.append(meta.get("partial")), real_write(rows, meta, *a, **k))[1])
     rows = fp8_tuning.run(["smollm2-135m"], pool=8, blocks=4, out_dir=str(tmp_path),
                           device="cuda" if HAS_CUDA else "cpu", variants={"fma_div": fp8_tuning.VARIANTS["fma_div"]})
+    assert writes == [True, None]  # the file written after each model says it is partial; the last does not
     tri = [r for r in rows if r["variant"].startswith("triton[")]
     assert len(tri) == 2 and all(r["bytes_differing"] == 0 for r in tri)  # variants agree with the default...
     assert all((r["default_vs_torch_bytes_differing"] > 0) == wrong_default for r in rows)  # ...which is checked
