@@ -17,7 +17,10 @@ launch: tens of µs) plus one sync — at 2048 blocks a few percent of the kerne
 benchmark first runs its op once (JIT compile, first-use build); after the timed rounds it poisons
 what the op writes (the staging buffer, the destination blocks), runs the op once more and checks
 the result: bit-exact against the torch backend (the FP8 codes too), the torch FP8 scatter within
-e4m3's rounding of the source. A benchmark that fails its check is marked ``verified: false``.
+e4m3's rounding of the source. Under pytest a benchmark that fails its check is a failed test
+(marked ``verified: false`` in pytest-benchmark's JSON); ``kvkernels bench micro`` drops its row,
+names every failed or erroring benchmark in the results' ``failed_variants`` and exits 3, as the
+other benches do, and lists the backends that cannot run here in ``skipped_variants``.
 
 Two ways to run it:
 
@@ -91,6 +94,39 @@ def _blocks() -> int:
         return common.positive_int(text)
     except argparse.ArgumentTypeError as exc:
         raise ValueError(f"{BLOCKS_ENV}: {exc}") from None
+
+
+def _left_out() -> list[str]:
+    """The backends that do not run here, each with why (``skipped_variants`` of a run)."""
+    dev = _device()
+    out = []
+    if not kvkernels.backends.triton_available(dev):
+        why = kvkernels.backends.triton_unavailable_reason(dev) if dev.type == "cuda" else \
+            "no GPU, and TRITON_INTERPRET is off (set it to run the Triton kernels on CPU)"
+        out.append(f"*[triton]: {why}")
+    if dev.type != "cuda":
+        out.append("*[cuda]: no GPU (the CUDA C++ backend runs on CUDA devices only)")
+    elif not kvkernels.backends.cuda_ext_available():
+        from kvkernels import _cuda
+
+        out.append(f"*[cuda]: {_cuda.reason()}")
+    return out
+
+
+def _failed_tests(junit_path: str) -> list[str]:
+    """``name: first line of the message`` of every failed or erroring test in a JUnit XML report."""
+    import xml.etree.ElementTree as ET  # noqa: PLC0415, S405 - pytest's own report, written just now
+
+    try:
+        root = ET.parse(junit_path).getroot()
+    except (OSError, ET.ParseError):
+        return []
+    out = []
+    for tc in root.iter("testcase"):
+        for bad in list(tc.findall("failure")) + list(tc.findall("error")):
+            msg = (bad.get("message") or bad.tag).strip().splitlines()
+            out.append(f"{tc.get('name')}: {msg[0][:200] if msg else bad.tag}")
+    return out
 
 
 def _backends(say: bool = False) -> list[str]:
@@ -363,6 +399,9 @@ def selects(pytest_args) -> bool:
     return False
 
 
+MAX_TIME_S = 3600  # --max-time's ceiling: an hour per benchmark (pytest-benchmark overflows on inf or 1e308)
+
+
 def run(*, out_dir: str = "bench_results", tiny: bool = False, blocks: int = 2048, max_time: float = 0.5,
         min_rounds: int = 5, select: str | None = None, plot: bool = True, compare_to: str | None = None,
         fail_slower: float | None = None, pytest_args: list[str] | tuple = ()) -> dict:
@@ -373,11 +412,13 @@ def run(*, out_dir: str = "bench_results", tiny: bool = False, blocks: int = 204
     _backends(say=True)  # (the child finds the same, the CUDA build cached)
     with tempfile.TemporaryDirectory(prefix="kvk-micro-") as tmp:
         raw = os.path.join(tmp, "report.json")
+        junit = os.path.join(tmp, "junit.xml")  # which benchmarks failed (their check, or raised)
         ini = os.path.join(tmp, "pytest.ini")  # this file's own settings, not the repository's
         with open(ini, "w") as f:
             f.write("[pytest]\n")
         cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-c", ini, "--rootdir", tmp,
                "-p", "no:cacheprovider", "-q", "--disable-warnings", "--benchmark-only", f"--benchmark-json={raw}",
+               f"--junitxml={junit}",
                f"--benchmark-max-time={max_time}", f"--benchmark-min-rounds={min_rounds}",
                "--benchmark-columns=min,median,iqr,rounds", "--benchmark-sort=name",
                # its storage (made on every run, used by --benchmark-autosave): under --out, not the cwd
@@ -394,8 +435,17 @@ def run(*, out_dir: str = "bench_results", tiny: bool = False, blocks: int = 204
             return {"rows": [], "meta": meta, "paths": {}, "rc": rc or 1}
         with open(raw) as f:
             report = json.load(f)
+        failed = _failed_tests(junit)
     rows = _rows(report, peaks)
     meta["pytest_rc"] = rc
+    # a benchmark whose check failed is timed all the same: its row is dropped (its numbers are
+    # of a kernel that wrote other bytes) and named, with those that raised before a row existed
+    dropped = [r for r in rows if not r["verified"]]
+    rows = [r for r in rows if r["verified"]]
+    if failed or dropped:
+        meta["failed_variants"] = failed or [f"{r['model']}/{r['layout']} {r['method']}: not verified" for r in dropped]
+    if _left_out():
+        meta["skipped_variants"] = _left_out()
     cmp_rc, cmp_msg = 0, None
     if compare_to:
         cmp_rc, cmp_msg = compare(rows, meta, compare_to, fail_slower, subset=bool(select) or selects(pytest_args))
@@ -414,7 +464,8 @@ def run(*, out_dir: str = "bench_results", tiny: bool = False, blocks: int = 204
     res = common.finish(rows, meta, paths, out_dir=out_dir, stem="micro", plot=plot,
                         case=lambda r: f"{r['model']}/{r['layout']}\n{r['op']}", value="pct_peak",
                         ylabel="% of measured device-copy peak", title="kernel microbenchmarks", series="backend")
-    res["rc"] = rc if rc else cmp_rc
+    # 3: variants failed (named in the meta), as every bench; pytest's own code for anything else
+    res["rc"] = 3 if (rc in (0, 1) and meta.get("failed_variants")) else (rc if rc else cmp_rc)
     return res
 
 
@@ -442,11 +493,11 @@ def main(argv=None, prog: str | None = None) -> int:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
     a = p.parse_args(argv)
-    if not a.max_time > 0:
-        p.error(f"argument --max-time: expected seconds > 0, got {a.max_time}")
+    if not 0 < a.max_time <= MAX_TIME_S:  # inf (or 1e308) crashed pytest-benchmark in the child
+        p.error(f"argument --max-time: expected seconds in (0, {MAX_TIME_S}], got {a.max_time}")
     if a.fail_slower is not None and a.compare is None:
         p.error("argument --fail-slower: needs --compare")
-    if a.fail_slower is not None and not a.fail_slower >= 0:
+    if a.fail_slower is not None and not 0 <= a.fail_slower < float("inf"):
         p.error(f"argument --fail-slower: expected a percentage >= 0, got {a.fail_slower}")
     if importlib.util.find_spec("pytest_benchmark") is None:
         p.error("needs pytest-benchmark: pip install 'kvkernels[bench]'")

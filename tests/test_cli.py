@@ -967,6 +967,36 @@ def test_bench_micro_tiny_runs_every_op_beside_torch(micro_run):
     assert len(raw["benchmarks"]) == len(rows) and all(b["stats"]["rounds"] >= 1 for b in raw["benchmarks"])
     assert (out / "micro.csv").read_text().startswith("# {")
     assert (out / "pytest-benchmark").is_dir()
+    assert "failed_variants" not in data["meta"]
+    if not HAS_CUDA:  # the backends a CPU cannot run are listed, not silently absent
+        assert any(v.startswith("*[cuda]: no GPU") for v in data["meta"]["skipped_variants"])
+
+
+def test_bench_micro_drops_and_names_a_benchmark_that_fails_its_check(tmp_path, monkeypatch):
+    """A benchmark whose check failed was timed all the same: its row stayed in micro.json (a
+    kernel writing nothing at 205 % of the copy peak), the run exited 1 and named nothing, where
+    the README says every bench drops such a row, names it in failed_variants and exits 3."""
+    from kvkernels.bench import bench_micro
+
+    pytest.importorskip("pytest_benchmark")
+    (tmp_path / "kvk_break_torch_gather.py").write_text(
+        "import kvkernels.quant as q\n"
+        "real = q.gather_quant\n"
+        "def broken(layout, ids, out=None, backend=None, **kw):\n"
+        "    if backend == 'torch' and out is not None and not kw.get('quant') and not kw.get('shuffle'):\n"
+        "        return out  # writes nothing\n"
+        "    return real(layout, ids, out=out, backend=backend, **kw)\n"
+        "q.gather_quant = broken\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "o"
+    res = bench_micro.run(out_dir=str(out), tiny=True, max_time=0.01, min_rounds=1, plot=False,
+                          select="llama3-8b-nhd and gather and not fp8 and not shuffle", pytest_args=["-p", "kvk_break_torch_gather"])
+    assert res["rc"] == 3
+    meta = json.loads((out / "micro.json").read_text())["meta"]
+    assert [v.split(":")[0] for v in meta["failed_variants"]] == ["test_kernel[llama3-8b-nhd-gather-torch]"]
+    assert "wrote other bytes than the torch backend" in meta["failed_variants"][0]
+    assert [r["method"] for r in res["rows"] if r["backend"] == "torch"] == []  # its row dropped, the others kept
+    assert all(r["verified"] for r in res["rows"])
 
 
 def test_bench_micro_compare_names_what_got_slower(micro_run, tmp_path):
@@ -1101,7 +1131,10 @@ def test_bench_micro_bad_arguments(tmp_path, capsys):
 
     for argv, msg in ((["--fail-slower", "5"], "needs --compare"),
                       (["--compare", str(tmp_path / "none.json")], "no file"),
-                      (["--max-time", "0"], "expected seconds > 0"),
+                      (["--max-time", "0"], "expected seconds in (0, 3600]"),
+                      (["--max-time", "inf"], "expected seconds in (0, 3600], got inf"),
+                      (["--max-time", "1e308"], "got 1e+308"),
+                      (["--max-time", "nan"], "got nan"),
                       (["--compare", __file__, "--fail-slower", "-1"], "a percentage >= 0")):
         with pytest.raises(SystemExit) as e:
             bench_micro.main(argv + ["--out", str(tmp_path / "o")])
