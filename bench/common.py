@@ -239,16 +239,23 @@ def env(**values: str):
                 os.environ[k] = v
 
 
-def _git_state() -> tuple[str | None, bool | None]:
-    """(commit, whether the tree has uncommitted changes) of the checkout this script runs from;
-    without git or a repository (the device machine gets a copied tree), ``KVK_COMMIT`` (the
-    hash, ``-dirty`` appended for a changed tree: set it in the device call), else (None, None)."""
+def _git_state(root: str | None = None) -> tuple[str | None, bool | None]:
+    """(commit, whether the tree has uncommitted changes) of the kvkernels checkout this script
+    runs from; without git or a repository of its own (the device machine gets a copied tree; a
+    wheel lives in site-packages), ``KVK_COMMIT`` (the hash, ``-dirty`` appended for a changed
+    tree: set it in the device call), else (None, None). Git is asked only when ``root`` is the
+    top of its repository: a wheel installed in a venv inside a user's own project recorded that
+    project's commit."""
     import subprocess  # noqa: PLC0415
 
     given = config.env_str("KVK_COMMIT", "").strip()
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
+        top = subprocess.run(["git", "-C", root, "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                             timeout=10)
+        if top.returncode or os.path.realpath(top.stdout.strip()) != os.path.realpath(root):
+            raise OSError("not the top of a git checkout")
         head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if head.returncode:
             raise OSError("not a git checkout")

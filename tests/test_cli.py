@@ -1233,3 +1233,26 @@ def test_gpu_bench_refuses_a_step_out_folder_that_is_not_packed(tmp_path, args, 
         assert "unknown step nosuchstep" in r.stdout
     else:
         assert "is not under bench_results/gpu-bench/" in r.stdout and "KVK_ARGS_PIPELINE" in r.stdout
+
+
+def test_bench_results_record_kvkernels_commit_not_an_enclosing_projects(tmp_path, monkeypatch):
+    """A wheel in a venv inside a user's own git project: ``git -C site-packages/kvkernels`` found
+    that project and the results recorded its commit as kvkernels'."""
+    import shutil
+
+    from kvkernels.bench import common
+
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    proj = tmp_path / "userproj"
+    pkg = proj / ".venv" / "lib" / "site-packages" / "kvkernels"
+    (pkg / "bench").mkdir(parents=True)
+    git = ["git", "-C", str(proj), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "x"], check=True)
+    monkeypatch.delenv("KVK_COMMIT", raising=False)
+    assert common._git_state(str(pkg)) == (None, None)
+    monkeypatch.setenv("KVK_COMMIT", "abc123-dirty")
+    assert common._git_state(str(pkg)) == ("abc123", True)
+    head = subprocess.run(git[:3] + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert common._git_state(str(proj))[0] == head  # the top of a checkout is still asked
