@@ -379,6 +379,15 @@ def main(argv=None) -> int:
                          "issue 5 asks for >= 256)")
     ap.add_argument("--results", default="bench_results", help="folder for fp8_agreement.csv/json (with --fp8)")
     a = ap.parse_args(argv)
+    # checked before the model runs (a bad path lost the run at its end): steps - 1 tokens are
+    # compared, so 1 step compared none and wrote top-1 agreement 0.0 with a NaN KL
+    if a.fp8 and a.steps < 2:
+        ap.error(f"argument --steps: expected >= 2 with --fp8 (steps - 1 tokens are compared), got {a.steps}")
+    if os.path.isdir(a.out):
+        ap.error(f"argument --out: {a.out!r} is a directory (expected the sample's file name)")
+    common.check_dir(ap, os.path.dirname(os.path.abspath(a.out)), "argument --out")
+    if a.fp8:
+        common.check_dir(ap, a.results, "argument --results")
     rec = dump_sample(a.out, a.tokens)
     print(f"wrote {a.out}: {rec['staging'].numel()} bytes, {rec['tokens']} tokens")
     if a.fp8:

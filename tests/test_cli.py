@@ -1256,3 +1256,22 @@ def test_bench_results_record_kvkernels_commit_not_an_enclosing_projects(tmp_pat
     assert common._git_state(str(pkg)) == ("abc123", True)
     head = subprocess.run(git[:3] + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     assert common._git_state(str(proj))[0] == head  # the top of a checkout is still asked
+
+
+@pytest.mark.parametrize("argv, says", [(["--fp8", "--steps", "1"], "argument --steps: expected >= 2 with --fp8"),
+                                        (["--out", "/dev/null/x.pt"], "argument --out"),
+                                        (["--out", "{tmp}"], "is a directory"),
+                                        (["--fp8", "--results", "/dev/null/r"], "argument --results")])
+def test_real_kv_checks_its_arguments_before_running_the_model(tmp_path, monkeypatch, capsys, argv, says):
+    """``--fp8 --steps 1`` compared no token and wrote agreement 0.0 with a NaN KL (rc 0); an --out
+    or --results that cannot be written failed after the model had run (the results lost)."""
+    from kvkernels.bench import real_kv
+
+    monkeypatch.setattr(real_kv, "dump_sample", lambda *a, **k: pytest.fail("ran the model before the checks"))
+    argv = [v.replace("{tmp}", str(tmp_path)) for v in argv]
+    if "--out" not in argv:
+        argv += ["--out", str(tmp_path / "s" / "x.pt")]
+    with pytest.raises(SystemExit) as e:
+        real_kv.main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
