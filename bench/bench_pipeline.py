@@ -591,6 +591,10 @@ def bench_case(model, seq, block_size, *, device, peaks, layers=None, reps=3, he
         else:
             _skip("memcpy-per-chunk, memcpy-batch", "the per-chunk memcpy extension did not build (message above)")
         pipe.close()
+    else:  # listed, not silently absent
+        _skip("sm-zero-copy[*], memcpy-per-chunk, memcpy-batch", NO_GPU)
+        _skip("[cuda], [cuda-bulk], [cudart], [cuda+cudart], [dma+cudart], [4 requests+cudart], "
+              "[4 requests+dma+cudart]", NO_GPU)
     if device.type == "cuda":
         # the same pipeline with the CUDA backend's gather/scatter (a ctypes call instead of
         # Triton's launcher: host time per layer) and, where it applies, its SM90 bulk path (bytes
@@ -743,6 +747,7 @@ _VARIANTS = common.Variants()  # failed variants (rows dropped; exit code 3) and
 _FAILED, _SKIPPED = _VARIANTS.failed, _VARIANTS.skipped
 _skip = _VARIANTS.skip
 _optional_rows = _VARIANTS.guard  # with _optional_rows(tag, rows): one variant's rows
+NO_GPU = "no GPU (CUDA streams, the CUDA C++ backend and the CUDA runtime's own calls)"
 
 
 class _Stamps:

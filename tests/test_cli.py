@@ -241,7 +241,16 @@ def test_bench_pipeline_tiny(tmp_path):
             "kvk-pipeline[vllm calls]", "kvk-pipeline[async restore]"} <= {r["method"] for r in res["rows"]}
     (asy,) = [r for r in res["rows"] if r["method"] == "kvk-pipeline[async restore]"]
     assert 0 < asy["issue_us_per_layer"] <= asy["issue_us_max"]  # its start_load's host time, per layer
-    assert "skipped_variants" not in res["meta"] and "failed_variants" not in res["meta"]
+    assert "failed_variants" not in res["meta"]
+    if HAS_CUDA:
+        assert "skipped_variants" not in res["meta"]
+    else:  # the GPU-only rows are listed, not silently absent
+        skipped = " ".join(res["meta"]["skipped_variants"])
+        for name in ("sm-zero-copy[*]", "memcpy-per-chunk", "memcpy-batch", "[cuda]", "[cudart]", "[dma+cudart]",
+                     "[4 requests+dma+cudart]"):
+            assert name in skipped and "no GPU" in skipped
+        methods = {r["method"] for r in res["rows"]}
+        assert not any(m.startswith(("sm-zero-copy", "memcpy-")) or "cudart" in m for m in methods)
     doc = json.loads((tmp_path / "pipeline_timeline.json").read_text())
     assert set(doc["variants"]) == {"[ctas=16,priority=-1]", "[ctas=all,priority=-1]"}
     tl = doc["layers"]
@@ -469,7 +478,8 @@ def test_bench_pipeline_a_dma_pipeline_that_cannot_be_built(tmp_path, monkeypatc
     assert rows == [] and "kvk-pipeline" in {r["method"] for r in res["rows"]}
     assert any(f.startswith("[dma]") and str(exc) in f for f in meta[listed])
     other = "failed_variants" if listed == "skipped_variants" else "skipped_variants"
-    assert not meta.get(other)
+    # (on a CPU the GPU-only rows are listed skipped whatever happens to [dma])
+    assert not [v for v in meta.get(other) or [] if "no GPU" not in v]
 
 
 def test_bench_store_tiny(tmp_path):
