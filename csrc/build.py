@@ -57,16 +57,32 @@ def source_key() -> str:
     return h.hexdigest()[:12]
 
 
+NVCC_ENV_FLAGS = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")  # nvcc reads these: they change a build
+
+
+def _nvcc_version(exe: str) -> str:
+    """``nvcc --version``'s output: the toolkit behind ``exe`` even when ``exe`` is a wrapper
+    script (``exec /usr/local/cuda-13.0/bin/nvcc "$@"``, as on the CPU CI machine), whose own
+    size and time stay the same when the toolkit it calls changes."""
+    try:
+        r = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+        return r.stdout.strip() if r.returncode == 0 else f"rc={r.returncode}"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unrunnable: {type(exc).__name__}"
+
+
 def toolchain_key() -> str:
-    """What else a build depends on: the nvcc found (path, size, modification time) and the
-    CUTLASS include folder found, with the size and time of its version header and of the TMA
-    header the bulk copy uses (kvkernels/_cuda.py names a just-in-time build after its hash,
-    :func:`jit_lib_name`)."""
+    """What else a build depends on: the nvcc found (path, size, modification time, and its
+    ``--version`` output: the toolkit behind a wrapper), the ``NVCC_PREPEND_FLAGS`` /
+    ``NVCC_APPEND_FLAGS`` it would read, and the CUTLASS include folder found, with the size and
+    time of its version header and of the TMA header the bulk copy uses (kvkernels/_cuda.py names
+    a just-in-time build after its hash, :func:`jit_lib_name`)."""
     exe = nvcc()
     parts = ["nvcc=none"]
     if exe is not None:
         st = os.stat(exe)
-        parts = [f"nvcc={os.path.realpath(exe)}:{st.st_size}:{st.st_mtime_ns}"]
+        parts = [f"nvcc={os.path.realpath(exe)}:{st.st_size}:{st.st_mtime_ns}", f"version={_nvcc_version(exe)}"]
+        parts += [f"{v}={os.environ[v]}" for v in NVCC_ENV_FLAGS if os.environ.get(v)]
     try:
         inc = cutlass_include()
         parts.append(f"cutlass={inc}")
@@ -151,6 +167,14 @@ def build(out_dir: str, archs=ARCHS, verbose: bool = False, extra=(), lib_name: 
             sys.stderr.write(" ".join(cmd) + "\n" + r.stdout + r.stderr)
         if r.returncode:
             raise RuntimeError(f"nvcc failed ({r.returncode}):\n{r.stderr[-4000:]}")
+        # on disk before the rename: after a crash the name holds the whole file or none (a
+        # rename that reached the disk before the data left a truncated library, which dlopen
+        # maps and the process dies of SIGBUS on first touch; kvkernels/_cuda.py checks the size)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, out)  # atomic: a concurrent loader sees the old file or the new one
     finally:
         if os.path.exists(tmp):

@@ -27,11 +27,42 @@ _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 ABI_VERSION = 4
 
 
-def _csrc_dir() -> str | None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    for d in (os.path.join(here, "..", "csrc"), os.path.join(here, "csrc")):  # source tree / wheel
+def _csrc_dir(here: str | None = None) -> str | None:
+    """The csrc/ sources: ``kvkernels/csrc`` of an installed package, else the checkout's
+    ``csrc/`` beside ``pyproject.toml`` (an installed package once looked at ``../csrc`` first:
+    ``site-packages/csrc/build.py`` of another project would have been run)."""
+    here = here or os.path.dirname(os.path.abspath(__file__))
+    up = os.path.dirname(here)
+    cands = [os.path.join(here, "csrc")]
+    if os.path.isfile(os.path.join(up, "pyproject.toml")):
+        cands.append(os.path.join(up, "csrc"))
+    for d in cands:
         if os.path.isfile(os.path.join(d, "build.py")):
             return os.path.abspath(d)
+    return None
+
+
+def _incomplete(path: str) -> str | None:
+    """Why ``path`` is not a whole ELF shared library (None: it is). A truncated library (a
+    build's rename on disk before its data, then a crash; a disk that filled) passes dlopen,
+    which maps it, and the process dies of SIGBUS when it touches the missing pages: measured
+    with a cached build cut to 1-3.4 of its 3.5 MB. The tables at the end of the file say how
+    long it must be."""
+    import struct
+
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError as exc:
+        return f"unreadable: {exc.strerror or exc}"
+    if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+        return f"not a 64-bit little-endian ELF file ({size} bytes)"
+    phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
+    need = max(phoff + phnum * phentsize, shoff + max(shnum, 1 if shoff else 0) * shentsize)
+    if size < need:
+        return f"truncated: {size} bytes, its ELF tables end at {need}"
     return None
 
 
@@ -81,13 +112,19 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     if env:  # asked for by path: that library or none (never silently another one)
         if not os.path.isfile(env):
             return None, f"`KVKERNELS_CUDA_LIB`: {env!r} is not a file"
-        path: str | None = env
+        # absolute: dlopen looks a name without a slash up on LD_LIBRARY_PATH, not in the cwd
+        # where isfile found it (another libkvkernels_cuda.so there was loaded instead)
+        path: str | None = os.path.abspath(env)
     else:
         shipped = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib", LIB)
         path = shipped if os.path.isfile(shipped) else None
         jit = _jit_dir()
         if path is None and jit is not None:
             path = _jit_library(_build_module(), jit)
+            bad = _incomplete(path) if path is not None else None
+            if bad is not None and _build_module().nvcc() is not None:  # this toolchain's own: built anew
+                log.warning("kvkernels: the cached CUDA backend %s is %s; building it again", path, bad)
+                path = None
     if path is None:
         mod = _build_module()
         if mod is None:
@@ -99,6 +136,9 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
             path = mod.build(_jit_dir(), lib_name=mod.jit_lib_name())
         except Exception as exc:
             return None, f"build failed: {exc}"
+    bad = _incomplete(path)
+    if bad is not None:
+        return None, f"{path}: {bad} (delete it, or rebuild with python csrc/build.py)"
     try:
         lib = ctypes.CDLL(path)
         version = lib.kvk_abi_version()

@@ -106,6 +106,74 @@ def test_setup_reads_build_cuda_like_every_boolean_variable(monkeypatch, raw, wa
     assert ns["_build_cuda_requested"]() is False
 
 
+def _setup_namespace(monkeypatch) -> dict:
+    """setup.py's namespace with setuptools.setup() a no-op (it runs at import)."""
+    import runpy
+
+    import setuptools
+
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: None)
+    return runpy.run_path(os.path.join(ROOT, "setup.py"))
+
+
+class _StandInBuild:
+    """csrc/build.py as setup.py uses it, without nvcc."""
+
+    def __init__(self, cutlass):
+        self.cutlass, self.built = cutlass, []
+
+    def nvcc(self):
+        return "/stand-in/nvcc"
+
+    def cutlass_include(self):
+        return self.cutlass
+
+    def build(self, out_dir, verbose=False):
+        self.built.append(out_dir)
+
+
+@pytest.mark.parametrize("editable, cutlass, require", [(True, None, ""), (False, None, ""), (False, None, "1"),
+                                                        (False, "/inc", "1")])
+def test_setup_builds_cuda_only_where_it_lands_and_says_what_it_left_out(monkeypatch, capsys, tmp_path, editable,
+                                                                       cutlass, require):
+    """An editable install compiled the library (~20 s) into a temporary folder and threw it away;
+    under pip's build isolation no CUTLASS headers are found and the library shipped without the
+    SM90 bulk path, silently (and it is loaded before any just-in-time build)."""
+    from setuptools.command.build_py import build_py
+
+    ns = _setup_namespace(monkeypatch)
+    stand_in = _StandInBuild(cutlass)
+    monkeypatch.setattr(build_py, "run", lambda self: None)  # (the Python files' copy)
+    # setup.py loads csrc/build.py by path: the stand-in instead (no nvcc run, no 20 s build)
+    spec = type("Spec", (), {"loader": type("Loader", (), {"exec_module": staticmethod(lambda mod: None)})()})()
+    monkeypatch.setattr(importlib.util, "spec_from_file_location", lambda *a, **k: spec)
+    monkeypatch.setattr(importlib.util, "module_from_spec", lambda s: stand_in)
+    monkeypatch.setenv("KVKERNELS_BUILD_CUDA", "1")
+    monkeypatch.setenv("KVKERNELS_REQUIRE_CUTLASS", require)
+    cmd = ns["BuildPyWithCuda"].__new__(ns["BuildPyWithCuda"])
+    cmd.editable_mode, cmd.build_lib = editable, str(tmp_path)
+    if require == "1" and cutlass is None:
+        with pytest.raises(RuntimeError, match="no CUTLASS headers.*KVKERNELS_REQUIRE_CUTLASS=1"):
+            cmd.run()
+        assert stand_in.built == []
+        return
+    cmd.run()
+    err = capsys.readouterr().err
+    if editable:
+        assert stand_in.built == [] and "does nothing for an editable install" in err
+    else:
+        assert stand_in.built == [os.path.join(str(tmp_path), "kvkernels", "_lib")]
+        assert ("WARNING" in err and "without the SM90 bulk path" in err) == (cutlass is None)
+
+
+def test_a_wheel_with_the_compiled_library_is_not_tagged_pure(monkeypatch):
+    ns = _setup_namespace(monkeypatch)
+    monkeypatch.setenv("KVKERNELS_BUILD_CUDA", "1")
+    assert ns["CudaAwareDistribution"]().has_ext_modules() is True
+    monkeypatch.setenv("KVKERNELS_BUILD_CUDA", "0")
+    assert ns["CudaAwareDistribution"]().has_ext_modules() is False
+
+
 @needs_nvcc
 def test_bench_memcpy_baselines_compile(tmp_path):
     # the per-chunk cudaMemcpyAsync and cudaMemcpyBatchAsync baselines are built on the GPU machine
@@ -1145,6 +1213,137 @@ def test_an_in_place_cutlass_upgrade_changes_the_toolchain_key(tmp_path, monkeyp
     assert build.toolchain_key() != k2
 
 
+def _elf_stub(path: str) -> None:
+    """A whole (if useless) 64-bit ELF header with no tables: passes the loader's size check, then
+    dlopen refuses it (a stand-in for a build)."""
+    with open(path, "wb") as f:
+        f.write(b"\x7fELF\x02\x01\x01" + bytes(57))
+
+
+def _a_real_library() -> str:
+    import glob
+
+    libm = ctypes.util.find_library("m")
+    path = next(iter(glob.glob(f"/lib/x86_64-linux-gnu/{libm}") + glob.glob(f"/usr/lib*/{libm}")), None) if libm else None
+    if path is None:
+        pytest.skip("no libm file to stand in for a library")
+    return os.path.realpath(path)
+
+
+def test_a_truncated_library_is_refused_before_dlopen_maps_it(tmp_path, monkeypatch):
+    """A library cut short (a crash after the build's rename reached the disk before its data) was
+    handed to dlopen, which maps it: the process died of SIGBUS (a cached build cut to 1-3.4 of its
+    3.5 MB). Its ELF tables say how long it must be; one shorter is refused, naming what to do."""
+    import shutil
+
+    from kvkernels import _cuda
+
+    real = _a_real_library()
+    assert _cuda._incomplete(real) is None
+    cut = tmp_path / "libcut.so"
+    shutil.copyfile(real, cut)
+    with open(cut, "r+b") as f:
+        f.truncate(os.path.getsize(real) // 2)
+    assert "truncated" in _cuda._incomplete(str(cut))
+    (tmp_path / "text.so").write_text("not a library")
+    assert "not a 64-bit little-endian ELF" in _cuda._incomplete(str(tmp_path / "text.so"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("KVKERNELS_CUDA_LIB", str(cut))
+    _cuda._load.cache_clear()
+    try:
+        assert not _cuda.available()
+        assert "truncated: " in _cuda.reason() and "delete it, or rebuild" in _cuda.reason()
+    finally:
+        _cuda._load.cache_clear()
+
+
+def test_a_truncated_jit_build_of_this_toolchain_is_built_again(tmp_path, monkeypatch):
+    from kvkernels import _cuda, config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("KVKERNELS_CUDA_LIB", raising=False)
+    monkeypatch.setattr(config, "cache_dir", lambda: str(tmp_path))
+    mod = _cuda._build_module()
+    (tmp_path / "nvcc").write_text("")  # a stand-in toolchain (never run: build is replaced below)
+    monkeypatch.setattr(mod, "nvcc", lambda: str(tmp_path / "nvcc"))
+    monkeypatch.setattr(mod, "_nvcc_version", lambda exe: "stand-in")
+    jit = _cuda._jit_dir()
+    os.makedirs(jit)
+    own = os.path.join(jit, mod.jit_lib_name())
+    with open(own, "wb") as f:  # cut after its header: the tables it names are missing
+        f.write(open(_a_real_library(), "rb").read(4096))
+    built = []
+
+    def stand_in(out_dir, *a, lib_name=build.LIB, **k):
+        built.append(lib_name)
+        _elf_stub(os.path.join(out_dir, lib_name))
+        return os.path.join(out_dir, lib_name)
+
+    monkeypatch.setattr(mod, "build", stand_in)
+    _cuda._load.cache_clear()
+    try:
+        why = _cuda.reason()
+        # built anew, then that one tried (the stand-in: refused by dlopen, not by the size check)
+        assert built == [os.path.basename(own)] and "cannot load" in why and "tables end" not in why
+    finally:
+        _cuda._load.cache_clear()
+
+
+def test_a_relative_cuda_lib_path_loads_that_file(tmp_path, monkeypatch):
+    """``KVKERNELS_CUDA_LIB=libx.so`` passed the isfile check in the working directory, then dlopen
+    looked the name up on LD_LIBRARY_PATH instead (another library of that name loaded)."""
+    import shutil
+
+    from kvkernels import _cuda
+
+    shutil.copyfile(_a_real_library(), tmp_path / "libx.so")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("KVKERNELS_CUDA_LIB", "libx.so")
+    _cuda._load.cache_clear()
+    try:
+        assert not _cuda.available()
+        assert _cuda.reason().startswith(f"{tmp_path / 'libx.so'}: not a kvkernels CUDA library"), _cuda.reason()
+    finally:
+        _cuda._load.cache_clear()
+
+
+def test_the_toolchain_key_follows_the_toolkit_behind_an_nvcc_wrapper(tmp_path, monkeypatch):
+    """The CPU CI machine's nvcc is a 50-byte ``exec /usr/local/cuda-13.0/bin/nvcc`` script: its
+    size and time stay the same when the toolkit it calls changes, and a build of the old toolkit
+    was loaded. NVCC_APPEND_FLAGS / NVCC_PREPEND_FLAGS change a build too."""
+    ver = tmp_path / "version.txt"
+    ver.write_text("Cuda compilation tools, release 13.0\n")
+    wrapper = tmp_path / "nvcc"
+    wrapper.write_text(f"#!/bin/sh\ncat {ver}\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(build, "nvcc", lambda: str(wrapper))
+    for v in build.NVCC_ENV_FLAGS:
+        monkeypatch.delenv(v, raising=False)
+    k1 = build.toolchain_key()
+    assert "release 13.0" in k1
+    ver.write_text("Cuda compilation tools, release 12.4\n")
+    k2 = build.toolchain_key()
+    assert k2 != k1
+    monkeypatch.setenv("NVCC_APPEND_FLAGS", "-DKVK_SOMETHING=1")
+    assert build.toolchain_key() != k2
+
+
+def test_an_installed_package_builds_from_its_own_csrc(tmp_path):
+    """``site-packages/csrc/build.py`` (another project's) was looked at before
+    ``site-packages/kvkernels/csrc`` and would have been run."""
+    from kvkernels import _cuda
+
+    sp = tmp_path / "site-packages"
+    for d in (sp / "csrc", sp / "kvkernels" / "csrc"):
+        d.mkdir(parents=True)
+        (d / "build.py").write_text("")
+    assert _cuda._csrc_dir(str(sp / "kvkernels")) == str(sp / "kvkernels" / "csrc")
+    (sp / "kvkernels" / "csrc" / "build.py").unlink()
+    assert _cuda._csrc_dir(str(sp / "kvkernels")) is None  # not the other project's
+    assert _cuda._csrc_dir() == os.path.join(ROOT, "csrc")  # the checkout's (beside pyproject.toml)
+
+
 @needs_nvcc
 def test_jit_builds_one_file_per_toolchain_and_loads_without_nvcc(tmp_path, monkeypatch):
     """Processes with different toolchains sharing a cache each build their own file once (they
@@ -1160,8 +1359,7 @@ def test_jit_builds_one_file_per_toolchain_and_loads_without_nvcc(tmp_path, monk
     def stand_in(out_dir, *a, lib_name=build.LIB, **k):  # what build() leaves: one library file
         built.append(lib_name)
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, lib_name), "wb"):
-            pass
+        _elf_stub(os.path.join(out_dir, lib_name))
         return os.path.join(out_dir, lib_name)
 
     mod = _cuda._build_module()
