@@ -258,13 +258,37 @@ def _lock_roots(roots: list[str]) -> _FolderLocks:
         import fcntl  # noqa: PLC0415
     except ImportError:  # pragma: no cover - not on Linux
         return locks
+    def in_use(root: str) -> RuntimeError:
+        return RuntimeError(f"store folder {root!r} is in use by another KVStore (this process or another): one "
+                            f"store per folder; close the other one first, or give each its own folder")
+
     with _HELD_LOCKS_MUTEX:  # opened, locked and registered with no fork in between
         try:
             for root in roots:
+                # the folder itself, too: the lock file alone was lost when a cleanup deleted it
+                # (a second store then made a new one and opened), and a lock file created under
+                # umask 077 could not be opened by another user's store, which ran unlocked
+                try:
+                    dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+                except OSError:
+                    dfd = -1
+                if dfd >= 0:
+                    locks.fds.append(dfd)
+                    try:
+                        fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        raise in_use(root) from None
+                    except OSError:  # no flock on folders here: the lock file decides alone
+                        locks.fds.pop()
+                        os.close(dfd)
                 path = os.path.join(root, _LOCK_NAME)
                 writable = True
                 try:
                     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                    try:  # readable by other users' stores whatever the umask (0o644 lost its bits to 077)
+                        os.fchmod(fd, 0o644)
+                    except OSError:  # another user's file: its mode is theirs
+                        pass
                 except OSError as exc:
                     if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                         raise
@@ -279,10 +303,7 @@ def _lock_roots(roots: list[str]) -> _FolderLocks:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    raise RuntimeError(
-                        f"store folder {root!r} is in use by another KVStore (this process or another): one "
-                        f"store per folder; close the other one first, or give each its own folder"
-                    ) from None
+                    raise in_use(root) from None
                 except OSError as exc:
                     if exc.errno not in _NO_FLOCK or (exc.errno == errno.EBADF and writable):
                         raise
@@ -369,7 +390,9 @@ class KVStore:
             check(isinstance(p, str) and p.strip() != "", "paths", "non-empty directory paths", repr(p))
         if capacity_bytes is not None:
             check_int(capacity_bytes, "capacity_bytes", lo=1)
-        self.paths = [os.path.abspath(p) for p in paths]
+        # resolved once: a link switched later (a new server's folder beside a draining one's) does
+        # not move this store's files into the other's folder
+        self.paths = [os.path.realpath(p) for p in paths]
         # not bool(): verify=None (None is "the default" for the other arguments) turned checksums off
         for name, flag in (("read_priority", read_priority), ("verify", verify), ("fsync", fsync)):
             check(isinstance(flag, bool), name, "True or False", repr(flag), TypeError)
@@ -406,6 +429,7 @@ class KVStore:
                 check((st.st_dev, st.st_ino) not in seen, "paths", "distinct directories",
                       f"{p!r} is the same directory as {seen.get((st.st_dev, st.st_ino))!r}")
                 seen[(st.st_dev, st.st_ino)] = p
+            self._root_ids = {p: ident for ident, p in seen.items()}
         except BaseException:
             # a refused store leaves nothing behind: the folders this call made go again (empty
             # ones only: rmdir; [new, new] made `new` and then refused it)
@@ -510,6 +534,19 @@ class KVStore:
         root = self.paths[int.from_bytes(digest[:8], "little") % len(self.paths)]
         hexd = digest.hex()
         return os.path.join(root, hexd[:2], hexd + _SUFFIX)
+
+    def _root_replaced(self, path: str) -> str | None:
+        """Why the folder holding entry ``path`` is no longer the one this store opened (None: it
+        is): renamed or deleted from outside, perhaps made again by another store, which holds its
+        own lock. Its files are then not this store's to write or delete."""
+        root = os.path.dirname(os.path.dirname(path))
+        try:
+            st = os.stat(root)
+        except OSError as exc:
+            return f"store folder {root!r} is gone ({exc.strerror or exc})"
+        if (st.st_dev, st.st_ino) != self._root_ids.get(root):
+            return f"store folder {root!r} was replaced by another directory since this store opened it"
+        return None
 
     # ------------------------------------------------------------------ recovery
     def _recover(self) -> dict:
@@ -739,11 +776,18 @@ class KVStore:
             plan = Header.layout_regions(meta, sizes, [0] * len(sizes))
             final = self._path_for(digest)
             d = os.path.dirname(final)
+            gone = self._root_replaced(final)  # (one stat per put)
+            if gone is not None:  # a put there would write into another store's folder, or make it anew
+                raise OSError(errno.ESTALE, f"{gone}: nothing is written; close this store (and open the "
+                                            "folder again if it is still to be used)")
             if d not in self._shards_synced or not os.path.isdir(d):  # (removed from outside: made again)
                 # the shard folder's own name must be durable before a put into it is: every put
                 # into a folder not yet synced (by this store) syncs its parent — not only the put
                 # that created it, which another put could overtake, or whose sync could fail
-                os.makedirs(d, exist_ok=True)
+                try:
+                    os.mkdir(d)  # the shard only: a root removed from outside is not made again
+                except FileExistsError:
+                    pass
                 if self.fsync:
                     _fsync_dir(os.path.dirname(d))
                 self._shards_synced.add(d)
@@ -1068,7 +1112,7 @@ class KVStore:
         failed = 0
         try:
             for path, _ in doomed:
-                failed += not _remove_file(path)
+                failed += not self._remove_own(path)
         finally:
             left, interrupted = list(doomed), None
             while left:
@@ -1096,8 +1140,17 @@ class KVStore:
         so a refusal of the file system (read-only, permissions) is logged and counted
         (``stats()["unlink_errors"]``), not raised: the index stays true and the store keeps
         working; the file is found again by the next open's recovery."""
-        if not _remove_file(path, rename_to):
+        if not self._remove_own(path, rename_to):
             self._stats["unlink_errors"] += 1
+
+    def _remove_own(self, path: str, rename_to: str | None = None) -> bool:
+        """:func:`_remove_file`, unless the folder was replaced since the open (the file of that
+        name is another store's now): then nothing is touched, a warning, False."""
+        gone = self._root_replaced(path)
+        if gone is not None:
+            _log.warning("kvkernels store: %s: %s left alone", gone, path)
+            return False
+        return _remove_file(path, rename_to)
 
     # ------------------------------------------------------------------ get
     def header(self, key) -> Header | None:

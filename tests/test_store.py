@@ -526,6 +526,71 @@ def test_a_lock_file_that_cannot_be_written_or_a_file_system_without_flock_still
     assert "cannot be locked" in caplog.text and "not locked against a second store" in caplog.text
 
 
+def test_a_deleted_lock_file_does_not_let_a_second_store_in(tmp_path):
+    """A cleanup that deleted ``.kvkernels.lock`` under an open store let a second one make a new
+    lock file and open the same folder (their recoveries and indexes then fight)."""
+    with KVStore(tmp_path / "a"):
+        os.unlink(tmp_path / "a" / ".kvkernels.lock")
+        with pytest.raises(RuntimeError, match="in use by another KVStore"):
+            KVStore(tmp_path / "a")
+
+
+def test_the_lock_file_is_readable_by_other_users_whatever_the_umask(tmp_path):
+    """Made under umask 077 it was 0600: another user's store could not open it and ran unlocked."""
+    old = os.umask(0o077)
+    try:
+        with KVStore(tmp_path / "a"):
+            assert (os.stat(tmp_path / "a" / ".kvkernels.lock").st_mode & 0o777) == 0o644
+    finally:
+        os.umask(old)
+
+
+def test_a_store_whose_folder_was_replaced_writes_and_deletes_nothing_in_the_new_one(tmp_path):
+    """The folder renamed (or deleted) under an open store, a second store opening a new folder of
+    that name: the first one's puts re-created the folder or wrote into the second's (whose gets
+    then failed their checksum: its good file renamed *.corrupt)."""
+    _, buf, meta = staged()
+    root = tmp_path / "kv"
+    first = KVStore(root)
+    try:
+        first.put("x", buf, meta).result()
+        os.rename(root, tmp_path / "kv.old")
+        with pytest.raises(OSError, match="is gone") as e:
+            first.put("y", buf, meta).result()
+        assert e.value.errno == errno.ESTALE and not root.exists()  # not made anew
+        with KVStore(root) as second:
+            second.put("y", buf, meta).result()
+            with pytest.raises(OSError, match="was replaced by another directory"):
+                first.put("y", buf.flip(0), meta).result()
+            first.remove("x")  # (its file is under kv.old now: nothing of the new folder is touched)
+            assert torch.equal(second.get("y").result(), buf)
+            assert not list(root.rglob("*.corrupt"))
+    finally:
+        first.close()
+
+
+def test_a_store_opened_through_a_link_keeps_its_folder_when_the_link_is_switched(tmp_path):
+    """A draining server's store opened through a link, the link switched to a new server's folder:
+    the first store's puts went through the link into the second's folder."""
+    _, buf, meta = staged()
+    (tmp_path / "d1").mkdir()
+    (tmp_path / "d2").mkdir()
+    link = tmp_path / "current"
+    link.symlink_to(tmp_path / "d1")
+    first = KVStore(link)
+    try:
+        assert first.paths == [str(tmp_path / "d1")]
+        link.unlink()
+        link.symlink_to(tmp_path / "d2")
+        with KVStore(link) as second:
+            second.put("k", buf, meta).result()
+            first.put("k", buf.flip(0), meta).result()  # into d1, its own folder
+            assert torch.equal(second.get("k").result(), buf)
+            assert torch.equal(first.get("k").result(), buf.flip(0))
+    finally:
+        first.close()
+
+
 def test_a_store_that_fails_to_open_releases_its_folders(tmp_path, monkeypatch):
     def broken(self):
         raise OSError(errno.EIO, "simulated")
