@@ -33,10 +33,11 @@ BACKENDS = ("triton", "cuda", "torch")
 
 
 def triton_interpret() -> bool:
-    """Whether Triton runs its interpreter: ``TRITON_INTERPRET`` read as Triton reads it (1, true,
-    yes or on in any case; only "1" counted here until 2026-11-25, so ``true`` ran the interpreter
-    while kvkernels refused CPU tensors for want of it)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+    """Whether Triton runs its interpreter: ``TRITON_INTERPRET`` read as Triton (3.6-3.8's
+    ``getenv_bool``) reads it: 1, true, yes, on or y, in any case (only "1" counted here until
+    2026-11-25, so ``true`` ran the interpreter while kvkernels refused CPU tensors for want of it;
+    ``y`` until the thirty-second session's docs review)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
 
 
 # The oldest Triton the kernels run on (the `[triton]` extra's floor; torch >= 2.7 pins one). Triton

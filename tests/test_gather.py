@@ -364,8 +364,9 @@ def test_env_backend_triton_on_cpu_without_the_interpreter_takes_torch(monkeypat
     assert torch.equal(kvkernels.gather(lay, [1]), expected_staging(lay, [1]))
 
 
-@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("On", True), ("YES", True), ("0", False),
-                                       ("false", False), ("", False), ("2", False)])
+@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("On", True), ("YES", True), ("y", True),
+                                       ("Y", True), ("0", False), ("false", False), ("", False), ("2", False),
+                                       ("t", False), ("n", False)])
 def test_triton_interpret_is_read_as_triton_reads_it(monkeypatch, value, on):
     """Found by review (2026-11-25): only "1" counted, so TRITON_INTERPRET=true ran Triton's
     interpreter while kvkernels refused CPU tensors for want of it."""
