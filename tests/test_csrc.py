@@ -1341,7 +1341,11 @@ def test_an_installed_package_builds_from_its_own_csrc(tmp_path):
     assert _cuda._csrc_dir(str(sp / "kvkernels")) == str(sp / "kvkernels" / "csrc")
     (sp / "kvkernels" / "csrc" / "build.py").unlink()
     assert _cuda._csrc_dir(str(sp / "kvkernels")) is None  # not the other project's
-    assert _cuda._csrc_dir() == os.path.join(ROOT, "csrc")  # the checkout's (beside pyproject.toml)
+    # the imported package's own: an installed one's kvkernels/csrc, a checkout's csrc/ (beside
+    # pyproject.toml; the tests of an unpacked sdist may import another checkout's package)
+    pkg = os.path.dirname(os.path.abspath(_cuda.__file__))
+    own = os.path.join(pkg, "csrc")
+    assert _cuda._csrc_dir() == (own if os.path.isdir(own) else os.path.join(os.path.dirname(pkg), "csrc"))
 
 
 @needs_nvcc
