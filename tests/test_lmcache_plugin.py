@@ -1804,3 +1804,25 @@ def test_extra_config_takes_pathlib_paths(tmp_path):
     assert parse_extra_config({"kvkernels.paths": Path(a)}).paths == (str(a),)
     with pytest.raises(PluginConfigError, match="`kvkernels.paths`: expected a directory or a list"):
         lmcache_extra_config(3)
+
+
+def test_a_read_interrupted_while_waiting_gives_its_staging_buffer_back_only_when_it_ends(tmp_path):
+    """A KeyboardInterrupt in ``finish_read``'s wait gave the staging buffer back to the pool while
+    the store's thread still read into it: the next read took it, and got its bytes overwritten."""
+    from concurrent.futures import Future
+
+    from kvkernels.integrations.lmcache.chunk_io import ChunkIO, PendingRead
+
+    class Interrupted(Future):
+        def result(self, timeout=None):
+            raise KeyboardInterrupt
+
+    io = ChunkIO(None, inplace=False, keep=4)
+    buf = io.bufs.take(4096)
+    fut = Interrupted()
+    pending = PendingRead(header=None, shape=None, fmt=None, buf=buf, future=fut)
+    with pytest.raises(KeyboardInterrupt):
+        io.finish_read(pending, torch.empty(4096, dtype=torch.uint8))
+    assert io.bufs.held == 0  # still the read's
+    fut.set_result(None)
+    assert io.bufs.held == 1 and io.bufs.take(4096) is buf

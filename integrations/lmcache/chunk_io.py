@@ -356,6 +356,10 @@ class ChunkIO:
                 # they go back (to be refilled by the next read) only once it has run
                 torch.cuda.current_stream(out.device).synchronize()
             if buf is not None:
-                self.bufs.give(buf, pending.pinned)
+                if pending.future.done():
+                    self.bufs.give(buf, pending.pinned)
+                else:  # interrupted while waiting (KeyboardInterrupt): the read still writes into
+                    # it; pooled now, the next read would have been handed it (and its bytes)
+                    pending.future.add_done_callback(lambda _f, b=buf, p=pending.pinned: self.bufs.give(b, p))
             if extra is not None:
                 self.bufs.give(extra, pending.pinned)
