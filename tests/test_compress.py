@@ -1471,3 +1471,16 @@ def test_a_format_without_layers_decodes_to_nothing():
     packed = compress_regions(torch.zeros(0, dtype=torch.uint8), fmt, "zstd")
     assert packed.regions == [] and fmt.nbytes == 0
     assert decompress_regions(packed).numel() == 0
+
+
+def test_bytes_after_the_last_zstd_frame_are_damage():
+    """Found by mutation testing (thirty-second session): junk appended after the last frame, with
+    the stored size grown to match, was only refused because frames + table == stored is checked
+    exactly; a check of "more than stored" alone let it decode."""
+    staging, fmt, _, _ = kv_like(SHAPES[1], torch.bfloat16)
+    packed = compress_regions(staging, fmt, "zstd", chunk_nbytes=4096)
+    region = packed.regions[0]
+    assert region.numel() + 5 < packed.raw_nbytes[0]  # still a compressed region, not a raw one
+    junk = torch.cat([region, torch.tensor([1, 2, 3, 4, 5], dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="region 0"):
+        decompress_regions(_with_region(packed, 0, junk))

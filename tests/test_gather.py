@@ -742,3 +742,44 @@ def test_persistent_grid_never_steps_past_int32():
             assert count - 1 + g <= 2**31 - 1  # the i32 loop's last w + num_programs does not wrap
     assert persistent_grid(5, 0) == (5,) and persistent_grid(5, 3) == (3,)  # unchanged below 2^30
     assert persistent_grid(2**31 + 5, 0) == (2**31 - 1,)  # i64 bound: only the grid limit
+
+
+
+# ------------------------------------------------ found by mutation testing (thirty-second session)
+@pytest.mark.parametrize("ids", [[0, 0, 1], [-1, 0, 0], [2, 0, 0]])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scatter_refuses_block_zero_twice(backend, ids):
+    """Duplicates of block 0 (the id a padded list's -1 filter sits next to) must be refused like
+    any other: two slots writing one block race."""
+    lay = cache("vllm-nhd")
+    st = kvkernels.gather(lay, [3, 4, 5], backend="torch")
+    before = all_bytes(lay)
+    with pytest.raises(ValueError, match="block_ids"):
+        kvkernels.scatter(st, lay, ids, backend=backend)
+    assert all(torch.equal(x, y) for x, y in zip(before, all_bytes(lay)))
+
+
+def test_padding_ids_are_not_counted_as_invalid_by_the_torch_backend():
+    """-1 is padding: a validate=False gather with it must leave the invalid-id counter at 0."""
+    lay = cache("vllm-nhd")
+    kvkernels.check_errors(lay.device)  # (earlier tests' counts cleared)
+    kvkernels.gather(lay, [-1, 2], backend="torch", validate=False)
+    kvkernels.check_errors(lay.device)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_layer_index_equal_to_the_layer_count_is_a_clear_error(backend):
+    lay = cache("vllm-nhd")
+    with pytest.raises(ValueError, match="layers"):
+        kvkernels.gather(lay, [1, 2], layers=[0, lay.num_layers], backend=backend)
+    st = kvkernels.gather(lay, [1, 2], backend="torch")
+    with pytest.raises(ValueError, match="layers"):
+        kvkernels.scatter(st, lay, [3, 4], layers=[lay.num_layers], backend=backend)
+
+
+def test_the_cached_staging_format_follows_the_layers_asked_for():
+    lay = cache("vllm-nhd")
+    assert StagingFormat.for_layout(lay, 2).layers == tuple(range(lay.num_layers))
+    assert StagingFormat.for_layout(lay, 2, 1).layers == (1,)
+    assert StagingFormat.for_layout(lay, 2, (0, 1)).layers == (0, 1)
+    assert kvkernels.staging_nbytes(lay, 2, layers=1) == StagingFormat.for_layout(lay, 2, 1).nbytes

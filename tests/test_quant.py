@@ -973,3 +973,42 @@ def test_fp8_buffer_on_an_unaligned_storage_is_a_clear_error():
                 kvkernels.gather(lay, [1, 0], quant="fp8", out=base[s:], backend=b)
             with pytest.raises(ValueError, match="storage offset"):
                 kvkernels.scatter(base[s:], lay, [1, 0], quant="fp8", backend=b)
+
+
+
+# ------------------------------------------------ found by mutation testing (thirty-second session)
+def test_codes_sections_are_rounded_to_16_bytes_as_documented():
+    """One block of 1 token, 1 head, head_dim 4: 4 code bytes per entry, a 16-byte section (a
+    4-byte rounding kept every round trip working: all backends take offsets from the format)."""
+    lay = cache("vllm-nhd", heads=1, head_dim=4, block_size=1, layers=1, blocks=2, fill="zero")
+    fmt = QuantStagingFormat.for_layout(lay, 1)
+    assert (fmt.q_nbytes, fmt.q_entry_nbytes) == (4, 16)
+    assert [fmt.q_offset(0, 0), fmt.q_offset(0, 1), fmt.scale_offset(0, 0), fmt.scale_offset(0, 1)] == [0, 16, 32, 48]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_fp8_buffer_aligned_to_4_but_not_16_bytes_is_refused(backend):
+    lay = cache("vllm-nhd")
+    fmt = QuantStagingFormat.for_layout(lay, 2)
+    base = torch.zeros(fmt.nbytes + 64, dtype=torch.uint8, device=lay.device)
+    k = next(k for k in range(4, 64, 4) if (base.data_ptr() + k) % 16)
+    out = base[k: k + fmt.nbytes]
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        gather_quant(lay, [1, 2], out=out, quant="fp8", backend=backend)
+    good = gather_quant(lay, [1, 2], quant="fp8", backend="torch")
+    out.copy_(good)
+    before = cache_bytes(lay)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        scatter_quant(out, lay, [3, 4], quant="fp8", backend=backend)
+    assert all(torch.equal(x, y) for x, y in zip(before, cache_bytes(lay)))
+
+
+def test_shuffle_against_a_raw_scheme_is_refused_before_writing():
+    """A buffer stored as "raw" restored with shuffle=True (or the reverse) would put byte planes
+    into the cache as values: a ValueError naming `scheme`, nothing written."""
+    lay = cache("vllm-nhd")
+    st = kvkernels.gather(lay, [1, 2], backend="torch")
+    before = cache_bytes(lay)
+    with pytest.raises(ValueError, match="`scheme`"):
+        scatter_quant(st, lay, [3, 4], shuffle=True, scheme="raw", backend="torch")
+    assert all(torch.equal(x, y) for x, y in zip(before, cache_bytes(lay)))
