@@ -2690,3 +2690,102 @@ def test_entry_meta_refuses_a_scheme_or_dtype_its_bytes_cannot_be(tmp_path):
         opaque = dataclasses.replace(meta, dtype="fp8_e4m3+scales")  # not a torch dtype: the caller's own name
         store.put("k", buf, opaque).result()
         assert store.header("k").meta.dtype == "fp8_e4m3+scales"
+
+
+# ------------------------------------------------ found by mutation testing (thirty-second session)
+def test_a_header_of_another_format_version_is_refused_even_with_a_good_checksum():
+    import struct
+
+    from kvkernels.io.format import checksum
+
+    _, _, meta = staged()
+    h = Header(b"\x01" * 16, meta, Header.layout_regions(meta, [meta.fmt.region_nbytes] * L, [1, 2, 3]))
+    body = bytearray(h.pack())
+    body[8:12] = struct.pack("<I", 2)
+    body[16:24] = b"\x00" * 8
+    body[16:24] = struct.pack("<Q", checksum(bytes(body)))
+    with pytest.raises(CorruptEntryError, match="unsupported format version 2"):
+        Header.unpack(bytes(body))
+
+
+def test_a_file_whose_last_region_is_not_a_4k_multiple_still_ends_on_4k():
+    _, _, meta = staged()
+    h = Header(b"\x01" * 16, meta, Header.layout_regions(meta, [5000] * L, [1, 2, 3]))
+    last = h.regions[-1]
+    assert h.file_nbytes % 4096 == 0 and h.file_nbytes >= last.offset + last.stored > h.file_nbytes - 4096
+
+
+def test_a_layer_equal_to_the_layer_count_is_refused_by_entrymeta():
+    _, _, meta = staged()
+    with pytest.raises(ValueError, match="meta.layers"):
+        EntryMeta(**{**meta.__dict__, "layers": (0, meta.num_layers)}).validate()
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_each_put_syncs_its_file_before_the_rename_that_publishes_it(tmp_path, monkeypatch, fsync):
+    """docs/store.md: a put is durable once acknowledged (its data synced, then renamed into place,
+    then the folder synced); with fsync=False nothing is synced."""
+    events = []
+    real_sync, real_replace, real_fsync = os.fdatasync, os.replace, os.fsync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (events.append(("sync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                     real_sync(fd))[1])
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("sync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", os.fspath(a))), real_replace(a, b))[1])
+    _, buf, meta = staged()
+    with KVStore(tmp_path / "s", fsync=fsync, engine="posix") as store:
+        events.clear()
+        store.put("k", buf, meta).result()
+        store.put("k2", buf, meta).result()
+    renames = [p for kind, p in events if kind == "replace" and ".kvk.tmp." in p]
+    assert len(renames) == 2
+    synced = [p for kind, p in events if kind == "sync"]
+    if fsync:
+        for tmp in renames:
+            i = events.index(("replace", tmp))
+            assert ("sync", tmp) in events[:i], events
+    else:
+        assert not any(".kvk" in p for p in synced), synced
+
+
+def test_kvikio_short_read_errors_map_to_eof_whatever_the_message(tmp_path):
+    """A GDS/cuFile read error on a file shorter than the read is an EOFError (as the POSIX engine
+    raises), not an OSError(EIO), whatever kvikio's text says."""
+    from kvkernels.io.engines import KvikioEngine
+
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 4096)
+    pieces = [(0, torch.empty(8192, dtype=torch.uint8))]
+    exc = KvikioEngine._posix_error(RuntimeError("cuFile read failed: internal error 5030"), str(path), pieces,
+                                    write=False)
+    assert isinstance(exc, EOFError)
+    exc = KvikioEngine._posix_error(RuntimeError("cuFile read failed: internal error 5030"), str(path),
+                                    [(0, torch.empty(4096, dtype=torch.uint8))], write=False)
+    assert isinstance(exc, OSError) and exc.errno == errno.EIO
+
+
+def test_recovery_removes_only_its_own_temporaries(tmp_path):
+    _, buf, meta = staged()
+    with KVStore(tmp_path) as store:
+        store.put("k", buf, meta).result()
+    (entry,) = [p for p in files(tmp_path) if p.endswith(".kvk")]
+    mine, other = entry + ".tmp.123.4", entry + ".tmp.123.4.keep"
+    for p in (mine, other):
+        with open(p, "wb") as f:
+            f.write(b"x")
+    with KVStore(tmp_path) as store:
+        assert store.recovery["removed_temporaries"] == 1
+    assert not os.path.exists(mine) and os.path.exists(other)
+
+
+def test_a_pinned_key_put_again_stays_pinned(tmp_path):
+    _, buf, meta = staged()
+    size = 4096 + buf.numel()
+    with KVStore(tmp_path, capacity_bytes=2 * size) as store:
+        store.put("a", buf, meta).result()
+        assert store.pin("a")
+        store.put("a", buf.flip(0), meta).result()  # a new version of a pinned key
+        store.put("b", buf, meta).result()
+        store.put("c", buf, meta).result()  # "a" is the oldest, but still pinned: "b" goes
+        assert store.contains("a") and store.pin_count("a") == 1 and not store.contains("b")
+        assert torch.equal(store.get("a").result(), buf.flip(0))
