@@ -1250,3 +1250,10 @@ def test_a_load_finishes_into_the_view_its_read_started_with(adapter, l1, monkey
     assert all(bytes_equal(_bytes(o), ref) for o, ref in zip(dst, refs))
     assert adapter.counters["load_errors"] == 0
     _unlock_and_settle(adapter, keys)
+
+
+# ------------------------------------------------ found by mutation testing (thirty-second session)
+def test_object_key_string_format_is_stable():
+    """Entries are stored under this string: a change makes every stored entry unreadable."""
+    assert object_key_string(ObjectKey(b"\x01\x02", "m/x", 0x01000100)) == "lmcache-mp:m/x@0x01000100@0@0102"
+    assert object_key_string(ObjectKey(b"\xab", "m", 3, 2, cache_salt="s1")) == "lmcache-mp:m@0x00000003@2@ab@s1"

@@ -1826,3 +1826,109 @@ def test_a_read_interrupted_while_waiting_gives_its_staging_buffer_back_only_whe
     assert io.bufs.held == 0  # still the read's
     fut.set_result(None)
     assert io.bufs.held == 1 and io.bufs.take(4096) is buf
+
+
+# ------------------------------------------------ found by mutation testing (thirty-second session)
+def test_key_string_format_is_stable():
+    """Entries are stored under this string: a change makes every stored entry unreadable."""
+    assert key_string(CacheEngineKey(MODEL, 1, 0, 0x1234, torch.bfloat16)) == \
+        'lmcache/2:["test/llama-tiny",1,0,4660,"torch.bfloat16",null,null]'
+
+
+def test_a_non_scalar_tag_value_is_kept_apart_from_its_repr_string():
+    a = CacheEngineKey(MODEL, 1, 0, 1, torch.bfloat16, request_configs={"lmcache.tag.u": (1, 2)})
+    b = CacheEngineKey(MODEL, 1, 0, 1, torch.bfloat16, request_configs={"lmcache.tag.u": "(1, 2)"})
+    assert a != b and key_string(a) != key_string(b)
+
+
+def test_batched_contains_counts_leading_keys_only(mgr):
+    mgr.put([_key(0), _key(2)], [mgr.chunk(0)[0], mgr.chunk(2)[0]])
+    assert mgr.plugin.batched_contains([_key(0), _key(1), _key(2)]) == 1
+
+
+def test_a_read_error_counts_a_miss_not_a_hit(mgr, monkeypatch):
+    from concurrent.futures import Future
+    mgr.put([_key(1)], [mgr.chunk(1)[0]])
+
+    def failing(*a, **k):
+        f = Future()
+        f.set_exception(OSError(5, "EIO"))
+        return f
+
+    monkeypatch.setattr(mgr.plugin.store, "get", failing)
+    before = dict(mgr.plugin.counters)
+    assert mgr.plugin.get_blocking(_key(1)) is None
+    assert mgr.plugin.counters["hits"] == before["hits"]
+    assert mgr.plugin.counters["misses"] == before["misses"] + 1
+
+
+def _puts_behind_a_slow_disk(m, n):
+    eng = m.plugin.store.engine
+    orig, release = eng.write_file, threading.Event()
+    eng.write_file = lambda *a, **k: (release.wait(10), orig(*a, **k))[1]
+    objs = [m.chunk(i)[0] for i in range(n)]
+    futs = m.plugin.batched_submit_put_task([_key(i) for i in range(n)], objs)
+    for o in objs:
+        o.ref_count_down()
+    release.set()
+    m.plugin.flush(timeout=30)
+    eng.write_file = orig
+    return futs
+
+
+def test_a_chunk_that_reaches_max_pending_bytes_exactly_is_taken(tmp_path):
+    m = Manager(tmp_path / "kv", fsync=False, max_pending_bytes=8192)  # two chunks of 4096 B
+    try:
+        futs = _puts_behind_a_slow_disk(m, 4)
+        assert len(futs) == 2 and m.plugin.counters["put_dropped_busy"] == 2
+    finally:
+        m.close()
+
+
+def test_a_bound_smaller_than_a_chunk_still_stores_one(tmp_path):
+    m = Manager(tmp_path / "kv", fsync=False, max_pending_bytes=1000)
+    try:
+        futs = _puts_behind_a_slow_disk(m, 3)
+        assert len(futs) == 1 and m.plugin.contains(_key(0))
+    finally:
+        m.close()
+
+
+def test_run_windowed_keeps_at_most_window_started():
+    """The documented read concurrency (4 x io_threads in flight) is run_windowed's window."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+    from kvkernels.integrations.lmcache.chunk_io import run_windowed
+    live, peak = set(), [0]
+
+    def start(i):
+        f = Future()
+        f.set_result(None)
+        live.add(i)
+        peak[0] = max(peak[0], len(live))
+        return SimpleNamespace(future=f)
+
+    run_windowed(10, start, lambda j, st: live.discard(j), 3)
+    assert peak[0] == 3 and not live
+
+
+@pytest.mark.parametrize("k", ["io_threads", "capacity_bytes", "put_threads", "max_pending_bytes", "num_kv_heads"])
+def test_zero_is_refused_for_int_keys(k):
+    with pytest.raises(PluginConfigError, match=k):
+        parse_extra_config({"kvkernels.paths": "/tmp/x", f"kvkernels.{k}": 0})
+
+
+@pytest.mark.parametrize("v,want", [("0", False), ("1", True), ("off", False), ("yes", True), (0, False)])
+def test_bool_strings(v, want):
+    assert parse_extra_config({"kvkernels.paths": "/tmp/x", "kvkernels.verify": v}).verify is want
+
+
+@pytest.mark.parametrize("kv", [dict(quant="fp8"), dict(inplace_io=False)])
+def test_a_converted_chunk_is_released_after_its_put(tmp_path, kv):
+    m = Manager(tmp_path / "kv", fsync=False, **kv)
+    try:
+        obj = m.chunk(1)[0]
+        m.put([_key(1)], [obj])
+        assert obj.get_ref_count() == 0 and m.plugin.contains(_key(1))
+    finally:
+        m.close()
