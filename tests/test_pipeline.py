@@ -3039,3 +3039,93 @@ def test_failed_restores_not_taken_stay_bounded(monkeypatch):
         assert pipe.take_failed_loads() == {f"missing-{s}" for s in range(35, 40)}  # the latest
         assert pipe.get_block_ids_with_load_errors() == {(s + i) % NB for s in range(40) for i in range(3)}
         assert pipe.take_failed_loads() == set() and pipe.get_block_ids_with_load_errors() == set()
+
+
+# ------------------------------------------------ found by mutation testing (thirty-second session)
+def test_start_load_issues_the_first_prefetch_depth_layers():
+    """docs/pipeline.md: start_load issues the first prefetch_depth layers (on CPU they run at once)."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20, prefetch_depth=2) as pipe:
+        expect = snapshot(lay, [1, 2])
+        run_step_saves(pipe, {"a": ids([1, 2])})
+        drain(pipe)
+        before = snapshot(lay, [8, 9])
+        pipe.start_load({"a": ids([8, 9])})
+        got = snapshot(lay, [8, 9])
+        for layer in range(L):  # layers 0-1 restored, 2-3 untouched until waited for
+            want = expect[layer] if layer < 2 else before[layer]
+            assert all(bytes_equal(x, y) for x, y in zip(got[layer], want)), layer
+        for layer in range(L):
+            pipe.wait_for_layer_load(layer)
+        drain(pipe)
+        assert_blocks_hold(lay, [8, 9], expect)
+
+
+def test_eviction_takes_the_oldest_finished_entry_first():
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=3 * _one_entry_bytes(lay, 2)) as pipe:
+        for key, blocks in (("a", [0, 1]), ("b", [2, 3]), ("c", [4, 5]), ("d", [6, 7])):
+            run_step_saves(pipe, {key: ids(blocks)})
+            drain(pipe)
+        assert sorted(pipe.entries) == ["b", "c", "d"] and not pipe.failed_saves
+
+
+def test_close_reports_a_restore_missing_only_its_last_layer():
+    lay = cache()
+    pipe = LayerPipeline(lay, host_bytes=1 << 20, prefetch_depth=1)
+    run_step_saves(pipe, {"a": ids([1, 2])})
+    drain(pipe)
+    pipe.start_load({"a": [10, 11]})
+    for layer in range(L - 2):
+        pipe.wait_for_layer_load(layer)
+    assert pipe._next_load_layer == L - 1  # every layer issued but the last
+    pipe.close()
+    assert pipe.take_failed_loads() == {"a"} and pipe.get_block_ids_with_load_errors() == {10, 11}
+
+
+def test_a_restore_of_a_key_still_being_saved_is_a_load_error_and_writes_nothing():
+    """Only some layers of "a" are saved: its restore must not write the pool's stale bytes."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20) as pipe:
+        pipe.save_layer(0, {"a": ids([1, 2])})
+        before = snapshot(lay, [8, 9])
+        pipe.take_failed_loads()
+        run_step_loads(pipe, {"a": ids([8, 9])})
+        assert pipe.get_block_ids_with_load_errors() == {8, 9} and pipe.take_failed_loads() == {"a"}
+        assert_blocks_hold(lay, [8, 9], before)
+
+
+def test_a_key_that_fails_again_counts_as_one_of_the_latest_failures(monkeypatch):
+    from kvkernels import pipeline as pl
+
+    monkeypatch.setattr(pl, "FAILED_SAVES_KEPT", 2)
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=_one_entry_bytes(lay, 2)) as pipe:
+        for key in ("a", "b", "a", "c"):  # 8 blocks never fit a 2-block pool
+            run_step_saves(pipe, {key: ids(list(range(8)))})
+        assert pipe.failed_saves == {"a", "c"}
+
+
+@pytest.mark.parametrize("n", [1, 4, 8, 9, 12, 16, 17, 40])
+def test_ssd_reads_are_at_most_8_groups_of_layers_in_order(n):
+    from kvkernels.pipeline import _layer_groups
+
+    g = _layer_groups(n)
+    assert 1 <= len(g) <= 8 and sum(g, []) == list(range(n))
+
+
+def test_get_finished_orders_the_compute_after_a_restores_unwaited_last_layer(monkeypatch):
+    """A caller that waited for every layer but the last: get_finished must still make the compute
+    wait for the last layer (on a GPU, else the next step reads blocks still being written)."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=1 << 20, prefetch_depth=1) as pipe:
+        run_step_saves(pipe, {"a": ids([1, 2])})
+        drain(pipe)
+        pipe.start_load({"a": ids([8, 9])})
+        for layer in range(L - 1):
+            pipe.wait_for_layer_load(layer)
+        waits = []
+        real = pipe._wait
+        monkeypatch.setattr(pipe, "_wait", lambda stream, ev: (waits.append(ev is pipe._finished_off), real(stream, ev))[1])
+        pipe.get_finished()
+        assert waits.count(True) >= 1 and pipe._last_waited == L - 1
