@@ -3129,3 +3129,47 @@ def test_get_finished_orders_the_compute_after_a_restores_unwaited_last_layer(mo
         monkeypatch.setattr(pipe, "_wait", lambda stream, ev: (waits.append(ev is pipe._finished_off), real(stream, ev))[1])
         pipe.get_finished()
         assert waits.count(True) >= 1 and pipe._last_waited == L - 1
+
+
+class _ReadFailsWriteWorks(_FailingStore):
+    def put(self, key, staging, meta):
+        f: Future = Future()
+        f.set_result(None)
+        return f
+
+
+def test_a_failed_prefetch_is_evicted_like_any_finished_entry():
+    """A failed prefetch holds a pool region; it is a finished entry, so a save that needs the room
+    evicts it (else it held the region until that key was prefetched again)."""
+    lay = cache()
+    with LayerPipeline(lay, host_bytes=_one_entry_bytes(lay, 2), store=_ReadFailsWriteWorks()) as pipe:
+        assert pipe.prefetch("k", num_blocks=2).result(timeout=10).state == "failed"
+        run_step_saves(pipe, {"a": ids([1, 2])})
+        drain(pipe)
+        assert "a" in pipe.entries and "a" not in pipe.failed_saves and "k" not in pipe.entries
+
+
+def test_an_allocation_frees_parked_regions_whose_ssd_put_ended_before_evicting(monkeypatch):
+    """docs/pipeline.md: a region parked for a running SSD put is freed by a later get_finished()
+    or allocation; without the allocation's reap, a save evicted a finished entry instead."""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "kvkernels.io",
+                        types.SimpleNamespace(EntryMeta=types.SimpleNamespace(for_layout=lambda lay, n: {"n": n})))
+    lay = cache()
+    store = _SlowPutStore()
+    with LayerPipeline(lay, host_bytes=2 * _one_entry_bytes(lay, 2), store=store) as pipe:
+        run_step_saves(pipe, {"a": ids([1, 2])})
+        t0 = time.time()
+        while pipe.entries["a"].ssd_future is None and time.time() - t0 < 5:
+            time.sleep(0.005)
+        first = pipe.entries["a"].ssd_future
+        run_step_saves(pipe, {"a": ids([3, 4])})  # the first region parked while its put reads it
+        assert len(pipe._orphans) == 1
+        t0 = time.time()
+        while time.time() - t0 < 10 and not (first.done() and pipe.entries["a"].ssd_future is not None
+                                             and pipe.entries["a"].ssd_future.done()):
+            time.sleep(0.01)
+        run_step_saves(pipe, {"b": ids([5, 6])})  # no get_finished() since: the allocation reaps
+        assert "b" in pipe.entries and "a" in pipe.entries and not pipe.failed_saves
