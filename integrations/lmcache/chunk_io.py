@@ -360,6 +360,11 @@ class ChunkIO:
                     self.bufs.give(buf, pending.pinned)
                 else:  # interrupted while waiting (KeyboardInterrupt): the read still writes into
                     # it; pooled now, the next read would have been handed it (and its bytes)
-                    pending.future.add_done_callback(lambda _f, b=buf, p=pending.pinned: self.bufs.give(b, p))
+                    held, pinned = buf, pending.pinned
+
+                    def give_back(_done: Future) -> None:
+                        self.bufs.give(held, pinned)
+
+                    pending.future.add_done_callback(give_back)
             if extra is not None:
                 self.bufs.give(extra, pending.pinned)
