@@ -194,9 +194,9 @@ def bench_case(model: str, layout_key: str, *, pool: int, blocks: int, device: t
 
     backends = [backend]
     if backend == "torch":  # a CPU run without the interpreter: the torch backend's rows stand in
-        _skip(f"{case} kvk-*[triton]", "no GPU, and TRITON_INTERPRET is off (set it to run the Triton kernels on CPU)")
+        _skip(f"{case} kvk-*[triton]", common.NO_TRITON_ON_CPU)
     if not cuda:
-        _skip(f"{case} kvk-*[cuda]", "no GPU (the CUDA C++ backend runs on CUDA devices only)")
+        _skip(f"{case} kvk-*[cuda]", common.NO_CUDA_BACKEND_ON_CPU)
     else:
         from kvkernels import _cuda
 

@@ -101,11 +101,10 @@ def _left_out() -> list[str]:
     dev = _device()
     out = []
     if not kvkernels.backends.triton_available(dev):
-        why = kvkernels.backends.triton_unavailable_reason(dev) if dev.type == "cuda" else \
-            "no GPU, and TRITON_INTERPRET is off (set it to run the Triton kernels on CPU)"
+        why = kvkernels.backends.triton_unavailable_reason(dev) if dev.type == "cuda" else common.NO_TRITON_ON_CPU
         out.append(f"*[triton]: {why}")
     if dev.type != "cuda":
-        out.append("*[cuda]: no GPU (the CUDA C++ backend runs on CUDA devices only)")
+        out.append(f"*[cuda]: {common.NO_CUDA_BACKEND_ON_CPU}")
     elif not kvkernels.backends.cuda_ext_available():
         from kvkernels import _cuda
 
@@ -444,8 +443,9 @@ def run(*, out_dir: str = "bench_results", tiny: bool = False, blocks: int = 204
     rows = [r for r in rows if r["verified"]]
     if failed or dropped:
         meta["failed_variants"] = failed or [f"{r['model']}/{r['layout']} {r['method']}: not verified" for r in dropped]
-    if _left_out():
-        meta["skipped_variants"] = _left_out()
+    left_out = _left_out()
+    if left_out:
+        meta["skipped_variants"] = left_out
     cmp_rc, cmp_msg = 0, None
     if compare_to:
         cmp_rc, cmp_msg = compare(rows, meta, compare_to, fail_slower, subset=bool(select) or selects(pytest_args))

@@ -27,6 +27,11 @@ from kvkernels import config
 _T0 = time.perf_counter()
 
 
+# why a CPU run leaves variants out (the benches' skipped_variants say it in the same words)
+NO_TRITON_ON_CPU = "no GPU, and TRITON_INTERPRET is off (set it to run the Triton kernels on CPU)"
+NO_CUDA_BACKEND_ON_CPU = "no GPU (the CUDA C++ backend runs on CUDA devices only)"
+
+
 def distinct(values):
     """``values`` in their order, each once (None stays None): a list flag given a value twice
     (``--layouts nhd nhd``) measured it twice and wrote rows with the same key and other numbers."""

@@ -72,7 +72,7 @@ def check_sizes(models, pool: int, blocks: int) -> list:
     """``models`` each once, after checking every argument before anything is measured (an unknown
     model failed after the ones before it had run; more blocks than the pool launched a format for
     ``blocks`` blocks with ``pool`` ids)."""
-    models = list(dict.fromkeys(models))
+    models = common.distinct(models)
     for m in models:
         get_model(m)  # ValueError naming the registry
     if not (isinstance(pool, int) and isinstance(blocks, int) and 1 <= blocks <= pool):
